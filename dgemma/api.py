@@ -1,0 +1,254 @@
+"""The Python API: `dgemma.load(path)` returns a `Model` that generates, streams and scores canvases."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from . import generate as gen_loop
+from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
+from .events import Block, Draft, GenerationOutput
+from .model import DiffusionGemma
+from .tokenizer import Tokenizer
+from .weights import load_weights
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+SAMPLING_MODES = ("default", "reference")
+
+
+def default_model_dir() -> Path:
+    """Directory of the small model shipped inside the package (dgemma-tiny)."""
+    return Path(__file__).resolve().parent / "assets" / "dgemma-tiny"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested, but CUDA is not available on this machine")
+    return dev
+
+
+@dataclass
+class SamplingRequest:
+    """Validated per-call generation settings."""
+
+    config: GenerationConfig
+    sampling: str
+    seeds: list[int]
+
+
+class Model:
+    """A loaded DiffusionGemma checkpoint: network, configs and tokenizer."""
+
+    def __init__(
+        self,
+        net: DiffusionGemma,
+        generation_config: GenerationConfig,
+        tokenizer: Tokenizer | None = None,
+        path: Path | None = None,
+    ):
+        self.net = net
+        self.config: ModelConfig = net.config
+        self.generation_config = generation_config
+        self.tokenizer = tokenizer
+        self.path = path
+
+    @property
+    def device(self) -> torch.device:
+        return self.net.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.net.dtype
+
+    # ---------------------------------------------------------------- inputs
+    def _prompt_ids(self, prompts: Sequence) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            raise TypeError("prompts must be a list of prompts (token-id lists or strings), e.g. [ids]")
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("string prompts need a tokenizer; this checkpoint has no tokenizer.json")
+                p = self.tokenizer.encode(p)
+            elif isinstance(p, torch.Tensor):
+                p = p.tolist()
+            out.append(list(p))
+        return out
+
+    def sampling_request(
+        self,
+        num_prompts: int,
+        seed: int | Sequence[int] | None = None,
+        sampling: str = "default",
+        **overrides,
+    ) -> SamplingRequest:
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {sampling!r}")
+        config = self.generation_config.with_overrides(**overrides)
+        if seed is None:
+            seeds = [random.SystemRandom().randrange(2**63) for _ in range(num_prompts)]
+        elif isinstance(seed, int) and not isinstance(seed, bool):
+            seeds = [seed] * num_prompts
+        elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
+            if len(seed) != num_prompts:
+                raise ValueError(f"got {len(seed)} seeds for {num_prompts} prompts")
+            if sampling == "reference":
+                raise ValueError("sampling='reference' draws from torch's global RNG: pass one int seed, not a list")
+            seeds = list(seed)
+        else:
+            raise ValueError(f"seed must be an int or a list of ints, got {seed!r}")
+        if any(not 0 <= s < 2**64 for s in seeds):
+            raise ValueError("seeds must be in [0, 2**64)")
+        return SamplingRequest(config, sampling, seeds)
+
+    def _events(
+        self, prompt_ids: list[list[int]], request: SamplingRequest, drafts: bool, user_seed: bool
+    ) -> Iterator[Draft | Block]:
+        if request.sampling == "reference":
+            if user_seed:
+                torch.manual_seed(request.seeds[0])
+            return gen_loop.reference_events(self.net, prompt_ids, request.config, drafts=drafts)
+        return gen_loop.default_events(self.net, prompt_ids, request.config, request.seeds, drafts=drafts)
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: Sequence,
+        max_new_tokens: int | None = None,
+        max_denoising_steps: int | None = None,
+        entropy_bound: float | None = None,
+        t_min: float | None = None,
+        t_max: float | None = None,
+        stability_threshold: int | None = None,
+        confidence_threshold: float | None = None,
+        seed: int | Sequence[int] | None = None,
+        sampling: str = "default",
+        eos_token_ids: Sequence[int] | None = None,
+        mode: str = "diffusion",
+        temperature: float = 0.0,
+    ) -> GenerationOutput:
+        """Generate for a batch of prompts (token-id lists of any lengths, or strings).
+
+        Unset knobs come from the checkpoint's generation_config.json. `sampling="reference"`
+        reproduces transformers' generate token for token after the same torch.manual_seed.
+        `mode="ar"` decodes autoregressively with the encoder (greedy at temperature 0).
+        """
+        prompt_ids = self._prompt_ids(prompts)
+        if mode == "ar":
+            from .ar import ar_events
+
+            gen_loop._validate_prompts(prompt_ids, self.config.vocab_size)
+            request = self.sampling_request(
+                len(prompt_ids), seed=seed, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
+            )
+            cfg = request.config
+            events = ar_events(self.net, prompt_ids, cfg.max_new_tokens, temperature, request.seeds, cfg.eos_token_ids)
+            return gen_loop.collect(events)
+        if mode != "diffusion":
+            raise ValueError(f"mode must be 'diffusion' or 'ar', got {mode!r}")
+        request = self.sampling_request(
+            len(prompt_ids),
+            seed=seed,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            max_denoising_steps=max_denoising_steps,
+            entropy_bound=entropy_bound,
+            t_min=t_min,
+            t_max=t_max,
+            stability_threshold=stability_threshold,
+            confidence_threshold=confidence_threshold,
+            eos_token_ids=eos_token_ids,
+        )
+        return gen_loop.collect(self._events(prompt_ids, request, drafts=False, user_seed=seed is not None))
+
+    def stream(self, prompt, drafts: bool = False, seed: int | None = None, sampling: str = "default", **knobs):
+        """Yield `Block` events as each canvas commits (and `Draft` events per step if `drafts`)."""
+        prompt_ids = self._prompt_ids([prompt])
+        request = self.sampling_request(1, seed=seed, sampling=sampling, **knobs)
+        return self._events(prompt_ids, request, drafts=drafts, user_seed=seed is not None)
+
+    @torch.no_grad()
+    def canvas_logits(
+        self,
+        prompt_ids: Sequence,
+        canvas_ids: Sequence | torch.Tensor,
+        self_conditioning_logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decoder pass: float32 logits [B, canvas_len, vocab] for canvases after encoding the prompts.
+
+        Each prompt keeps its own positions (as if run alone); the canvas follows it.
+        """
+        from .kv_cache import KVCache
+
+        prompts = self._prompt_ids(prompt_ids)
+        gen_loop._validate_prompts(prompts, self.config.vocab_size)
+        canvas = torch.as_tensor(canvas_ids, dtype=torch.long, device=self.device)
+        if canvas.dim() != 2 or canvas.shape[0] != len(prompts) or canvas.shape[1] == 0:
+            raise ValueError(f"canvas_ids must be [num_prompts={len(prompts)}, canvas_len], got {tuple(canvas.shape)}")
+        if canvas.min() < 0 or canvas.max() >= self.config.vocab_size:
+            raise ValueError("canvas_ids hold ids outside the vocabulary")
+        lengths = [len(p) for p in prompts]
+        cache = KVCache(self.config, len(prompts), max(lengths) + canvas.shape[1], self.device, self.dtype)
+        ids = torch.full((len(prompts), max(lengths)), self.config.pad_token_id, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = torch.tensor(p)
+        encode_pass = cache.plan_encoder(max(lengths), new_counts=lengths)
+        self.net.encode(ids.to(self.device), cache, encode_pass)
+        cache.commit(encode_pass)
+        soft = None
+        if self_conditioning_logits is not None:
+            sc = torch.as_tensor(self_conditioning_logits, device=self.device)
+            if sc.shape != (*canvas.shape, self.config.vocab_size):
+                raise ValueError(f"self_conditioning_logits must be {(*canvas.shape, self.config.vocab_size)}")
+            soft = self.net.soft_embed_from_logits(sc)
+        hidden = self.net.decode(canvas, cache, cache.plan_decoder(canvas.shape[1]), soft)
+        return self.net.logits(hidden)
+
+
+def load(
+    path: str | Path | None = None, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+) -> Model:
+    """Load a checkpoint directory (config.json, safetensors, tokenizer). No path: the shipped dgemma-tiny."""
+    if path is None:
+        path = default_model_dir()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"the shipped model is missing from {path}; pass a checkpoint directory")
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    config = load_model_config(path)
+    generation_config = load_generation_config(path, config)
+    net = load_weights(config, path, resolve_device(device), resolve_dtype(dtype))
+    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    return Model(net, generation_config, tokenizer, path)

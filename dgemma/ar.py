@@ -1,0 +1,88 @@
+"""Autoregressive decoding with the same weights.
+
+The encoder pass is a causal LM trained with an autoregressive loss: its final hidden state
+through the tied head (softcapped) gives next-token logits. Greedy (temperature 0) or sampled
+decoding with it is the honest baseline for diffusion's tokens per forward.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from .events import Block, GenerationOutput
+from .kv_cache import KVCache
+from .model import DiffusionGemma
+from .sampler import sample_from_weights
+
+
+@torch.no_grad()
+def ar_events(
+    net: DiffusionGemma,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seeds: list[int],
+    eos_token_ids: tuple[int, ...],
+) -> Iterator[Block]:
+    """One `Block` event of one token per row per step; returns a GenerationOutput."""
+    if max_new_tokens <= 0:
+        raise ValueError("max_new_tokens must be positive")
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    device, batch = net.device, len(prompts)
+    lengths = [len(p) for p in prompts]
+    cache = KVCache(net.config, batch, max(lengths) + max_new_tokens, device, net.dtype)
+    generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+    ids = torch.full((batch, max(lengths)), net.config.pad_token_id, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = torch.tensor(p)
+    plan = cache.plan_encoder(max(lengths), new_counts=lengths)
+    hidden = net.encode(ids.to(device), cache, plan)
+    cache.commit(plan)
+    last = hidden[torch.arange(batch, device=device), torch.tensor(lengths, device=device) - 1]
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(batch))
+    eos = set(eos_token_ids)
+    for step in range(max_new_tokens):
+        logits = net.logits(last)  # [live, vocab]
+        if temperature == 0:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            z = logits / temperature
+            weights = torch.exp(z - z.max(dim=-1, keepdim=True).values)
+            u = torch.stack([torch.rand((), generator=generators[r]) for r in live]).to(device)
+            next_ids = sample_from_weights(weights, u)
+        still = []
+        for j, r in enumerate(live):
+            t = int(next_ids[j])
+            outputs[r].append(t)
+            done = t in eos or step == max_new_tokens - 1
+            yield Block(r, step, [t], done, 1)
+            if not done:
+                still.append(j)
+        if not still:
+            break
+        live = [live[j] for j in still]
+        feed = next_ids[torch.tensor(still, device=device)][:, None]
+        rows = None if len(live) == batch else torch.tensor(live, device=device)
+        plan = cache.plan_encoder(1, rows=rows)
+        last = net.encode(feed, cache, plan)[:, -1]
+        cache.commit(plan)
+    passes = [len(o) for o in outputs]
+    return GenerationOutput(sequences=outputs, tokens_per_forward=[1.0] * batch, decoder_passes=passes)
+
+
+def ar_stream(model, prompt_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None):
+    """AR events for one prompt, with the checkpoint's max_new_tokens and EOS list by default."""
+    gen = model.generation_config
+    return ar_events(
+        model.net,
+        [list(prompt_ids)],
+        max_new_tokens or gen.max_new_tokens,
+        temperature,
+        [seed if seed is not None else 0],
+        gen.eos_token_ids,
+    )

@@ -1,0 +1,150 @@
+"""Command line: `dgemma run | serve | bench | train | finetune | make-tiny`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+SAMPLER_FLAGS = (
+    ("--max-new-tokens", "max_new_tokens", int, "tokens to generate at most"),
+    ("--steps", "max_denoising_steps", int, "denoising steps per canvas at most"),
+    ("--entropy-bound", "entropy_bound", float, "entropy budget for accepting tokens per step"),
+    ("--t-min", "t_min", float, "temperature at the last step"),
+    ("--t-max", "t_max", float, "temperature at the first step"),
+    ("--stability-threshold", "stability_threshold", int, "steps the argmax must hold before stopping"),
+    ("--confidence-threshold", "confidence_threshold", float, "mean entropy below which a canvas may stop"),
+)
+
+
+class CliError(Exception):
+    pass
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="checkpoint directory (default: the shipped dgemma-tiny)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _add_sampler_flags(p: argparse.ArgumentParser) -> None:
+    for flag, dest, kind, text in SAMPLER_FLAGS:
+        p.add_argument(flag, dest=dest, type=kind, default=None, help=f"{text} (default: generation_config.json)")
+
+
+def _sampler_knobs(args) -> dict:
+    return {dest: getattr(args, dest) for _, dest, _, _ in SAMPLER_FLAGS}
+
+
+def _load(args):
+    import dgemma
+
+    if args.model is None and not (dgemma.default_model_dir() / "config.json").exists():
+        raise CliError("no --model given and the shipped model is missing; create one with `dgemma make-tiny DIR`")
+    return dgemma.load(args.model, device=args.device, dtype=args.dtype)
+
+
+def cmd_run(args) -> int:
+    from .events import Block, Draft
+
+    model = _load(args)
+    tok = model.tokenizer
+    if tok is None:
+        raise CliError(f"{model.path} has no tokenizer.json: `dgemma run` needs one")
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        ids = tok.encode(args.prompt)
+    if args.mode == "ar":
+        from .ar import ar_stream
+
+        events = ar_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    else:
+        events = model.stream(ids, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, **_sampler_knobs(args))
+    tokens: list[int] = []
+    printed = ""
+    if args.show_canvas:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        console = Console()
+        with Live(Text(""), console=console, refresh_per_second=20, transient=False) as live:
+            for ev in events:
+                if isinstance(ev, Block):
+                    tokens += ev.tokens
+                    live.update(Text(tok.decode(tokens)))
+                elif isinstance(ev, Draft):
+                    view = Text(tok.decode(tokens))
+                    view.append(tok.decode(ev.canvas, skip_special_tokens=False), style="dim cyan")
+                    view.append(f"\n[block {ev.block + 1}, step {ev.step}]", style="dim")
+                    live.update(view)
+        return 0
+    for ev in events:
+        if isinstance(ev, Block):
+            tokens += ev.tokens
+            text = tok.decode(tokens)
+            sys.stdout.write(text[len(printed) :] if text.startswith(printed) else "\n" + text)
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from .checkpoint import make_tiny_random
+
+    path = make_tiny_random(args.out, seed=args.seed)
+    print(f"wrote a tiny random DiffusionGemma checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma.")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log loading details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate a completion, printed as each block commits")
+    run.add_argument("prompt")
+    _add_model_flags(run)
+    _add_sampler_flags(run)
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    run.add_argument("--system", help="system prompt (with --chat)")
+    run.add_argument("--show-canvas", action="store_true", help="redraw the canvas live while it denoises")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--sampling", choices=["default", "reference"], default="default")
+    run.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion", help="ar: autoregressive decoding")
+    run.add_argument("--temperature", type=float, default=0.0, help="AR mode temperature (0 = greedy)")
+    run.set_defaults(func=cmd_run)
+
+    tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (for trying the tools)")
+    tiny.add_argument("out", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_make_tiny)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from .config import ConfigError
+    from .weights import WeightsError
+
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        return 130
+    except (CliError, ConfigError, WeightsError, FileNotFoundError, ValueError, TypeError) as e:
+        sys.stderr.write(f"dgemma: error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

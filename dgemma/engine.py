@@ -1,0 +1,255 @@
+"""The engine: requests, cache slots, and one step of batched block diffusion.
+
+Each `Request` owns its state (canvas, self-conditioning input, stopping history, generator) and
+a row ("slot") of a shared KV cache. `Engine.step()` does, for everything it holds:
+
+1. admit waiting requests into free slots and prefill their prompts (encoder pass);
+2. one decoder pass over every denoising canvas, each at its own step and temperature;
+3. per request: entropy-bound acceptance, renoising, adaptive stopping;
+4. for canvases that converged: commit the argmax block, emit it, and either finish the request
+   or encode the block into the cache and start the next canvas.
+
+Requests join and leave at step boundaries, so the same engine serves `Model.generate` (all
+prompts added up front) and the HTTP server (continuous batching).
+
+Batch invariance: with `row_serial=True` (default on CPU) each request's passes run as a batch of
+one, so its tokens are bit-identical to running it alone, whatever else is in the batch. Batched
+passes (default on GPU) are faster but float rounding then depends on the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from . import sampler
+from .config import GenerationConfig
+from .events import Block, Draft, Finished, cut_block
+from .kv_cache import KVCache
+from .model import DiffusionGemma
+
+
+def room_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:
+    """Cache positions a request needs: its prompt plus every block it may commit."""
+    return prompt_len + math.ceil(max_new_tokens / canvas_length) * canvas_length
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue is at its limit."""
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    config: GenerationConfig
+    seed: int
+    drafts: bool = False
+    request_id: int = -1
+    # state
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    counted: int = 0
+    passes: int = 0
+    block: int = 0
+    step: int = 0  # denoising steps done on the current canvas
+    block_passes: int = 0
+    canvas: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    soft: torch.Tensor | None = None
+    history: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+    cancelled: bool = False
+    done: bool = False
+
+    def tokens_per_forward(self) -> float:
+        return self.counted / self.passes if self.passes else 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        net: DiffusionGemma,
+        max_batch: int = 8,
+        capacity: int = 4096,
+        row_serial: bool | None = None,
+        max_waiting: int | None = None,
+    ):
+        self.net = net
+        self.config = net.config
+        self.max_batch = max_batch
+        self.capacity = capacity
+        self.row_serial = net.device.type == "cpu" if row_serial is None else row_serial
+        self.max_waiting = max_waiting
+        self.cache = KVCache(self.config, max_batch, capacity, net.device, net.dtype)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_batch))
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- admission
+    def add(self, request: Request) -> int:
+        need = room_needed(len(request.prompt), request.config.max_new_tokens, self.config.canvas_length)
+        if need > self.capacity:
+            raise ValueError(
+                f"prompt of {len(request.prompt)} tokens plus max_new_tokens={request.config.max_new_tokens} "
+                f"needs {need} cache positions; this engine holds {self.capacity} per request"
+            )
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise EngineFull(f"queue full ({self.max_waiting} waiting)")
+        request.request_id = next(self._ids)
+        request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
+        self.waiting.append(request)
+        return request.request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Mark a request cancelled; it leaves at the next step boundary."""
+        for r in itertools.chain(self.waiting, self.running):
+            if r.request_id == request_id:
+                r.cancelled = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- passes
+    def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
+        if self.row_serial:
+            return ([r] for r in requests)
+        return [requests] if requests else []
+
+    def _rows(self, group: list[Request]) -> torch.Tensor | None:
+        slots = [r.slot for r in group]
+        if slots == list(range(self.max_batch)):
+            return None
+        return torch.tensor(slots, device=self.net.device)
+
+    def _encode(self, group: list[Request], token_lists: list[list[int]]) -> None:
+        lengths = [len(t) for t in token_lists]
+        ids = torch.full((len(group), max(lengths)), self.config.pad_token_id, dtype=torch.long)
+        for i, t in enumerate(token_lists):
+            ids[i, : len(t)] = torch.tensor(t)
+        plan = self.cache.plan_encoder(max(lengths), rows=self._rows(group), new_counts=lengths)
+        self.net.encode(ids.to(self.net.device), self.cache, plan)
+        self.cache.commit(plan)
+
+    def _start_canvas(self, req: Request) -> None:
+        c = self.config.canvas_length
+        req.canvas = torch.randint(0, self.config.vocab_size, (c,), generator=req.generator).to(self.net.device)
+        req.argmax = req.canvas.clone()
+        req.soft = None
+        req.history = None
+        req.step = 0
+        req.block_passes = 0
+
+    def _denoise(self, group: list[Request]) -> list[tuple]:
+        """One decoder pass for a group; returns per request (argmax, entropy, weights, total, soft)."""
+        c, vocab = self.config.canvas_length, self.config.vocab_size
+        canvas = torch.stack([r.canvas for r in group])
+        if all(r.soft is None for r in group):
+            soft = None
+        else:  # a zero input is exactly "no self-conditioning" (the MLP maps 0 to 0)
+            zeros = torch.zeros(c, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
+            soft = torch.stack([zeros if r.soft is None else r.soft for r in group])
+        plan = self.cache.plan_decoder(c, rows=self._rows(group))
+        logits = self.net.logits(self.net.decode(canvas, self.cache, plan, soft))
+        temps = torch.stack(
+            [
+                sampler.temperature(
+                    r.config.max_denoising_steps - r.step, r.config.max_denoising_steps, r.config.t_min, r.config.t_max
+                )
+                for r in group
+            ]
+        ).to(logits.device)
+        stats = sampler.step_statistics(logits.view(-1, vocab), temps.repeat_interleave(c)[:, None])
+        del logits
+        n = len(group)
+        weights = stats.weights.view(n, c, vocab)
+        total = stats.total.view(n, c)
+        soft_next = self.net.soft_embed(weights, total)
+        argmax, entropy = stats.argmax.view(n, c), stats.entropy.view(n, c)
+        return [(argmax[i], entropy[i], weights[i], total[i], soft_next[i]) for i in range(n)]
+
+    def _update(self, req: Request, argmax, entropy, weights, total, soft) -> bool:
+        """Sampler decisions for one request after a pass; returns True when its canvas converged."""
+        cfg, c, vocab = req.config, self.config.canvas_length, self.config.vocab_size
+        accepted = sampler.entropy_bound_accept(entropy[None], cfg.entropy_bound)[0]
+        uniforms = torch.rand(c, generator=req.generator).to(self.net.device)
+        noise = torch.randint(0, vocab, (c,), generator=req.generator).to(self.net.device)
+        picked = accepted.nonzero().squeeze(-1)
+        noise[picked] = sampler.sample_from_weights(weights[picked], uniforms[picked])
+        stop, req.history = sampler.stable_and_confident(
+            req.history, argmax[None], entropy[None], cfg.stability_threshold, cfg.confidence_threshold
+        )
+        req.canvas, req.argmax, req.soft = noise, argmax, soft
+        req.step += 1
+        req.block_passes += 1
+        return bool(stop[0]) or req.step >= cfg.max_denoising_steps
+
+    # ---------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self) -> list:
+        """Advance every request by one decoder pass; returns the events it produced."""
+        events: list = []
+        self._drop_cancelled(events)
+
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            req.slot = self.free_slots.pop(0)
+            self.cache.reset_row(req.slot)
+            admitted.append(req)
+        for group in self._groups(admitted):
+            self._encode(group, [r.prompt for r in group])
+        for req in admitted:
+            self._start_canvas(req)
+            self.running.append(req)
+        if not self.running:
+            return events
+
+        converged = []
+        for group in self._groups(self.running):
+            for req, out in zip(group, self._denoise(group)):
+                if self._update(req, *out):
+                    converged.append(req)
+                if req.drafts:
+                    events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist()))
+
+        to_encode = []
+        for req in converged:
+            block = req.argmax.tolist()
+            tokens, hit_eos, counted = cut_block(block, req.config.eos_token_ids, req.config.max_new_tokens - len(req.tokens))
+            req.tokens += tokens
+            req.counted += sum(1 for t in block[:counted] if t != req.config.pad_token_id)
+            req.passes += req.block_passes
+            full = len(req.tokens) >= req.config.max_new_tokens
+            req.done = hit_eos or full
+            events.append(Block(req.request_id, req.block, tokens, req.done, req.block_passes))
+            if req.done:
+                self._finish(req, "eos" if hit_eos else "length", events)
+            else:
+                to_encode.append(req)
+        for group in self._groups(to_encode):
+            self._encode(group, [r.argmax.tolist() for r in group])
+        for req in to_encode:
+            req.block += 1
+            self._start_canvas(req)
+        return events
+
+    def _finish(self, req: Request, reason: str, events: list) -> None:
+        self.running.remove(req)
+        self.free_slots.append(req.slot)
+        self.free_slots.sort()
+        events.append(Finished(req.request_id, reason, req.tokens, req.passes, req.tokens_per_forward()))
+
+    def _drop_cancelled(self, events: list) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            events.append(Finished(req.request_id, "cancelled", req.tokens, req.passes, req.tokens_per_forward()))
+        for req in [r for r in self.running if r.cancelled]:
+            req.passes += req.block_passes
+            self._finish(req, "cancelled", events)

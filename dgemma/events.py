@@ -1,0 +1,55 @@
+"""What generation emits: per-step drafts, committed blocks, finished requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Draft:
+    """The argmax canvas of one request after a denoising step."""
+
+    row: int  # prompt index (generate) or request id (engine)
+    block: int
+    step: int  # 1-based step within the block
+    canvas: list[int]
+
+
+@dataclass
+class Block:
+    """Tokens a request committed (cut at EOS and at max_new_tokens); `done` on its last block."""
+
+    row: int
+    block: int
+    tokens: list[int]
+    done: bool
+    decoder_passes: int  # passes spent on this block
+
+
+@dataclass
+class Finished:
+    """A request ended: `reason` is "eos", "length" or "cancelled"."""
+
+    row: int
+    reason: str
+    tokens: list[int]
+    decoder_passes: int
+    tokens_per_forward: float
+
+
+@dataclass
+class GenerationOutput:
+    sequences: list[list[int]]
+    tokens_per_forward: list[float]
+    decoder_passes: list[int]
+
+
+def cut_block(block: list[int], eos: tuple[int, ...], room: int) -> tuple[list[int], bool, int]:
+    """Tokens to emit from a committed block: up to and including the first EOS, at most `room`.
+
+    Returns (tokens, hit_eos, length up to and including the EOS, or the whole block).
+    """
+    eos_set = set(eos)
+    end = next((i + 1 for i, t in enumerate(block) if t in eos_set), None)
+    kept = block[: end if end is not None else len(block)]
+    return kept[:room], end is not None, len(kept)

@@ -1,0 +1,199 @@
+"""Block-autoregressive diffusion generation.
+
+Outer loop over blocks: a canvas of `canvas_length` random tokens is denoised by repeated decoder
+passes (inner loop), its argmax is committed, and the committed block is run through the encoder
+to extend the KV cache before the next canvas starts.
+
+Two loops share the model, the cache and the sampler maths:
+
+- `reference_events`: the `transformers` 5.23 `DiffusionGemmaForBlockDiffusion.generate` step for
+  step, drawing every random number from torch's global RNG in the same order, so that after the
+  same `torch.manual_seed` the tokens are identical. Ragged prompts are left-padded with an
+  attention mask, as one would call the reference.
+- `default_events`: each prompt has its own generator, rows leave the batch when their canvas has
+  converged, only accepted positions are sampled, and the self-conditioning input is computed in
+  the same pass as the entropy. A prompt's output does not depend on the rest of the batch.
+
+Both are generators of events (per-step drafts, committed blocks) so that streaming, the CLI and
+`generate` share them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from . import sampler
+from .config import GenerationConfig
+from .engine import Engine, Request, room_needed
+from .events import Block, Draft, Finished, GenerationOutput, cut_block
+from .kv_cache import KVCache
+from .model import DiffusionGemma
+
+
+@dataclass
+class _RowResult:
+    tokens: list[int] = field(default_factory=list)
+    passes: int = 0
+    tokens_per_forward: float = 0.0
+    counted: int = 0  # non-pad tokens generated (the reference's count), for tokens_per_forward
+    done: bool = False
+
+
+def _validate_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids")
+        for t in p:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {i} holds {t!r}, not a token id in [0, {vocab_size})")
+
+
+def _finish(results: list[_RowResult]) -> GenerationOutput:
+    return GenerationOutput(
+        sequences=[r.tokens for r in results],
+        tokens_per_forward=[r.tokens_per_forward for r in results],
+        decoder_passes=[r.passes for r in results],
+    )
+
+
+def collect(events: Iterator) -> GenerationOutput:
+    """Run an event stream to the end and return its output (the generator's return value)."""
+    while True:
+        try:
+            next(events)
+        except StopIteration as stop:
+            return stop.value
+
+
+@torch.no_grad()
+def reference_events(
+    model: DiffusionGemma, prompts: list[list[int]], gen: GenerationConfig, drafts: bool = False
+) -> Iterator[Draft | Block]:
+    """The reference sampler, random numbers from the global RNG in the reference's order."""
+    cfg = model.config
+    _validate_prompts(prompts, cfg.vocab_size)
+    device, batch, canvas_len, vocab = model.device, len(prompts), cfg.canvas_length, cfg.vocab_size
+    max_len = max(len(p) for p in prompts)
+    num_blocks = math.ceil(gen.max_new_tokens / canvas_len)
+    cache = KVCache(cfg, batch, max_len + num_blocks * canvas_len, device, model.dtype)
+
+    ids = torch.full((batch, max_len), gen.pad_token_id, dtype=torch.long)
+    valid = torch.zeros(batch, max_len, dtype=torch.bool)
+    for r, p in enumerate(prompts):  # left padding, as the reference is called with an attention mask
+        ids[r, max_len - len(p) :] = torch.tensor(p)
+        valid[r, max_len - len(p) :] = True
+    ids = ids.to(device)
+    if not valid.all():
+        cache.mark_padding(valid)
+
+    eos = torch.tensor(gen.eos_token_ids, dtype=torch.long, device=device) if gen.eos_token_ids else None
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    passes = torch.zeros(batch, dtype=torch.long, device=device)
+    results = [_RowResult() for _ in range(batch)]
+    block_input = ids
+    for block in range(num_blocks):
+        encode_pass = cache.plan_encoder(block_input.shape[1])
+        model.encode(block_input, cache, encode_pass)
+        cache.commit(encode_pass)
+
+        decode_pass = cache.plan_decoder(canvas_len)
+        canvas = torch.randint(0, vocab, (batch, canvas_len), device=device)
+        argmax_canvas = canvas
+        sc_logits = None
+        history = None
+        finished_denoising = torch.zeros(batch, dtype=torch.bool, device=device)
+        block_passes = torch.zeros(batch, dtype=torch.long, device=device)
+        for steps_remaining in reversed(range(1, gen.max_denoising_steps + 1)):
+            block_passes += ~(finished_denoising | finished)
+            soft = model.soft_embed_from_logits(sc_logits) if sc_logits is not None else None
+            logits = model.logits(model.decode(canvas, cache, decode_pass, soft))
+            processed = logits / sampler.temperature(steps_remaining, gen.max_denoising_steps, gen.t_min, gen.t_max)
+            probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+            denoised = torch.multinomial(probs.view(-1, vocab), num_samples=1).view(batch, canvas_len)
+            new_argmax = torch.argmax(processed, dim=-1)
+            entropy = sampler.reference_entropy(processed)
+            accepted = sampler.entropy_bound_accept(entropy, gen.entropy_bound)
+            accepted_canvas = torch.where(accepted, denoised, canvas)
+            noise = torch.randint(0, vocab, (batch, canvas_len), device=device)
+            new_canvas = torch.where(~accepted, noise, accepted_canvas)
+            if finished_denoising.any():  # converged rows keep their canvas and logits
+                new_argmax = torch.where(finished_denoising[:, None], argmax_canvas, new_argmax)
+                new_canvas = torch.where(finished_denoising[:, None], canvas, new_canvas)
+                processed = torch.where(finished_denoising[:, None, None], sc_logits, processed)
+                entropy = sampler.reference_entropy(processed)
+            stop, history = sampler.stable_and_confident(
+                history, new_argmax, entropy, gen.stability_threshold, gen.confidence_threshold
+            )
+            finished_denoising |= stop
+            sc_logits = processed.to(model.dtype)
+            canvas, argmax_canvas = new_canvas, new_argmax
+            if drafts:
+                step = gen.max_denoising_steps - steps_remaining + 1
+                for r in range(batch):
+                    if not results[r].done:
+                        yield Draft(r, block, step, argmax_canvas[r].tolist())
+            if bool(finished_denoising.all()):
+                break
+        passes += block_passes
+
+        # Commit: rows finished earlier get pad; rows hitting EOS now get pad after their first EOS.
+        committed = argmax_canvas.clone()
+        committed[finished] = gen.pad_token_id
+        hit = torch.isin(committed, eos).any(dim=-1) if eos is not None else torch.zeros_like(finished)
+        new_finished = hit & ~finished
+        if eos is not None and new_finished.any():
+            is_eos = torch.isin(committed, eos)
+            count = is_eos.cumsum(dim=-1)
+            after_eos = (count > 0) & ~((count == 1) & is_eos)
+            committed[after_eos & new_finished[:, None]] = gen.pad_token_id
+        out_of_room = (block + 1) * canvas_len >= gen.max_new_tokens
+        for r in range(batch):
+            res = results[r]
+            if res.done:
+                continue
+            row = committed[r].tolist()
+            tokens, hit_eos, _ = cut_block(row, gen.eos_token_ids, gen.max_new_tokens - len(res.tokens))
+            res.tokens += tokens
+            res.counted += sum(1 for t in row if t != gen.pad_token_id)
+            res.passes = int(passes[r])
+            res.done = hit_eos or out_of_room or len(res.tokens) >= gen.max_new_tokens
+            yield Block(r, block, tokens, res.done, int(block_passes[r]))
+        finished |= hit
+        if bool(finished.all()) or out_of_room:
+            break
+        block_input = committed
+    for r, res in enumerate(results):
+        res.passes = int(passes[r])
+        res.tokens_per_forward = res.counted / res.passes if res.passes else 0.0
+    return _finish(results)
+
+
+def default_events(
+    model: DiffusionGemma,
+    prompts: list[list[int]],
+    gen: GenerationConfig,
+    seeds: list[int],
+    drafts: bool = False,
+    row_serial: bool | None = None,
+) -> Iterator[Draft | Block]:
+    """Per-prompt generators, driven through the engine: each row moves on as soon as its canvas converges."""
+    _validate_prompts(prompts, model.config.vocab_size)
+    capacity = max(room_needed(len(p), gen.max_new_tokens, model.config.canvas_length) for p in prompts)
+    engine = Engine(model, max_batch=len(prompts), capacity=capacity, row_serial=row_serial)
+    row_of = {engine.add(Request(list(p), gen, seed, drafts=drafts)): r for r, (p, seed) in enumerate(zip(prompts, seeds))}
+    results = [_RowResult() for _ in prompts]
+    while engine.has_work:
+        for event in engine.step():
+            row = row_of[event.row]
+            event.row = row
+            if isinstance(event, Finished):
+                results[row] = _RowResult(event.tokens, event.decoder_passes, event.tokens_per_forward)
+            else:
+                yield event
+    return _finish(results)

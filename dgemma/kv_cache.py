@@ -1,0 +1,206 @@
+"""The committed-block KV cache.
+
+One preallocated K and V buffer per layer, [rows, kv_heads, capacity, head_dim]. Row r's committed
+tokens sit at storage indices [0, lengths[r]) and a key's storage index is its position, so
+nothing is ever moved or concatenated:
+
+- an encoder pass (prompt prefill, or a committed canvas) writes its keys/values at
+  [lengths[r], lengths[r] + n) and then advances lengths[r];
+- a decoder pass writes the canvas's keys/values at the same place as scratch, attends over
+  prefix + canvas, and leaves lengths unchanged: the cache is read-only to the decoder.
+
+Sliding-window layers keep the full history too; a pass just views the last `window - 1`
+committed keys, which is exactly what the reference's sliding cache keeps.
+
+`key_valid` marks padding slots (left-padded batches in reference mode); it is all True otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import decoder_mask, encoder_mask
+from .config import ModelConfig
+
+
+@dataclass
+class KeyPlan:
+    """Which cached keys one layer kind attends to in a pass, and how they are masked."""
+
+    lo: int
+    hi: int
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+@dataclass
+class CachePass:
+    """Everything the layers of one forward pass need from the cache."""
+
+    rows: torch.Tensor | None  # subset of cache rows, or None for all rows
+    row_slice: slice | None  # the same subset when it is a contiguous range (views instead of gathers)
+    positions: torch.Tensor  # [B, T] storage index (= RoPE position) of each new token
+    write_start: int | None  # uniform rows: slice start; else None and positions are the scatter index
+    sliding: KeyPlan
+    full: KeyPlan
+    advance: list[int] | None  # tokens to commit per row (encoder), None for the decoder
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        capacity: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.config = config
+        self.capacity = capacity
+        self.window = config.sliding_window
+        self.keys = []
+        self.values = []
+        for spec in config.layers:
+            shape = (batch_size, spec.num_kv_heads, capacity, spec.head_dim)
+            self.keys.append(torch.zeros(shape, device=device, dtype=dtype))
+            self.values.append(torch.zeros(shape, device=device, dtype=dtype))
+        self.lengths = [0] * batch_size
+        self.key_valid = torch.ones(batch_size, capacity, dtype=torch.bool, device=device)
+        self.has_padding = False
+        self.device = torch.device(device)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def reset_row(self, row: int) -> None:
+        self.lengths[row] = 0
+        self.key_valid[row] = True
+        self.has_padding = bool((~self.key_valid).any())
+
+    def mark_padding(self, valid: torch.Tensor) -> None:
+        """Mark storage slots [0, valid.shape[1]) of each row as real (True) or padding (False)."""
+        self.key_valid[:, : valid.shape[1]] = valid.to(self.device)
+        self.has_padding = bool((~self.key_valid).any())
+
+    def _check_room(self, rows: list[int], n: int) -> None:
+        worst = max(self.lengths[r] for r in rows) + n
+        if worst > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {worst} tokens needed, capacity {self.capacity}")
+
+    def _row_list(self, rows: torch.Tensor | None) -> list[int]:
+        return list(range(self.batch_size)) if rows is None else rows.tolist()
+
+    @staticmethod
+    def _as_slice(row_ids: list[int]) -> slice | None:
+        if row_ids == list(range(row_ids[0], row_ids[0] + len(row_ids))):
+            return slice(row_ids[0], row_ids[0] + len(row_ids))
+        return None
+
+    def _positions(self, lens: list[int], n: int) -> torch.Tensor:
+        start = torch.tensor(lens, device=self.device)[:, None]
+        return start + torch.arange(n, device=self.device)
+
+    def _key_valid(self, rows: torch.Tensor | None) -> torch.Tensor:
+        return self.key_valid if rows is None else self.key_valid[rows]
+
+    def plan_encoder(
+        self, num_tokens: int, rows: torch.Tensor | None = None, new_counts: list[int] | None = None
+    ) -> CachePass:
+        """Plan a causal pass appending `num_tokens` per row (of which new_counts[r] are real)."""
+        row_ids = self._row_list(rows)
+        self._check_room(row_ids, num_tokens)
+        lens = [self.lengths[r] for r in row_ids]
+        counts = new_counts if new_counts is not None else [num_tokens] * len(row_ids)
+        positions = self._positions(lens, num_tokens)
+        uniform = len(set(lens)) == 1 and all(c == num_tokens for c in counts)
+        hi = max(lens) + num_tokens
+        full_lo, slide_lo = 0, max(0, min(lens) - (self.window - 1))
+        padded = self.has_padding and bool((~self._key_valid(rows)[:, :hi]).any())
+
+        def plan(lo: int, window: int | None) -> KeyPlan:
+            kv_len = hi - lo
+            # Mirror the reference: SDPA's own causal flag whenever no explicit mask is needed.
+            needs_mask = (
+                not uniform
+                or padded
+                or (window is not None and kv_len >= window)
+                or (num_tokens > 1 and kv_len != num_tokens)
+            )
+            if not needs_mask:
+                return KeyPlan(lo, hi, None, num_tokens > 1)
+            valid = self._key_valid(rows).clone()
+            if not uniform:
+                bound = torch.tensor([l + c for l, c in zip(lens, counts)], device=self.device)
+                valid &= torch.arange(self.capacity, device=self.device) < bound[:, None]
+            return KeyPlan(lo, hi, encoder_mask(positions, lo, hi, valid, window), False)
+
+        return CachePass(
+            rows=rows,
+            row_slice=None if rows is None else self._as_slice(row_ids),
+            positions=positions,
+            write_start=lens[0] if uniform else None,
+            sliding=plan(slide_lo, self.window),
+            full=plan(full_lo, None),
+            advance=counts,
+        )
+
+    def plan_decoder(self, canvas_length: int, rows: torch.Tensor | None = None) -> CachePass:
+        """Plan a bidirectional pass over a canvas placed right after each row's prefix."""
+        row_ids = self._row_list(rows)
+        self._check_room(row_ids, canvas_length)
+        lens = [self.lengths[r] for r in row_ids]
+        positions = self._positions(lens, canvas_length)
+        uniform = len(set(lens)) == 1
+        hi = max(lens) + canvas_length
+        w = self.window - 1
+        full_lo, slide_lo = 0, max(0, min(lens) - w)
+        padded = self.has_padding and bool((~self._key_valid(rows)[:, :hi]).any())
+
+        def plan(lo: int, sliding: bool) -> KeyPlan:
+            if uniform and not padded:
+                return KeyPlan(lo, hi, None, False)
+            idx = torch.arange(self.capacity, device=self.device)
+            end = torch.tensor(lens, device=self.device)[:, None] + canvas_length
+            valid = self._key_valid(rows) & (idx < end)
+            if sliding:
+                valid &= idx >= (end - canvas_length - w)
+            return KeyPlan(lo, hi, decoder_mask(lo, hi, valid, canvas_length), False)
+
+        return CachePass(
+            rows=rows,
+            row_slice=None if rows is None else self._as_slice(row_ids),
+            positions=positions,
+            write_start=lens[0] if uniform else None,
+            sliding=plan(slide_lo, True),
+            full=plan(full_lo, False),
+            advance=None,
+        )
+
+    def store_and_view(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_pass: CachePass, plan: KeyPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this pass's keys/values [B, Hkv, T, D] and return the keys/values to attend over."""
+        kb, vb = self.keys[layer], self.values[layer]
+        rows = cache_pass.rows
+        if rows is not None and cache_pass.row_slice is not None:  # contiguous rows: work on a view
+            kb, vb, rows = kb[cache_pass.row_slice], vb[cache_pass.row_slice], None
+        if cache_pass.write_start is not None and rows is None:
+            s, n = cache_pass.write_start, k.shape[2]
+            kb[:, :, s : s + n] = k
+            vb[:, :, s : s + n] = v
+            return kb[:, :, plan.lo : plan.hi], vb[:, :, plan.lo : plan.hi]
+        row_idx = (rows if rows is not None else torch.arange(kb.shape[0], device=self.device))[:, None]
+        kb[row_idx, :, cache_pass.positions] = k.transpose(1, 2)
+        vb[row_idx, :, cache_pass.positions] = v.transpose(1, 2)
+        if rows is None:
+            return kb[:, :, plan.lo : plan.hi], vb[:, :, plan.lo : plan.hi]
+        return kb[rows, :, plan.lo : plan.hi], vb[rows, :, plan.lo : plan.hi]
+
+    def commit(self, cache_pass: CachePass) -> None:
+        """Advance row lengths after an encoder pass."""
+        assert cache_pass.advance is not None, "only encoder passes commit"
+        for r, c in zip(self._row_list(cache_pass.rows), cache_pass.advance):
+            self.lengths[r] += c

@@ -1,0 +1,278 @@
+"""The DiffusionGemma text stack: one set of weights, run two ways.
+
+- `encode`: causal pass over prompt tokens or a committed canvas; writes the KV cache.
+- `decode`: bidirectional pass over a canvas that attends to the cached prefix plus the whole
+  canvas; reads the cache only. Its input embeddings are mixed with a self-conditioning signal
+  built from the previous step's predictions.
+
+Module and parameter names follow the checkpoint (`model.decoder.*`), so loading is a rename.
+Arithmetic follows the `transformers` reference operation for operation (RMSNorm via pow(-0.5),
+fp32 router softmax, grouped expert matmuls, fp32 softcapped logits) so float32 results agree to
+rounding, and to the bit where the reference's own kernels are used.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import rope
+from .attention import sdpa
+from .config import LayerSpec, ModelConfig
+from .kv_cache import CachePass, KVCache
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; `with_scale=False` is the scale-free variant (v_norm, router)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        h, hd = config.hidden_size, spec.head_dim
+        self.num_heads = config.num_heads
+        self.q_proj = nn.Linear(h, config.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=False) if spec.has_v_proj else None
+        self.o_proj = nn.Linear(config.num_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.v_norm = RMSNorm(hd, config.rms_norm_eps, with_scale=False)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, T, D], k/v [B, Hkv, T, D]. Global layers have V = K's projection (own norm, no RoPE)."""
+        shape = (*x.shape[:-1], -1, self.spec.head_dim)
+        q = rope.apply_rope(self.q_norm(self.q_proj(x).view(shape)), cos, sin).transpose(1, 2)
+        k_raw = self.k_proj(x).view(shape)
+        v_raw = self.v_proj(x).view(shape) if self.v_proj is not None else k_raw
+        k = rope.apply_rope(self.k_norm(k_raw), cos, sin).transpose(1, 2)
+        v = self.v_norm(v_raw).transpose(1, 2)
+        return q, k, v
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache: KVCache, cache_pass: CachePass
+    ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        plan = cache_pass.sliding if self.spec.is_sliding else cache_pass.full
+        k_all, v_all = cache.store_and_view(layer, k, v, cache_pass, plan)
+        out = sdpa(q, k_all, v_all, plan.mask, plan.is_causal)
+        return self.o_proj(out.reshape(*x.shape[:-1], -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Scale-free RMSNorm -> x scale x hidden^-0.5 -> linear -> fp32 softmax -> top-k -> renormalise."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.top_k_experts
+        self.root_size = config.hidden_size**-0.5
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (router probabilities [N, E], top-k weights [N, K], top-k expert ids [N, K])."""
+        x = self.norm(x) * self.scale * self.root_size
+        probs = F.softmax(self.proj(x), dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights * self.per_expert_scale[index], index
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, in] sorted by expert, weight [E, in, out], offsets = cumulative rows per expert -> [S, out]."""
+    x = x.to(weight.dtype)
+    try:
+        return F.grouped_mm(x, weight, offs=offsets)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        out = x.new_zeros(x.shape[0], weight.shape[2])
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            if end > start:
+                torch.mm(x[start:end], weight[e], out=out[start:end])
+            start = end
+        return out
+
+
+class Experts(nn.Module):
+    """Fused expert weights, run as two grouped matmuls over tokens sorted by expert (no per-token loop)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = top_k_index.shape
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+        routed = x[perm // top_k]
+        weights = top_k_weights.reshape(-1)[perm]
+        counts = torch.histc(
+            expert_ids.float() if x.device.type in ("cpu", "mps") else expert_ids.int(),
+            bins=self.num_experts,
+            min=0,
+            max=self.num_experts - 1,
+        )
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = grouped_matmul(routed, self.gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
+        out = grouped_matmul(gelu_tanh(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+        out = out * weights.unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        return out[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+class Layer(nn.Module):
+    """Attention, then a dense MLP and an MoE side by side, each with its own norms."""
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, spec)
+        self.mlp = DenseMLP(h, config.intermediate_size)
+        self.router = Router(config)
+        self.experts = Experts(config)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
+        # The decoder's layer_scalar is stored with the layer; the encoder's separately.
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        flat = h.reshape(-1, h.shape[-1])
+        _, weights, index = self.router(flat)
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(h.shape)
+        return self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+
+    def forward(self, h, cos, sin, layer, cache, cache_pass, encoder: bool) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, cache_pass))
+        h = h + self.feed_forward(h)
+        return h * (self.encoder_layer_scalar if encoder else self.layer_scalar)
+
+
+class SelfConditioning(nn.Module):
+    """Gated MLP over the previous step's soft embeddings, added to the canvas embeddings."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.pre_norm = RMSNorm(h, config.rms_norm_eps)
+        self.post_norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
+        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def forward(self, embeds: torch.Tensor, soft_embeds: torch.Tensor | None) -> torch.Tensor:
+        if soft_embeds is None:  # first step: the signal is exactly zero
+            return self.post_norm(embeds)
+        x = self.pre_norm(soft_embeds)
+        return self.post_norm(embeds + self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Layer(config, spec) for spec in config.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(config)
+        # One spec per layer kind, for RoPE tables. Frequencies are rebuilt per pass in float32
+        # (cheap) rather than kept as buffers that a dtype cast would round.
+        self.rope_specs = {spec.kind: spec for spec in config.layers}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
+        return self.embed_tokens(ids) * scale
+
+    def soft_embed(self, probs: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+        """Expected embedding under `probs` [.., vocab]: probs @ E x sqrt(hidden).
+
+        With `total`, `probs` are unnormalised weights and the result is divided by it, which saves
+        normalising the full-vocab tensor.
+        """
+        w = self.embed_tokens.weight
+        scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
+        soft = torch.matmul(probs.to(w.dtype), w)
+        if total is not None:
+            soft = soft / total.to(soft.dtype)[..., None]
+        return soft * scale
+
+    def soft_embed_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The reference's self-conditioning input: softmax(logits) @ E x sqrt(hidden)."""
+        return self.soft_embed(logits.softmax(dim=-1, dtype=torch.float32))
+
+    def _run_layers(self, h: torch.Tensor, cache: KVCache, cache_pass: CachePass, encoder: bool) -> torch.Tensor:
+        tables = {
+            kind: rope.cos_sin(cache_pass.positions, rope.inv_freq(spec, h.device), h.dtype)
+            for kind, spec in self.rope_specs.items()
+        }
+        for i, layer in enumerate(self.layers):
+            cos, sin = tables[layer.self_attn.spec.kind]
+            h = layer(h, cos, sin, i, cache, cache_pass, encoder)
+        return self.norm(h)
+
+    def encode(self, ids: torch.Tensor, cache: KVCache, cache_pass: CachePass) -> torch.Tensor:
+        """Causal pass over ids [B, T]; writes the cache (commit it afterwards). Returns final hidden states."""
+        return self._run_layers(self.embed(ids), cache, cache_pass, encoder=True)
+
+    def decode(
+        self, canvas: torch.Tensor, cache: KVCache, cache_pass: CachePass, soft_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Bidirectional pass over canvas [B, C] given self-conditioning soft embeddings [B, C, H] (or None)."""
+        h = self.self_conditioning(self.embed(canvas), soft_embeds)
+        return self._run_layers(h, cache, cache_pass, encoder=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head, then float32 tanh softcapping."""
+        cap = self.config.final_logit_softcapping
+        logits = F.linear(hidden, self.embed_tokens.weight).to(torch.float32)
+        return torch.tanh(logits / cap) * cap

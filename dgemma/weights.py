@@ -1,0 +1,149 @@
+"""Checkpoint weights: safetensors in, safetensors out, tensor by tensor.
+
+The model is built on the meta device and each tensor is read from its memory-mapped shard,
+cast and moved to the target device on its own, so loading never holds a second copy of the
+model in RAM. Names on disk are the `transformers` ones:
+
+    model.decoder.{embed_tokens,layers.N.*,norm,self_conditioning.*}   the shared text stack
+    model.encoder.language_model.layers.N.layer_scalar                 the encoder's own scalars
+    model.encoder.vision_tower.*, model.encoder.embed_vision.*          vision (skipped: text-only)
+
+There is no lm_head on disk (tied to embed_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ConfigError, ModelConfig
+from .model import DiffusionGemma
+
+log = logging.getLogger("dgemma")
+
+DECODER = "model.decoder."
+ENCODER_SCALAR = "model.encoder.language_model.layers.{}.layer_scalar"
+SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+TIED_NAMES = ("lm_head.weight",)
+
+
+class WeightsError(ValueError):
+    """A checkpoint's weights are missing, misshapen or unreadable."""
+
+
+def checkpoint_name(param_name: str) -> str:
+    """dgemma parameter name -> name on disk."""
+    if param_name.endswith(".encoder_layer_scalar"):
+        layer = param_name.split(".")[1]
+        return ENCODER_SCALAR.format(layer)
+    return DECODER + param_name
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to the file holding it (single file or sharded with an index)."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index} is not a valid safetensors index: {e}") from None
+        files = {name: path / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.exists():
+                raise WeightsError(f"missing shard {shard.name} (listed in {index.name})")
+        return files
+    if single.exists():
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:  # safetensors raises its own error types
+            raise WeightsError(f"cannot read {single}: {e}") from None
+    raise WeightsError(f"no weights in {path}: expected model.safetensors or model.safetensors.index.json")
+
+
+def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if attr in module._parameters:
+        module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[attr] = value
+
+
+def load_weights(
+    config: ModelConfig, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> DiffusionGemma:
+    """Build the model and fill it from the checkpoint at `path`."""
+    path = Path(path)
+    files = _weight_files(path)
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    expected = dict(model.named_parameters())
+    expected.update(model.named_buffers())
+
+    handles: dict[Path, object] = {}
+    try:
+        for name, meta in expected.items():
+            disk = checkpoint_name(name)
+            if disk not in files:
+                raise WeightsError(f"missing tensor {disk} in {path}")
+            f = files[disk]
+            if f not in handles:
+                try:
+                    handles[f] = safe_open(f, framework="pt", device="cpu")
+                except Exception as e:
+                    raise WeightsError(f"cannot read {f}: {e}") from None
+            try:
+                tensor = handles[f].get_tensor(disk)
+            except Exception as e:
+                raise WeightsError(f"cannot read tensor {disk} from {f.name}: {e}") from None
+            if tuple(tensor.shape) != tuple(meta.shape):
+                raise WeightsError(
+                    f"tensor {disk} has shape {tuple(tensor.shape)}, expected {tuple(meta.shape)} from config.json"
+                )
+            # Same dtype on CPU keeps the memory-mapped tensor as is, as transformers does: CPU
+            # kernels choose code paths by alignment, so copying would change float32 rounding.
+            _set_tensor(model, name, tensor.to(device=device, dtype=dtype))
+            del tensor
+    finally:
+        handles.clear()
+
+    known = {checkpoint_name(n) for n in expected}
+    skipped = [n for n in files if n.startswith(SKIPPED_PREFIXES)]
+    if skipped:
+        log.info("skipped %d vision-tower tensors: dgemma runs the text model only", len(skipped))
+    extra = [n for n in files if n not in known and not n.startswith(SKIPPED_PREFIXES) and n not in TIED_NAMES]
+    extra = [n for n in extra if not n.startswith("model.encoder.language_model.")]  # tied copies, if saved
+    if extra:
+        log.warning("ignored %d unexpected tensors, e.g. %s", len(extra), extra[0])
+    model.eval()
+    return model
+
+
+def state_dict_for_disk(model: DiffusionGemma) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint names (contiguous, on CPU)."""
+    out = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        out[checkpoint_name(name)] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def save_weights(model: DiffusionGemma, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write model.safetensors in the checkpoint layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict_for_disk(model)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    target = path / "model.safetensors"
+    save_file(tensors, str(target), metadata={"format": "pt"})
+    return target
+
+
+__all__ = ["load_weights", "save_weights", "state_dict_for_disk", "WeightsError", "ConfigError"]

@@ -1,0 +1,31 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from oracle import build_reference  # noqa: E402
+
+EOS = list(range(40, 52))  # a dozen EOS ids, so that EOS turns up inside canvases
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+    yield
+
+
+@pytest.fixture(scope="session")
+def ref_gqa(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gqa")
+    model = build_reference(path, "gqa", generation={"eos_token_id": EOS, "pad_token_id": 0})
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def ref_wide(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wide")
+    model = build_reference(path, "wide", seed=1, generation={"eos_token_id": EOS, "pad_token_id": 0})
+    return path, model
