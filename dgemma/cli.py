@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -22,22 +24,23 @@ class CliError(Exception):
     pass
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
+def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="checkpoint directory (default: the shipped dgemma-tiny)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
-def _add_sampler_flags(p: argparse.ArgumentParser) -> None:
+def add_sampler_flags(p: argparse.ArgumentParser) -> None:
     for flag, dest, kind, text in SAMPLER_FLAGS:
         p.add_argument(flag, dest=dest, type=kind, default=None, help=f"{text} (default: generation_config.json)")
 
 
-def _sampler_knobs(args) -> dict:
+def sampler_knobs(args) -> dict:
     return {dest: getattr(args, dest) for _, dest, _, _ in SAMPLER_FLAGS}
 
 
-def _load(args):
+def load_model(args):
+    """The model named by --model/--device/--dtype (the shipped dgemma-tiny without --model)."""
     import dgemma
 
     if args.model is None and not (dgemma.default_model_dir() / "config.json").exists():
@@ -48,7 +51,7 @@ def _load(args):
 def cmd_run(args) -> int:
     from .events import Block, Draft
 
-    model = _load(args)
+    model = load_model(args)
     tok = model.tokenizer
     if tok is None:
         raise CliError(f"{model.path} has no tokenizer.json: `dgemma run` needs one")
@@ -64,7 +67,7 @@ def cmd_run(args) -> int:
 
         events = ar_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     else:
-        events = model.stream(ids, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, **_sampler_knobs(args))
+        events = model.stream(ids, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, **sampler_knobs(args))
     tokens: list[int] = []
     printed = ""
     if args.show_canvas:
@@ -110,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate a completion, printed as each block commits")
     run.add_argument("prompt")
-    _add_model_flags(run)
-    _add_sampler_flags(run)
+    add_model_flags(run)
+    add_sampler_flags(run)
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     run.add_argument("--system", help="system prompt (with --chat)")
     run.add_argument("--show-canvas", action="store_true", help="redraw the canvas live while it denoises")

@@ -13,6 +13,9 @@ Sliding-window layers keep the full history too; a pass just views the last `win
 committed keys, which is exactly what the reference's sliding cache keeps.
 
 `key_valid` marks padding slots (left-padded batches in reference mode); it is all True otherwise.
+
+For training, `differentiable=True` makes every write out of place (the buffer is cloned first),
+so that autograd can backpropagate through keys/values that a later pass overwrites.
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ class KVCache:
         capacity: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        differentiable: bool = False,
     ):
         self.config = config
+        self.differentiable = differentiable
         self.capacity = capacity
         self.window = config.sliding_window
         self.keys = []
@@ -184,6 +189,10 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this pass's keys/values [B, Hkv, T, D] and return the keys/values to attend over."""
         kb, vb = self.keys[layer], self.values[layer]
+        if self.differentiable:
+            kb, vb = kb.clone(), vb.clone()
+            if cache_pass.advance is not None:  # encoder passes keep what they wrote
+                self.keys[layer], self.values[layer] = kb, vb
         rows = cache_pass.rows
         if rows is not None and cache_pass.row_slice is not None:  # contiguous rows: work on a view
             kb, vb, rows = kb[cache_pass.row_slice], vb[cache_pass.row_slice], None
@@ -198,6 +207,12 @@ class KVCache:
         if rows is None:
             return kb[:, :, plan.lo : plan.hi], vb[:, :, plan.lo : plan.hi]
         return kb[rows, :, plan.lo : plan.hi], vb[rows, :, plan.lo : plan.hi]
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Declare how much of each row is committed prefix (training: the decoder's block start)."""
+        if len(lengths) != self.batch_size or any(not 0 <= n <= self.capacity for n in lengths):
+            raise ValueError(f"lengths must be {self.batch_size} values in [0, {self.capacity}]")
+        self.lengths = [int(n) for n in lengths]
 
     def commit(self, cache_pass: CachePass) -> None:
         """Advance row lengths after an encoder pass."""
