@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)
 
+    # Subcommands that live with their concern: each module defines add_cli(subparsers).
+    for module in ("server", "bench", "train"):
+        if importlib.util.find_spec(f"dgemma.{module}") is not None:
+            importlib.import_module(f"dgemma.{module}").add_cli(sub)
     return parser
 
 
