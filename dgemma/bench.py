@@ -1,0 +1,332 @@
+"""`dgemma bench`: dgemma's diffusion path, its AR mode and the transformers reference, side by side.
+
+Peers run interleaved in one process (default, ar, reference, default, ar, ...) on the same
+weights and prompt, so that machine noise hits all of them alike; the table reports medians and
+the ratios between peers. Fixed steps (the default) turn adaptive stopping off, so every canvas
+takes exactly `--steps` decoder passes in every peer.
+
+The reference peer needs `transformers` (a test dependency); it is skipped when not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    # A model small enough for quick checks.
+    "tiny": dict(
+        vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, global_head_dim=64,
+        num_global_kv_heads=1, intermediate_size=256, num_experts=8, top_k_experts=2, moe_intermediate_size=64,
+        sliding_window=256, canvas_length=64,
+    ),
+    # The issue's mid-size CPU benchmark model.
+    "mid": dict(
+        vocab_size=32768, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=128,
+        global_head_dim=256, num_global_kv_heads=2, intermediate_size=2048, num_experts=32, top_k_experts=4,
+        moe_intermediate_size=512, sliding_window=1024, canvas_length=256,
+    ),
+    # The released DiffusionGemma 26B-A4B text stack (model.md), for GPUs.
+    "real": dict(
+        vocab_size=262144, hidden_size=2816, num_layers=30, num_heads=16, num_kv_heads=8, head_dim=256,
+        global_head_dim=512, num_global_kv_heads=2, intermediate_size=2112, num_experts=128, top_k_experts=8,
+        moe_intermediate_size=704, sliding_window=1024, canvas_length=256, max_position_embeddings=131072,
+    ),
+}
+FIXED_STEPS_CONFIDENCE = 1e-30  # no canvas is ever this confident: every canvas takes exactly --steps passes
+
+
+@dataclass
+class RunResult:
+    peer: str
+    seconds: float
+    ttft: float
+    tokens: int
+    decoder_passes: int
+    encoder_seconds: float
+    peak_memory_mb: float
+    batch: int = 1
+
+    @property
+    def output_tps(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first committed block over the time after it."""
+        return self.tokens_after_first / max(self.seconds - self.ttft, 1e-9)
+
+    tokens_after_first: int = 0
+
+    @property
+    def ms_per_step(self) -> float:
+        """Decoder-step time: wall time minus encoder passes (prefill, commits), per decoder pass."""
+        return 1000 * (self.seconds - self.encoder_seconds) / max(self.decoder_passes, 1)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Per sequence: tokens each row generated per decoder pass."""
+        return self.tokens / self.batch / max(self.decoder_passes, 1)
+
+
+class _Timer:
+    """Accumulates wall time spent inside a wrapped callable (synchronising CUDA)."""
+
+    def __init__(self, fn, device):
+        self.fn, self.device, self.total, self.calls = fn, device, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        _sync(self.device)
+        start = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        _sync(self.device)
+        self.total += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_mb(device) -> float:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
+
+
+def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode: str) -> RunResult:
+    """One timed generation with dgemma (mode "diffusion" or "ar")."""
+    from .ar import ar_events
+    from .generate import default_events
+
+    device = model.device
+    knobs = dict(max_new_tokens=new_tokens, eos_token_ids=())
+    if not adaptive:
+        knobs.update(max_denoising_steps=steps, confidence_threshold=FIXED_STEPS_CONFIDENCE)
+    cfg = model.generation_config.with_overrides(**knobs)
+    net = model.net
+    timer = _Timer(net.encode, device)
+    net.encode = timer
+    _reset_peak(device)
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        if mode == "ar":
+            events = ar_events(net, prompts, new_tokens, 0.0, [0] * len(prompts), ())
+        else:
+            events = default_events(net, prompts, cfg, list(range(len(prompts))))
+        first, first_tokens = None, 0
+        while True:
+            try:
+                ev = next(events)
+            except StopIteration as stop:
+                out = stop.value
+                break
+            if first is None and getattr(ev, "tokens", None):
+                _sync(device)
+                first, first_tokens = time.perf_counter() - start, len(ev.tokens)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        del net.encode  # back to the class method
+    tokens = sum(len(s) for s in out.sequences)
+    passes = max(out.decoder_passes) if mode != "ar" else new_tokens
+    result = RunResult(
+        peer="dgemma-ar" if mode == "ar" else "dgemma",
+        seconds=seconds,
+        ttft=first or seconds,
+        tokens=tokens,
+        decoder_passes=passes,
+        encoder_seconds=timer.total if mode != "ar" else 0.0,
+        peak_memory_mb=_peak_mb(device),
+        batch=len(prompts),
+    )
+    result.tokens_after_first = tokens - first_tokens * (len(prompts) if mode != "ar" else 1)
+    if mode == "ar":  # every AR step is an encoder pass: report it as the per-token step time
+        result.encoder_seconds = 0.0
+    return result
+
+
+def load_reference(path: Path, device, dtype):
+    """transformers' DiffusionGemmaForBlockDiffusion for the same checkpoint, or None if not installed."""
+    try:
+        from transformers import DiffusionGemmaForBlockDiffusion
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return None
+    hf_logging.set_verbosity_error()  # the text-only checkpoint has no vision weights; that is expected
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def run_reference(ref, prompts, new_tokens: int, steps: int, adaptive: bool) -> RunResult:
+    device = next(ref.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    knobs = dict(max_new_tokens=new_tokens, eos_token_id=-1)
+    if not adaptive:
+        knobs.update(max_denoising_steps=steps, confidence_threshold=FIXED_STEPS_CONFIDENCE)
+    encoder = ref.model.encoder
+    timer = _Timer(encoder.forward, device)
+    encoder.forward = timer
+
+    class FirstBlock:  # a streamer that notes when the first canvas is committed
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2 and self.first is None:  # call 1 is the prompt
+                _sync(device)
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    streamer = FirstBlock()
+    _reset_peak(device)
+    try:
+        with torch.no_grad():
+            _sync(device)
+            start = time.perf_counter()
+            out = ref.generate(ids, streamer=streamer, **knobs)
+            _sync(device)
+            seconds = time.perf_counter() - start
+    finally:
+        del encoder.forward
+    canvas = ref.config.canvas_length
+    tokens = len(prompts) * new_tokens
+    passes = int(round(float((out.sequences.shape[1] - ids.shape[1]) / out.tokens_per_forward[0])))
+    ttft = (streamer.first - start) if streamer.first else seconds
+    result = RunResult("transformers", seconds, ttft, tokens, passes, timer.total, _peak_mb(device), len(prompts))
+    result.tokens_after_first = tokens - len(prompts) * min(canvas, new_tokens)
+    return result
+
+
+def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
+    """Random weights of a named size, written as a checkpoint (so every peer loads the same file)."""
+    from .checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
+
+    config = make_config(**SIZES[size])
+    model = random_model(config, seed=seed, std=0.02)
+    return save_checkpoint(model, directory / size, tokenizer=byte_tokenizer())
+
+
+def summarize(results: list[RunResult]) -> list[dict]:
+    rows = []
+    for peer in dict.fromkeys(r.peer for r in results):
+        runs = [r for r in results if r.peer == peer]
+        med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
+        rows.append(
+            {
+                "peer": peer,
+                "runs": len(runs),
+                "output_tok_s": med(lambda r: r.output_tps),
+                "decode_tok_s": med(lambda r: r.decode_tps),
+                "ttft_s": med(lambda r: r.ttft),
+                "ms_per_step": med(lambda r: r.ms_per_step),
+                "tokens_per_forward": med(lambda r: r.tokens_per_forward),
+                "peak_mem_mb": max(r.peak_memory_mb for r in runs),
+            }
+        )
+    base = {r["peer"]: r["output_tok_s"] for r in rows}
+    for row in rows:
+        for peer in ("transformers", "dgemma-ar"):
+            if peer in base and row["peer"] != peer:
+                row[f"x_vs_{peer}"] = row["output_tok_s"] / base[peer]
+    return rows
+
+
+def print_table(rows: list[dict], header: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=header)
+    cols = ["peer", "output_tok_s", "decode_tok_s", "ttft_s", "ms_per_step", "tokens_per_forward", "peak_mem_mb"]
+    extra = sorted({k for r in rows for k in r if k.startswith("x_vs_")})
+    for c in cols + extra:
+        table.add_column(c, justify="right" if c != "peer" else "left")
+    for r in rows:
+        table.add_row(*[f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols + extra])
+    Console(width=200).print(table)
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from .api import load, resolve_device, resolve_dtype
+
+    torch.manual_seed(0)
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model) if args.model else synthetic_checkpoint(args.size, Path(tmp))
+        model = load(path, device=device, dtype=dtype)
+        peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+        unknown = set(peers) - {"default", "ar", "reference"}
+        if unknown:
+            raise ValueError(f"unknown peers {sorted(unknown)}; choose from default, ar, reference")
+        ref = load_reference(path, device, dtype) if "reference" in peers else None
+        if "reference" in peers and ref is None:
+            print("transformers is not installed: skipping the reference peer")
+            peers.remove("reference")
+        vocab = model.config.vocab_size
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
+
+        def once(peer):
+            if peer == "reference":
+                return run_reference(ref, prompts, args.new_tokens, args.steps, args.adaptive)
+            return run_dgemma(model, prompts, args.new_tokens, args.steps, args.adaptive, "ar" if peer == "ar" else "diffusion")
+
+        if args.warmup:  # first calls pay for allocation and kernel selection
+            for peer in peers:
+                once(peer)
+        results = []
+        with tqdm(total=args.runs * len(peers), desc="bench", unit="run") as bar:
+            for _ in range(args.runs):
+                for peer in peers:
+                    bar.set_postfix_str(peer)
+                    results.append(once(peer))
+                    bar.update()
+    rows = summarize(results)
+    header = (
+        f"{args.model or args.size} | {device} {args.dtype} | batch {args.batch} | prompt {args.prompt_len} | "
+        f"{args.new_tokens} new | {'adaptive' if args.adaptive else f'{args.steps} fixed'} steps | "
+        f"canvas {model.config.canvas_length} | threads {torch.get_num_threads()}"
+    )
+    if args.json:
+        print(json.dumps({"setup": header, "rows": rows, "runs": [asdict(r) for r in results]}, indent=2))
+    else:
+        print_table(rows, header)
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("bench", help="time dgemma against its AR mode and the transformers reference")
+    p.add_argument("--model", "-m", help="checkpoint directory (default: random weights of --size)")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="synthetic model size (random weights)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=768)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=16, help="fixed denoising steps per canvas")
+    p.add_argument("--adaptive", action="store_true", help="adaptive stopping instead of fixed steps")
+    p.add_argument("--peers", default="default,ar,reference", help="comma list of default, ar, reference")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per peer (interleaved)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_bench)
