@@ -1,0 +1,680 @@
+"""`dgemma serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`,
+`GET /metrics` (Prometheus text). Request bodies are parsed and validated here, strictly, so that
+anything a client sends gets a 4xx with an OpenAI-style error body naming the problem; the engine
+only ever sees requests that fit. See docs/server.md for the fields and the streaming extension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import socket
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .config import ConfigError
+from .serving import EngineFailure, Generation, Metrics, QueueFull, Scheduler, TextStream
+from .tokenizer import ChatTemplateError
+
+log = logging.getLogger("dgemma.serve")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 256
+SEED_LIMIT = 2**63 - 1
+
+
+# ------------------------------------------------------------------------------------ errors
+class ApiError(Exception):
+    """A request the server refuses; becomes an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {429: "rate_limit_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+        if status >= 500:
+            self.kind = "server_error"
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    # ensure_ascii: error messages may quote client strings holding lone surrogates
+    return Response(json.dumps(body, ensure_ascii=True), status_code=status, media_type="application/json")
+
+
+def error_body(err: ApiError) -> dict:
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
+
+
+def error_response(err: ApiError) -> Response:
+    return json_response(error_body(err), err.status)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    err = e.errors(include_url=False)[0]
+    param = _loc(err["loc"])
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown field '{param}'", param, "unknown_parameter")
+    if err["type"] == "missing":
+        return ApiError(400, f"missing required field '{param}'", param, "missing_required_parameter")
+    return ApiError(400, f"{param}: {err['msg']} (got {_short(err.get('input'))})", param, "invalid_value")
+
+
+# ------------------------------------------------------------------------------------ request bodies
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Any = None
+    name: str | None = None
+
+
+def _num(lo: float | None = None, hi: float | None = None, gt: float | None = None) -> Any:
+    return Field(None, ge=lo, le=hi, gt=gt, allow_inf_nan=False)
+
+
+class _Params(_Strict):
+    """Fields shared by both endpoints: OpenAI ones, then the diffusion knobs (extra body fields)."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    seed: int | None = Field(None, ge=0, le=SEED_LIMIT)
+    stop: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # accepted for client compatibility; see docs/server.md
+    temperature: float | None = _num(0, 2)
+    top_p: float | None = _num(0, 1)
+    n: int | None = Field(None, ge=1, le=128)
+    presence_penalty: float | None = _num(-2, 2)
+    frequency_penalty: float | None = _num(-2, 2)
+    logit_bias: dict[str, float] | None = None
+    # dgemma extensions
+    max_denoising_steps: int | None = Field(None, ge=1, le=4096)
+    entropy_bound: float | None = _num(hi=1e6, gt=0)
+    t_min: float | None = _num(0, 100)
+    t_max: float | None = _num(0, 100)
+    stability_threshold: int | None = Field(None, ge=0, le=4096)
+    confidence_threshold: float | None = _num(hi=1e6, gt=0)
+    ignore_eos: bool = False
+    stream_drafts: bool = False
+
+
+class CompletionParams(_Params):
+    prompt: Any
+    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: str | None = None
+
+
+class ChatParams(_Params):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+
+
+def _unsupported(params: _Params) -> None:
+    """Refuse, by name, features the engine does not have, when a client asks for more than the default."""
+    checks = [
+        ("n", params.n not in (None, 1), "only n=1 is supported; send one request per completion"),
+        ("presence_penalty", bool(params.presence_penalty), "token penalties are not supported; omit it or send 0"),
+        ("frequency_penalty", bool(params.frequency_penalty), "token penalties are not supported; omit it or send 0"),
+        ("logit_bias", bool(params.logit_bias), "logit_bias is not supported"),
+        ("logprobs", bool(getattr(params, "logprobs", None)), "logprobs are not supported"),
+        ("top_logprobs", bool(getattr(params, "top_logprobs", None)), "logprobs are not supported"),
+        ("echo", bool(getattr(params, "echo", None)), "echo is not supported"),
+        ("best_of", getattr(params, "best_of", None) not in (None, 1), "best_of is not supported"),
+        ("suffix", bool(getattr(params, "suffix", None)), "suffix (insertion) is not supported"),
+        ("tools", bool(getattr(params, "tools", None)), "tool calling is not supported"),
+        ("tool_choice", getattr(params, "tool_choice", None) not in (None, "none"), "tool calling is not supported"),
+        (
+            "response_format",
+            (getattr(params, "response_format", None) or {"type": "text"}).get("type") != "text",
+            "only response_format {'type': 'text'} is supported",
+        ),
+        ("stream_options", params.stream_options is not None and not params.stream, "stream_options needs stream: true"),
+        ("stream_drafts", params.stream_drafts and not params.stream, "stream_drafts needs stream: true"),
+    ]
+    for name, bad, why in checks:
+        if bad:
+            raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
+
+
+def parse_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, f"stop must be a string or a list of strings (got {_short(stop)})", "stop", "invalid_value")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop", "invalid_value")
+    if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+        raise ApiError(400, f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long", "stop", "invalid_value")
+    return stops
+
+
+def message_text(i: int, content: Any) -> str:
+    """A message's content as text: a string, or a list of {"type": "text", "text": ...} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(
+                    400,
+                    f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                    f"messages[{i}].content",
+                    "invalid_value",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(
+        400, f"messages[{i}].content must be a string or a list of text parts (got {_short(content)})",
+        f"messages[{i}].content", "invalid_value",
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ the service
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class Service:
+    """What the routes share: model, tokenizer, scheduler, metrics and limits."""
+
+    def __init__(
+        self,
+        model,
+        served_model_name: str,
+        max_active: int,
+        max_queue: int,
+        max_context: int,
+        row_serial: bool | None = None,
+    ):
+        if model.tokenizer is None:
+            raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
+        self.model, self.tokenizer, self.name = model, model.tokenizer, served_model_name
+        self.canvas = model.config.canvas_length
+        self.context = max_context
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(model.net, max_active, max_queue, max_context, self.metrics, row_serial)
+
+    # ---------------------------------------------------------------- parsing
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise ApiError(404, f"model {_short(name)} does not exist; this server serves '{self.name}'", "model", "model_not_found")
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as e:  # lone surrogates and other text the tokenizer rejects
+            raise ApiError(400, f"prompt could not be tokenized: {e}", "prompt", "invalid_value") from None
+
+    def completion_prompt(self, prompt: Any) -> list[int]:
+        """A string, a token-id list, or a one-element list of either."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self._encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model.config.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt holds token id {bad}, outside the vocabulary [0, {vocab})", "prompt", "invalid_value")
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise ApiError(400, f"prompt: one prompt per request is supported (got {len(prompt)})", "prompt", "invalid_value")
+        raise ApiError(
+            400, f"prompt must be a non-empty string or a non-empty list of token ids (got {_short(prompt)})",
+            "prompt", "invalid_value",
+        )  # fmt: skip
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        rendered = []
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (got {_short(m.role)})",
+                               f"messages[{i}].role", "invalid_value")  # fmt: skip
+            role = "system" if m.role == "developer" else m.role
+            rendered.append({"role": role, "content": message_text(i, m.content)})
+        try:
+            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", "messages", "invalid_value") from None
+        except Exception as e:  # text the tokenizer rejects (lone surrogates)
+            raise ApiError(400, f"messages could not be tokenized: {e}", "messages", "invalid_value") from None
+
+    def generation_config(self, params: _Params, prompt_len: int, max_tokens: int | None):
+        """The per-request GenerationConfig: checkpoint defaults, the client's knobs, and what fits the context."""
+        c = self.canvas
+        room = (self.context - prompt_len) // c * c
+        if room < 1:
+            raise ApiError(
+                400,
+                f"prompt is too long: {prompt_len} tokens; the context is {self.context} positions per request and "
+                f"output comes in blocks of {c}, so a prompt may hold at most {self.context - c} tokens",
+                "prompt" if isinstance(params, CompletionParams) else "messages",
+                "context_length_exceeded",
+            )
+        defaults = self.model.generation_config
+        if max_tokens is None:
+            max_tokens = min(defaults.max_new_tokens, room)
+        elif max_tokens > room:
+            raise ApiError(
+                400,
+                f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and the context is "
+                f"{self.context} positions, with output in blocks of {c}; at most {room} tokens fit",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        try:
+            return defaults.with_overrides(
+                max_new_tokens=max_tokens,
+                max_denoising_steps=params.max_denoising_steps,
+                entropy_bound=params.entropy_bound,
+                t_min=params.t_min,
+                t_max=params.t_max,
+                stability_threshold=params.stability_threshold,
+                confidence_threshold=params.confidence_threshold,
+                eos_token_ids=() if params.ignore_eos else None,
+            )
+        except ConfigError as e:
+            raise ApiError(400, str(e), None, "invalid_value") from None
+
+    # ---------------------------------------------------------------- running
+    def start(self, params: _Params, prompt: list[int], max_tokens: int | None) -> Generation:
+        stops = parse_stop(params.stop)
+        config = self.generation_config(params, len(prompt), max_tokens)
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_LIMIT)
+        if not self.scheduler.alive:
+            raise ApiError(503, "the engine is not running", code="engine_stopped")
+        try:
+            job = self.scheduler.submit(prompt, config, seed, drafts=params.stream_drafts)
+        except QueueFull as e:
+            raise ApiError(429, str(e), None, "queue_full") from None
+        text = TextStream(self.tokenizer.decode, stops, config.eos_token_ids, config.max_new_tokens)
+        return Generation(self.scheduler, job, text)
+
+    def usage(self, prompt_len: int, gen: Generation) -> dict:
+        done = gen.completion_tokens
+        return {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": done,
+            "total_tokens": prompt_len + done,
+            "decoder_passes": gen.decoder_passes,
+            "tokens_per_forward": round(gen.tokens_per_forward, 3),
+        }
+
+    def record(self, gen: Generation, reason: str) -> None:
+        now = time.perf_counter()
+        with self.metrics.lock:
+            self.metrics.requests.inc(finish_reason=reason)
+            if reason != "cancelled":
+                self.metrics.request_seconds.observe(now - gen.job.submitted)
+            if gen.first_block_at is not None:
+                self.metrics.first_block_seconds.observe(gen.first_block_at - gen.job.submitted)
+
+
+async def _watch_disconnect(request: Request, gen: Generation) -> None:
+    """Cancel the request when its client goes away (the slot is freed at the next step)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gen.cancel()
+            return
+
+
+async def read_json(request: Request) -> dict:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+    if not body:
+        raise ApiError(400, "request body is empty; send a JSON object")
+
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not a valid JSON number")
+
+    try:
+        data = json.loads(bytes(body), parse_constant=no_constants)
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
+    except ValueError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=True).encode() + b"\n\n"
+
+
+class _Responder:
+    """Shapes one request's updates as a completion or chat completion, whole or streamed."""
+
+    def __init__(self, service: Service, chat: bool, prompt_len: int, gen: Generation, params: _Params):
+        self.service, self.chat, self.prompt_len, self.gen, self.params = service, chat, prompt_len, gen, params
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list, object_: str) -> dict:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.service.name, "choices": choices}
+
+    def _chunk(self, text: str | None, finish_reason: str | None = None, draft: dict | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if draft is not None:
+            choice["draft"] = draft
+        return self._envelope([choice], "chat.completion.chunk" if self.chat else "text_completion")
+
+    async def whole(self, request: Request) -> Response:
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request, self.gen))
+        parts = []
+        try:
+            async for update in self.gen.updates():
+                parts.append(update.text)
+        except EngineFailure as e:
+            self.service.record(self.gen, "error")
+            return error_response(ApiError(500, f"generation failed: {e}", code="engine_error"))
+        finally:
+            watcher.cancel()
+        reason = self.gen.finish_reason or "cancelled"
+        self.service.record(self.gen, reason)
+        text = "".join(parts)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        body = self._envelope([choice], "chat.completion" if self.chat else "text_completion")
+        body["usage"] = self.service.usage(self.prompt_len, self.gen)
+        return json_response(body)
+
+    async def stream(self, request: Request) -> AsyncIterator[bytes]:
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request, self.gen))
+        finished = False
+        try:
+            if self.chat:
+                yield _sse(self._chunk(None, role=True))
+            async for update in self.gen.updates():
+                if update.kind == "draft":
+                    yield _sse(self._chunk(None, draft={"block": update.block, "step": update.step, "text": update.text}))
+                else:
+                    yield _sse(self._chunk(update.text))
+            reason = self.gen.finish_reason or "cancelled"
+            yield _sse(self._chunk(None, finish_reason=reason))
+            if self.params.stream_options and self.params.stream_options.include_usage:
+                usage = self._envelope([], "chat.completion.chunk" if self.chat else "text_completion")
+                usage["usage"] = self.service.usage(self.prompt_len, self.gen)
+                yield _sse(usage)
+            yield b"data: [DONE]\n\n"
+            finished = True
+            self.service.record(self.gen, reason)
+        except EngineFailure as e:
+            finished = True
+            self.service.record(self.gen, "error")
+            yield _sse(error_body(ApiError(500, f"generation failed: {e}", code="engine_error")))
+        finally:
+            watcher.cancel()
+            if not finished:  # the client went away mid-stream
+                self.gen.cancel()
+                self.service.record(self.gen, "cancelled")
+
+
+# ------------------------------------------------------------------------------------ the app
+class _CountResponses:
+    """ASGI middleware: count responses by status code for /metrics."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                with self.metrics.lock:
+                    self.metrics.http.inc(code=str(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def default_context(model) -> int:
+    return min(model.config.max_position_embeddings, 4096)
+
+
+def create_app(
+    model,
+    served_model_name: str = "dgemma",
+    max_active: int = 8,
+    max_queue: int = 64,
+    max_context: int | None = None,
+    row_serial: bool | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up."""
+    if max_active < 1 or max_queue < 0:
+        raise ValueError(f"max_active must be >= 1 and max_queue >= 0 (got {max_active}, {max_queue})")
+    context = default_context(model) if max_context is None else max_context
+    canvas = model.config.canvas_length
+    if not canvas < context <= model.config.max_position_embeddings:
+        raise ValueError(
+            f"max_context must be between {canvas + 1} (one block of {canvas} plus a prompt token) and "
+            f"{model.config.max_position_embeddings} (the model's max_position_embeddings); got {context}"
+        )
+    service = Service(model, served_model_name, max_active, max_queue, context, row_serial)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.scheduler.start()
+        yield
+        service.scheduler.stop()
+
+    app = FastAPI(title="dgemma", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.add_middleware(_CountResponses, metrics=service.metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> Response:
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
+        text = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+        return error_response(ApiError(err.status_code, text.get(err.status_code, str(err.detail))))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(ApiError(500, "internal server error", code="internal_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not service.scheduler.alive:
+            return json_response({"status": "engine stopped"}, 503)
+        return json_response({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def model_card() -> dict:
+        return {"id": service.name, "object": "model", "created": service.created, "owned_by": "dgemma",
+                "max_model_len": service.context}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{name:path}")
+    async def model_info(name: str) -> Response:
+        service.check_model(name)
+        return json_response(model_card())
+
+    async def run(request: Request, chat: bool) -> Response:
+        body = await read_json(request)
+        try:
+            params = (ChatParams if chat else CompletionParams).model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        service.check_model(params.model)
+        _unsupported(params)
+        # tokenizing a long prompt takes a while: off the event loop, so streams keep flowing
+        if chat:
+            prompt = await asyncio.to_thread(service.chat_prompt, params.messages)
+            max_tokens = params.max_completion_tokens or params.max_tokens
+        else:
+            prompt = await asyncio.to_thread(service.completion_prompt, params.prompt)
+            max_tokens = params.max_tokens
+        gen = service.start(params, prompt, max_tokens)
+        responder = _Responder(service, chat, len(prompt), gen, params)
+        if params.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(responder.stream(request), media_type="text/event-stream", headers=headers)
+        return await responder.whole(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await run(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run(request, chat=True)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------ running it
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket, so that a busy port is a clear error (and port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class ServerThread:
+    """uvicorn serving an app from a background thread (tests, the load script): `with ServerThread(app) as s: s.url`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.sock = bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    """Register `dgemma serve`."""
+    from .cli import add_model_flags
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    p.add_argument("--max-active", type=int, default=8, help="canvases denoised together (cache slots; default: 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get HTTP 429 (default: 64)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="cache positions per request: prompt plus output blocks (default: min(4096, max_position_embeddings))")  # fmt: skip
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the checkpoint directory name)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .cli import CliError, load_model
+
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    model = load_model(args)
+    name = args.served_model_name or (model.path.name if model.path else "dgemma")
+    try:
+        app = create_app(model, name, args.max_active, args.max_queue, args.max_context)
+        sock = bind(args.host, args.port)
+    except (ValueError, OSError) as e:
+        raise CliError(str(e)) from None
+    host, port = sock.getsockname()[:2]
+    print(
+        f"dgemma: serving '{name}' on http://{host}:{port} (max-active {args.max_active}, max-queue {args.max_queue}, "
+        f"context {app.state.service.context}, device {model.device})",
+        flush=True,
+    )
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
