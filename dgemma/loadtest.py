@@ -127,7 +127,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
     cmd = [sys.executable, "-m", "dgemma.cli", "serve", "--model", args.model, "--port", "0", "--device", args.device,
            "--max-active", str(args.max_active), "--max-queue", str(args.max_queue), "--log-level", "warning",
-           "--served-model-name", args.served_model_name]  # fmt: skip
+           "--served-model-name", args.served_model_name] + (["--batched-passes"] if args.batched_passes else [])  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
     line = proc.stdout.readline()
     found = re.search(r"on (http://\S+)", line)
@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="max_denoising_steps (default: the checkpoint's)")
     p.add_argument("--max-active", type=int, default=16, help="with --model: server canvases (default: 16)")
     p.add_argument("--max-queue", type=int, default=64, help="with --model: server queue (default: 64)")
+    p.add_argument("--batched-passes", action="store_true", help="with --model: serve with --batched-passes")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json", action="store_true", help="print the rows as JSON as well")
     return p

@@ -650,6 +650,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context", type=int, default=None,
                    help="cache positions per request: prompt plus output blocks (default: min(4096, max_position_embeddings))")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the checkpoint directory name)")
+    p.add_argument("--batched-passes", action="store_true",
+                   help="run a step's canvases as one batched pass even on CPU (faster; a seeded request's text "
+                        "then depends on its batch at float-rounding level). Default: batched on GPU only")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
@@ -665,7 +668,8 @@ def cmd_serve(args) -> int:
     model = load_model(args)
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
     try:
-        app = create_app(model, name, args.max_active, args.max_queue, args.max_context)
+        row_serial = False if args.batched_passes else None
+        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, row_serial)
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
