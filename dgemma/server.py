@@ -449,14 +449,14 @@ class _Responder:
                 else:
                     yield _sse(self._chunk(update.text))
             reason = self.gen.finish_reason or "cancelled"
+            finished = True
+            self.service.record(self.gen, reason)
             yield _sse(self._chunk(None, finish_reason=reason))
             if self.params.stream_options and self.params.stream_options.include_usage:
                 usage = self._envelope([], "chat.completion.chunk" if self.chat else "text_completion")
                 usage["usage"] = self.service.usage(self.prompt_len, self.gen)
                 yield _sse(usage)
             yield b"data: [DONE]\n\n"
-            finished = True
-            self.service.record(self.gen, reason)
         except EngineFailure as e:
             finished = True
             self.service.record(self.gen, "error")

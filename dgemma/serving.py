@@ -147,14 +147,13 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""  # all text sent so far
         self.stopped = False  # a stop string was found
-        self._decoded = ""
 
     def add(self, tokens: list[int], last: bool = False) -> str:
         """Text to send after a committed block; with `last`, everything that is left."""
         if self.stopped:
             return ""
         self.tokens += tokens
-        full = self._decoded = self.decode(self.tokens)
+        full = self.decode(self.tokens)
         cut = min((i for i in (full.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
@@ -184,11 +183,11 @@ class TextStream:
         return best
 
     def draft(self, canvas: list[int]) -> str:
-        """Text the canvas would add if it committed now (cut at EOS and at max_tokens)."""
+        """Text that would follow the text sent so far if the canvas committed now (cut at EOS and max_tokens)."""
         room = self.max_tokens - len(self.tokens)
         kept, _, _ = cut_block(canvas, self.eos, max(room, 0))
         full = self.decode(self.tokens + kept)
-        return full[len(self._decoded) :] if full.startswith(self._decoded) else self.decode(kept)
+        return full[len(self.text) :] if full.startswith(self.text) else self.decode(kept)
 
     def completion_tokens(self) -> int:
         """Tokens generated up to the end of the text sent (the stop string's token, when one was hit)."""

@@ -16,6 +16,7 @@ import pytest
 import dgemma
 from dgemma.checkpoint import make_tiny_random
 from dgemma.server import ServerThread, create_app
+from dgemma.serving import TextStream
 
 MODEL = "tiny"
 FAST = {"max_denoising_steps": 6, "ignore_eos": True}  # few steps; no EOS, so lengths are exact
@@ -253,3 +254,24 @@ def test_serve_cli_and_load_script(model, capsys):
     out = capsys.readouterr().out
     assert "| 1 | 1 | 32 |" in out and "| 2 | 2 | 64 |" in out
     assert loadtest.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and loadtest.percentile([1.0, 2.0], 99) == 2.0
+
+
+def test_text_stream_cuts_and_holds_back():
+    def ords(text):
+        return [ord(c) for c in text]
+
+    def decode(ids):
+        return "".join(map(chr, ids))
+
+    ts = TextStream(decode, ["END", "xy"], eos=(), max_tokens=100)
+    assert ts.add(ords("abcEN")) == "abc"  # "EN" may be the start of "END": held back
+    assert ts.add(ords("Dzz")) == "" and ts.stopped and ts.text == "abc"
+    assert ts.completion_tokens() == 6  # up to and including the token that completed "END"
+    ts = TextStream(decode, ["END", "xy"], eos=(), max_tokens=100)
+    assert ts.add(ords("a xy b END")) == "a " and ts.stopped  # the earliest stop string wins
+    ts = TextStream(decode, ["END"], eos=(), max_tokens=100)
+    assert ts.add(ords("abE")) == "ab" and ts.add(ords("Nope"), last=True) == "ENope" and not ts.stopped
+    ts = TextStream(decode, [], eos=(1,), max_tokens=6)
+    assert ts.add(ords("ab\ufffd")) == "ab"  # a split multi-byte character waits for the next block
+    assert ts.draft(ords("cdefgh")) == "\ufffdcde"  # cut at max_tokens
+    assert ts.add(ords("c"), last=True) == "\ufffdc"
