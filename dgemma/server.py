@@ -502,7 +502,7 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up."""
     if max_active < 1 or max_queue < 0:
-        raise ValueError(f"max_active must be >= 1 and max_queue >= 0 (got {max_active}, {max_queue})")
+        raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
     context = default_context(model) if max_context is None else max_context
     canvas = model.config.canvas_length
     if not canvas < context <= model.config.max_position_embeddings:
@@ -673,6 +673,12 @@ def cmd_serve(args) -> int:
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
+    except (RuntimeError, MemoryError) as e:  # the KV cache does not fit in memory
+        first = str(e).splitlines()[-1] if str(e) else type(e).__name__
+        raise CliError(
+            f"cannot allocate the engine's KV cache for --max-active {args.max_active} x --max-context "
+            f"{args.max_context or default_context(model)}: {first}"
+        ) from None
     host, port = sock.getsockname()[:2]
     print(
         f"dgemma: serving '{name}' on http://{host}:{port} (max-active {args.max_active}, max-queue {args.max_queue}, "

@@ -275,3 +275,20 @@ def test_text_stream_cuts_and_holds_back():
     assert ts.add(ords("ab\ufffd")) == "ab"  # a split multi-byte character waits for the next block
     assert ts.draft(ords("cdefgh")) == "\ufffdcde"  # cut at max_tokens
     assert ts.add(ords("c"), last=True) == "\ufffdc"
+
+
+def test_serve_cli_errors_are_one_line(model, tmp_path, capsys):
+    from dgemma.cli import main
+    from dgemma.server import bind
+
+    assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["serve", "--model", str(model.path), "--max-context", "8"]) == 2
+    assert "max_context must be between 33" in capsys.readouterr().err
+    busy = bind("127.0.0.1", 0)
+    busy.listen()
+    try:
+        assert main(["serve", "--model", str(model.path), "--port", str(busy.getsockname()[1])]) == 2
+        assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+    finally:
+        busy.close()
