@@ -202,8 +202,8 @@ class KVCache:
             vb[:, :, s : s + n] = v
             return kb[:, :, plan.lo : plan.hi], vb[:, :, plan.lo : plan.hi]
         row_idx = (rows if rows is not None else torch.arange(kb.shape[0], device=self.device))[:, None]
-        kb[row_idx, :, cache_pass.positions] = k.transpose(1, 2)
-        vb[row_idx, :, cache_pass.positions] = v.transpose(1, 2)
+        kb[row_idx, :, cache_pass.positions] = k.transpose(1, 2).to(kb.dtype)  # (autocast may hand in bf16)
+        vb[row_idx, :, cache_pass.positions] = v.transpose(1, 2).to(vb.dtype)
         if rows is None:
             return kb[:, :, plan.lo : plan.hi], vb[:, :, plan.lo : plan.hi]
         return kb[rows, :, plan.lo : plan.hi], vb[rows, :, plan.lo : plan.hi]

@@ -1,0 +1,634 @@
+"""`dgemma train` (from a config) and `dgemma finetune` (from a checkpoint, full or LoRA).
+
+The loop is plain: AdamW, linear warmup then cosine decay, gradient accumulation, clipping,
+optional bf16 autocast, periodic eval, checkpoints. Under `torchrun` the same command shards the
+model with FSDP2 (`fully_shard` on each layer and the root) and splits each step's examples
+across ranks.
+
+Exact resume: the examples and the diffusion noise of step s come from generators seeded by
+(seed, s, example index), the learning rate is a function of s, and a checkpoint holds the fp32
+weights and the optimizer state. So a run restarted from step s's checkpoint continues exactly as
+the uninterrupted run would have. A kill loses the steps since the last checkpoint; Ctrl-C or
+SIGTERM finishes the current step, saves, and exits.
+
+Output layout (`--out DIR`):
+    DIR/config.json, model.safetensors, tokenizer.json, ...   the final model (HF layout)
+    DIR/adapter_config.json, adapter_model.safetensors        LoRA runs: the adapters alone
+    DIR/checkpoints/step-NNNNNN/                               resumable checkpoints (last `--keep`)
+    DIR/log.jsonl                                              one line per logged step and eval
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import lora
+from .checkpoint import init_weights, make_config, save_checkpoint
+from .config import ConfigError, GenerationConfig, ModelConfig, load_generation_config, load_model_config, parse_model_config
+from .data import Sampler, iter_records, load_examples
+from .model import DiffusionGemma
+from .objective import Losses, TrainingModule, collate, draw_noise, example_generator
+from .tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from .tokenizer_train import as_tokenizer, train_bpe
+from .weights import load_weights
+
+EVAL_SALT = 0xE7A1
+STATE_FILE = "trainer_state.pt"
+
+# dgemma-tiny: every feature of the real architecture (sliding + global layers with K=V and
+# partial RoPE, dense MLP + 8-expert top-2 MoE, self-conditioning) at a size a 2-core CPU trains.
+PRESETS = {
+    "tiny": dict(
+        vocab_size=4096, hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64,
+        global_head_dim=128, num_global_kv_heads=1, intermediate_size=512, num_experts=8, top_k_experts=2,
+        moe_intermediate_size=128, sliding_window=128, canvas_length=32,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, max_position_embeddings=2048,
+    ),
+    "test": dict(
+        vocab_size=384, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
+        num_global_kv_heads=1, intermediate_size=128, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        sliding_window=16, canvas_length=8, max_position_embeddings=512,
+    ),
+}
+
+
+@dataclass
+class TrainArgs:
+    out: str
+    data: list[str]
+    config: str | None = None  # train: a preset name or a JSON file
+    model: str | None = None  # finetune: a checkpoint directory
+    tokenizer: str | None = None
+    eval_data: list[str] | None = None
+    eval_fraction: float = 0.02
+    steps: int = 1000
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 256
+    blocks: int = 1
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    ar_weight: float = 1.0
+    sc_prob: float = 0.5
+    dtype: str = "float32"
+    device: str = "cpu"
+    eval_every: int = 200
+    eval_batches: int = 4
+    save_every: int = 200
+    save_minutes: float = 15.0
+    keep: int = 2
+    seed: int = 0
+    threads: int | None = None
+    log_every: int = 10
+    save_dtype: str = "float32"
+    init_std: float = 0.02
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    lora_targets: str = "attention,mlp"
+    merge: bool = True
+    fresh: bool = False
+    generation: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    step: int
+    interrupted: bool
+    out: Path
+    last_losses: dict
+    eval: dict
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def lr_at(step: int, base: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `min_ratio * base` at `total`."""
+    if warmup > 0 and step < warmup:
+        return base * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return base * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def example_indices(step: int, micro: int, rank: int, args: TrainArgs, world: int) -> list[int]:
+    """Global indices of the examples one rank reads in one micro-batch of one step.
+
+    The step's examples are [step * G, (step + 1) * G) with G = batch * accum * world, handed out
+    micro-batch-major, so `world=2, accum=1` reads the same examples as `world=1, accum=2`.
+    """
+    per_step = args.batch_size * args.grad_accum * world
+    first = step * per_step + (micro * world + rank) * args.batch_size
+    return list(range(first, first + args.batch_size))
+
+
+def model_config_from(spec: str) -> ModelConfig:
+    """A preset name, a JSON file of `make_config` sizes, or an HF config.json."""
+    if spec in PRESETS:
+        return make_config(**PRESETS[spec])
+    path = Path(spec)
+    if path.is_dir():
+        return load_model_config(path)
+    if not path.exists():
+        raise ConfigError(f"--config {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if "model_type" in data:
+        return parse_model_config(data, where=str(path))
+    try:
+        return make_config(**data)
+    except TypeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+# ------------------------------------------------------------------ distributed
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world): 1 process unless launched by torchrun with WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def agree(flag: bool, world: int) -> bool:
+    """True on every rank if it is True on any (stop and save decisions must be collective)."""
+    if world == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def mean_across(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / world).tolist()
+
+
+def shard(module: TrainingModule, device: torch.device) -> TrainingModule:
+    """FSDP2: each transformer layer is its own shard group, the root holds embeddings and the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in module.net.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "checkpoints").glob("step-*/" + STATE_FILE))
+    return ckpts[-1].parent if ckpts else None
+
+
+def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, world: int):
+    """Full (unsharded, CPU) model and optimizer state dicts; collective under FSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=world > 1)
+    model_sd = get_model_state_dict(module, options=opts)
+    optim_sd = get_optimizer_state_dict(module, optimizer, options=opts) if optimizer is not None else None
+    return model_sd, optim_sd
+
+
+def cpu_net(config: ModelConfig, model_sd: dict[str, torch.Tensor], lora_scale: float | None = None) -> DiffusionGemma:
+    """A plain DiffusionGemma from the `net.*` tensors of a full state dict, LoRA adapters folded in."""
+    sd = {k[len("net.") :]: v for k, v in model_sd.items() if k.startswith("net.")}
+    if lora_scale is not None:
+        sd = lora.merged_state_dict(sd, lora_scale)
+    with torch.device("meta"):
+        net = DiffusionGemma(config)
+    net.load_state_dict(sd, assign=True)
+    return net.eval()
+
+
+# ------------------------------------------------------------------ the trainer
+
+
+class Trainer:
+    def __init__(self, args: TrainArgs):
+        self.args = args
+        self.out = Path(args.out)
+        self.device = torch.device(args.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.rank, self.world = init_distributed(self.device)
+        self.is_main = self.rank == 0
+        self.stop_requested = False
+        self._validate()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.resume_from = None if args.fresh else latest_checkpoint(self.out)
+        self.tok = self._tokenizer()
+        self.net, self.generation = self._model()
+        self.lora_mode = args.lora_rank > 0
+        self.lora_scale = None
+        if self.lora_mode:
+            lora.apply_lora(self.net, args.lora_rank, args.lora_alpha, args.lora_targets, seed=args.seed)
+            self.lora_scale = self.net.lora_config["lora_alpha"] / args.lora_rank
+            if self.resume_from is not None:
+                lora.load_adapters(self.net, self.resume_from)
+        self.net.to(self.device)
+        self.module = TrainingModule(self.net, args.ar_weight, self_conditioning=args.sc_prob > 0)
+        if self.world > 1:
+            shard(self.module, self.device)
+        self.optimizer = self._optimizer()
+        self.step = 0
+        if self.resume_from is not None:
+            self._load_state(self.resume_from)
+        self.train_set, self.eval_set = self._data()
+        self.log_file = self.out / "log.jsonl"
+
+    # ---- setup
+    def _validate(self) -> None:
+        a = self.args
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "blocks", "eval_batches", "save_every", "log_every"):
+            if getattr(a, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(a, name)})")
+        if a.lr <= 0 or not 0 <= a.min_lr_ratio <= 1 or a.warmup < 0 or a.clip < 0:
+            raise ValueError("need lr > 0, 0 <= min-lr-ratio <= 1, warmup >= 0 and clip >= 0")
+        if not 0 <= a.sc_prob <= 1 or a.ar_weight < 0:
+            raise ValueError("need 0 <= sc-prob <= 1 and ar-weight >= 0")
+        if a.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16 (got {a.dtype})")
+        if (a.config is None) == (a.model is None):
+            raise ValueError("give either a model config (train) or a checkpoint (finetune)")
+
+    def _tokenizer(self) -> Tokenizer:
+        a = self.args
+        if a.tokenizer:
+            path = Path(a.tokenizer)
+            return Tokenizer.from_dir(path) if path.is_dir() else _from_file(path)
+        if a.model:
+            if not (Path(a.model) / "tokenizer.json").exists():
+                raise ValueError(f"{a.model} has no tokenizer.json; pass --tokenizer")
+            return Tokenizer.from_dir(a.model)
+        saved = self.out / "tokenizer.json"
+        if not saved.exists():
+            if self.is_main:
+                vocab = model_config_from(a.config).vocab_size
+                self._say(f"training a {vocab}-token BPE tokenizer on {', '.join(a.data)}")
+                texts = (_record_text(rec) for _, rec in iter_records(a.data))
+                train_bpe(texts, vocab).save(str(saved))
+            if self.world > 1:
+                dist.barrier()
+        return _from_file(saved)
+
+    def _model(self) -> tuple[DiffusionGemma, GenerationConfig]:
+        a = self.args
+        if a.model:
+            config = load_model_config(a.model)
+            generation = load_generation_config(a.model, config)
+            source = self.resume_from if (self.resume_from and not a.lora_rank) else Path(a.model)
+            net = load_weights(config, source, "cpu", torch.float32)
+            for p in net.parameters():
+                p.data = p.data.clone()  # own the memory: loading may memory-map the file
+        else:
+            config = model_config_from(a.config)
+            generation = GenerationConfig(eos_token_ids=(1, 6), pad_token_id=0)
+            with torch.device("cpu"):
+                net = DiffusionGemma(config)
+            init_weights(net, std=a.init_std, seed=a.seed)
+            if self.resume_from is not None:
+                net.load_state_dict(load_weights(config, self.resume_from, "cpu", torch.float32).state_dict())
+        if self.tok.vocab_size > config.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens but the model only {config.vocab_size}")
+        if a.generation:
+            generation = generation.with_overrides(**a.generation)
+        net.train()
+        for p in net.parameters():
+            p.requires_grad_(True)
+        return net, generation
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        a = self.args
+        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        decay = [p for n, p in params if p.dim() >= 2]
+        no_decay = [p for n, p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=a.lr, betas=a.betas, eps=1e-8)
+
+    def _load_state(self, ckpt: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
+        set_optimizer_state_dict(
+            self.module, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
+        self.step = int(state["step"])
+        self._say(f"resuming from {ckpt} (step {self.step})")
+
+    def _data(self):
+        a = self.args
+        fraction = 0.0 if a.eval_data else a.eval_fraction
+        train, held = load_examples(a.data, self.tok, a.seq_len, fraction)
+        if a.eval_data:
+            held, _ = load_examples(a.eval_data, self.tok, a.seq_len, 0.0)
+        return Sampler(train, a.seed), (Sampler(held, a.seed) if held else None)
+
+    # ---- one step
+    def _micro_batch(self, indices: list[int], sampler: Sampler, step: int, salt: int = 0):
+        a, c = self.args, self.net.config.canvas_length
+        gens = [example_generator(a.seed, step, i, salt) for i in indices]
+        examples = [sampler[i] for i in indices]
+        batch = collate(examples, c, gens, blocks=a.blocks, pad_id=self.net.config.pad_token_id)
+        noise = draw_noise(gens, c, self.net.config.vocab_size, a.sc_prob, blocks=a.blocks)
+        return batch.to(self.device), noise.to(self.device)
+
+    def _autocast(self):
+        if self.args.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def train_step(self, step: int) -> dict:
+        a = self.args
+        lr = lr_at(step, a.lr, a.warmup, a.steps, a.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        totals = [0.0, 0.0, 0.0]
+        tokens = 0
+        for micro in range(a.grad_accum):
+            batch, noise = self._micro_batch(example_indices(step, micro, self.rank, a, self.world), self.train_set, step)
+            with self._autocast():
+                losses: Losses = self.module(batch, noise)
+            (losses.total / a.grad_accum).backward()
+            for i, v in enumerate((losses.total, losses.diffusion, losses.ar)):
+                totals[i] += v.item() / a.grad_accum
+            tokens += sum(batch.lengths)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, a.clip if a.clip > 0 else float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, diffusion, ar = mean_across(totals, self.world)
+        return {"loss": loss, "diffusion": diffusion, "ar": ar, "lr": lr, "grad_norm": float(norm),
+                "tokens": tokens * self.world}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean losses over the first `eval_batches` batches of the held-out set, with fixed noise."""
+        if self.eval_set is None:
+            return {}
+        a = self.args
+        self.module.eval()
+        sums = [0.0, 0.0]
+        for b in range(a.eval_batches):
+            first = (b * self.world + self.rank) * a.batch_size
+            batch, noise = self._micro_batch(list(range(first, first + a.batch_size)), self.eval_set, 0, EVAL_SALT)
+            with self._autocast():
+                losses = self.module(batch, noise)
+            sums[0] += losses.diffusion.item() / a.eval_batches
+            sums[1] += losses.ar.item() / a.eval_batches
+        self.module.train()
+        diffusion, ar = mean_across(sums, self.world)
+        return {"eval_diffusion": diffusion, "eval_ar": ar}
+
+    # ---- saving
+    def save(self, final: bool = False) -> Path:
+        """A resumable checkpoint at self.step (or the final model in --out); atomic on disk."""
+        model_sd, optim_sd = full_state(self.module, None if final else self.optimizer, self.world)
+        target = self.out if final else self.out / "checkpoints" / f"step-{self.step:06d}"
+        if self.is_main:
+            save_dtype = {"float32": None, "bfloat16": torch.bfloat16}[self.args.save_dtype] if final else None
+            tmp = target if final else target.with_name(f".{target.name}.tmp")
+            if not final:
+                shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+            if self.lora_mode:
+                config = {**self.net.lora_config, "base_model": str(Path(self.args.model).resolve())}
+                lora.write_adapters(tmp, lora.adapter_tensors(model_sd, prefix="net."), config)
+            if not self.lora_mode or (final and self.args.merge):
+                net = cpu_net(self.net.config, model_sd, self.lora_scale)
+                template = self.tok.chat_template or DEFAULT_CHAT_TEMPLATE
+                save_checkpoint(net, tmp, self.generation, self.tok, template, dtype=save_dtype)
+            if not final:
+                torch.save({"step": self.step, "optimizer": optim_sd, "args": asdict(self.args)}, tmp / STATE_FILE)
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp, target)
+                self._prune()
+            else:
+                (tmp / "train_args.json").write_text(json.dumps(asdict(self.args), indent=2) + "\n")
+        if self.world > 1:
+            dist.barrier()
+        return target
+
+    def _prune(self) -> None:
+        ckpts = sorted((self.out / "checkpoints").glob("step-*"))
+        for old in ckpts[: -self.args.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ---- the loop
+    def _say(self, text: str) -> None:
+        if self.is_main:
+            print(text, file=sys.stderr, flush=True)
+
+    def _log(self, record: dict) -> None:
+        if self.is_main:
+            with self.log_file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        self._say("\nstopping after this step (Ctrl-C again to abort without saving)")
+
+    def run(self, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+        a = self.args
+        handlers = {}
+        try:
+            import threading
+
+            if threading.current_thread() is threading.main_thread():
+                for s in (signal.SIGINT, signal.SIGTERM):
+                    handlers[s] = signal.signal(s, self._on_signal)
+            return self._loop(on_step)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+
+    def _loop(self, on_step) -> TrainResult:
+        a = self.args
+        n_params = sum(p.numel() for p in self.net.parameters())
+        n_train = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        self._say(
+            f"dgemma {'finetune' if a.model else 'train'}: {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trained), "
+            f"{len(self.train_set)} training sequences, {self.world} process(es), steps {self.step} -> {a.steps}"
+        )
+        from tqdm import tqdm
+
+        bar = tqdm(total=a.steps, initial=self.step, disable=not (self.is_main and sys.stderr.isatty()),
+                   dynamic_ncols=True, unit="step")
+        last_save, t_start, record, evals = time.time(), time.time(), {}, {}
+        interrupted = False
+        while self.step < a.steps:
+            t0 = time.time()
+            record = self.train_step(self.step)
+            self.step += 1
+            dt = time.time() - t0
+            record.update(step=self.step, tokens_per_s=record["tokens"] / dt, step_s=dt,
+                          elapsed_s=time.time() - t_start)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", diff=f"{record['diffusion']:.3f}", ar=f"{record['ar']:.3f}",
+                            tok_s=f"{record['tokens_per_s']:.0f}")
+            if self.step % a.log_every == 0 or self.step == a.steps:
+                self._log(record)
+                if bar.disable:
+                    self._say(
+                        f"step {self.step}/{a.steps} loss {record['loss']:.4f} (diffusion {record['diffusion']:.4f}, "
+                        f"ar {record['ar']:.4f}) lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+                    )
+            if self.step % a.eval_every == 0 or self.step == a.steps:
+                evals = self.evaluate()
+                if evals:
+                    self._log({"step": self.step, **evals})
+                    self._say(f"step {self.step}: eval diffusion {evals['eval_diffusion']:.4f}, "
+                              f"eval ar {evals['eval_ar']:.4f}")
+            stop = agree(self.stop_requested, self.world)
+            due = self.step % a.save_every == 0 or time.time() - last_save > a.save_minutes * 60
+            if agree(due or stop, self.world) or self.step == a.steps:
+                path = self.save()
+                last_save = time.time()
+                if stop:
+                    self._say(f"stopped at step {self.step}; checkpoint {path}; run the same command to resume")
+                    interrupted = True
+                    break
+            if on_step is not None:
+                on_step(self.step, record)
+        bar.close()
+        if not interrupted:
+            self.save(final=True)
+            self._say(f"wrote {self.out}")
+        return TrainResult(self.step, interrupted, self.out, record, evals)
+
+
+def _record_text(rec: dict) -> str:
+    if "text" in rec:
+        return str(rec["text"])
+    if "messages" in rec:
+        return "\n".join(str(m.get("content", "")) for m in rec["messages"] if isinstance(m, dict))
+    return f"{rec.get('prompt', '')}{rec.get('completion', '')}"
+
+
+def _from_file(path: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        return as_tokenizer(HFTokenizer.from_file(str(path)))
+    except Exception as e:
+        raise ConfigError(f"{path} is not a valid tokenizer.json: {e}") from None
+
+
+def train(args: TrainArgs, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    """Run (or resume) a training run described by `args`."""
+    return Trainer(args).run(on_step)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def add_cli(sub) -> None:
+    t = sub.add_parser("train", help="train a model from scratch, given a config")
+    t.add_argument("--config", required=True, help=f"a preset ({', '.join(PRESETS)}) or a JSON file of model sizes")
+    _common_flags(t, lr=3e-4)
+    t.set_defaults(func=cmd_train)
+
+    f = sub.add_parser("finetune", help="fine-tune a checkpoint (full or LoRA)")
+    f.add_argument("--model", "-m", required=True, help="checkpoint directory to start from")
+    f.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
+    f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    f.add_argument("--lora-targets", default="attention,mlp", help="attention, mlp and/or module-name suffixes")
+    f.add_argument("--no-merge", dest="merge", action="store_false", help="LoRA: write the adapters only")
+    _common_flags(f, lr=1e-4)
+    f.set_defaults(func=cmd_train)
+
+    m = sub.add_parser("merge-lora", help="fold LoRA adapters into a full checkpoint")
+    m.add_argument("--model", "-m", required=True, help="the base checkpoint")
+    m.add_argument("--adapter", required=True, help="directory with adapter_config.json and adapter_model.safetensors")
+    m.add_argument("--out", required=True)
+    m.set_defaults(func=cmd_merge_lora)
+
+
+def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
+    d = TrainArgs(out="", data=[])
+    p.add_argument("--data", nargs="+", required=True, help="text files, directories, .jsonl files, or 'stdlib'")
+    p.add_argument("--out", "-o", required=True, help="output directory (checkpoints, final model, log)")
+    p.add_argument("--tokenizer", help="tokenizer.json or checkpoint dir (train: default trains a BPE on --data)")
+    p.add_argument("--eval-data", nargs="+", help="held-out data (default: --eval-fraction of --data)")
+    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
+    for flag, kind, default, text in (
+        ("--steps", int, d.steps, "optimizer steps"),
+        ("--batch-size", int, d.batch_size, "sequences per micro-batch per process"),
+        ("--grad-accum", int, d.grad_accum, "micro-batches per optimizer step"),
+        ("--seq-len", int, d.seq_len, "tokens per training sequence"),
+        ("--blocks", int, d.blocks, "canvas blocks drawn per sequence (1 = the published objective)"),
+        ("--lr", float, lr, "peak learning rate"),
+        ("--min-lr-ratio", float, d.min_lr_ratio, "final lr as a fraction of the peak"),
+        ("--warmup", int, d.warmup, "linear warmup steps"),
+        ("--weight-decay", float, d.weight_decay, "AdamW weight decay (matrices only)"),
+        ("--clip", float, d.clip, "gradient-norm clipping (0 = off)"),
+        ("--ar-weight", float, d.ar_weight, "weight of the encoder's autoregressive loss"),
+        ("--sc-prob", float, d.sc_prob, "probability of the self-conditioning second pass"),
+        ("--eval-every", int, d.eval_every, "steps between eval losses"),
+        ("--eval-batches", int, d.eval_batches, "batches per eval"),
+        ("--save-every", int, d.save_every, "steps between checkpoints"),
+        ("--save-minutes", float, d.save_minutes, "also checkpoint when this many minutes passed"),
+        ("--keep", int, d.keep, "checkpoints to keep"),
+        ("--seed", int, d.seed, "seed for init, data order and noise"),
+        ("--threads", int, None, "torch CPU threads"),
+        ("--log-every", int, d.log_every, "steps between log lines"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (bf16 autocast)")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the final weights")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--fresh", action="store_true", help="ignore checkpoints in --out and start over")
+
+
+def cmd_train(args) -> int:
+    fields_ = TrainArgs.__dataclass_fields__
+    values = {k: v for k, v in vars(args).items() if k in fields_}
+    result = train(TrainArgs(**values))
+    return 130 if result.interrupted else 0
+
+
+def cmd_merge_lora(args) -> int:
+    import dgemma
+
+    model = dgemma.load(args.model)
+    lora.load_adapters(model.net, args.adapter)
+    lora.merge_lora(model.net)
+    tok = model.tokenizer
+    template = (tok.chat_template if tok else None) or DEFAULT_CHAT_TEMPLATE
+    save_checkpoint(model.net, args.out, generation=model.generation_config, tokenizer=tok, chat_template=template)
+    print(f"wrote the merged checkpoint to {args.out}")
+    return 0

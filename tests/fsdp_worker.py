@@ -1,0 +1,30 @@
+"""Run by tests/test_train.py under torchrun: train a few steps with FSDP2 on gloo, then check that
+every rank holds the same full parameters (fingerprints gathered from all ranks)."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dgemma.train import TrainArgs, Trainer
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    args = TrainArgs(**json.loads(sys.argv[1]))
+    trainer = Trainer(args)
+    result = trainer.run()
+    full = []
+    for _, p in sorted(trainer.module.named_parameters()):
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full.append(t.detach().double().flatten())
+    flat = torch.cat(full)
+    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64)
+    fingerprint = [flat.numel(), float((flat * weights).sum()), float(flat.abs().max())]
+    prints = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, fingerprint)
+    if dist.get_rank() == 0:
+        out = {"fingerprints": prints, "sharded": any(hasattr(p, "full_tensor") for p in trainer.module.parameters()),
+               "loss": result.last_losses.get("loss")}
+        (trainer.out / "fsdp_check.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
