@@ -30,7 +30,7 @@ import torch
 from . import sampler
 from .config import GenerationConfig
 from .events import Block, Draft, Finished, cut_block
-from .kv_cache import KVCache
+from .kv_cache import CachePass, KVCache
 from .model import DiffusionGemma
 
 
@@ -78,6 +78,7 @@ class Engine:
         capacity: int = 4096,
         row_serial: bool | None = None,
         max_waiting: int | None = None,
+        cuda_graphs: bool | None = None,
     ):
         self.net = net
         self.config = net.config
@@ -90,6 +91,8 @@ class Engine:
         self.running: list[Request] = []
         self.free_slots = list(range(max_batch))
         self._ids = itertools.count()
+        use_graphs = net.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = DecoderGraphs() if use_graphs else None
 
     # ---------------------------------------------------------------- admission
     def add(self, request: Request) -> int:
@@ -146,17 +149,8 @@ class Engine:
         req.step = 0
         req.block_passes = 0
 
-    def _denoise(self, group: list[Request]) -> list[tuple]:
-        """One decoder pass for a group; returns per request (argmax, entropy, weights, total, soft)."""
-        c, vocab = self.config.canvas_length, self.config.vocab_size
-        canvas = torch.stack([r.canvas for r in group])
-        if all(r.soft is None for r in group):
-            soft = None
-        else:  # a zero input is exactly "no self-conditioning" (the MLP maps 0 to 0)
-            zeros = torch.zeros(c, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
-            soft = torch.stack([zeros if r.soft is None else r.soft for r in group])
-        plan = self.cache.plan_decoder(c, rows=self._rows(group))
-        logits = self.net.logits(self.net.decode(canvas, self.cache, plan, soft))
+    def _temperatures(self, group: list[Request]) -> torch.Tensor:
+        """Each request's temperature at its own step, one per canvas position [n * C, 1]."""
         temps = torch.stack(
             [
                 sampler.temperature(
@@ -164,31 +158,75 @@ class Engine:
                 )
                 for r in group
             ]
-        ).to(logits.device)
-        stats = sampler.step_statistics(logits.view(-1, vocab), temps.repeat_interleave(c)[:, None])
-        del logits
-        n = len(group)
-        weights = stats.weights.view(n, c, vocab)
-        total = stats.total.view(n, c)
-        soft_next = self.net.soft_embed(weights, total)
-        argmax, entropy = stats.argmax.view(n, c), stats.entropy.view(n, c)
-        return [(argmax[i], entropy[i], weights[i], total[i], soft_next[i]) for i in range(n)]
-
-    def _update(self, req: Request, argmax, entropy, weights, total, soft) -> bool:
-        """Sampler decisions for one request after a pass; returns True when its canvas converged."""
-        cfg, c, vocab = req.config, self.config.canvas_length, self.config.vocab_size
-        accepted = sampler.entropy_bound_accept(entropy[None], cfg.entropy_bound)[0]
-        uniforms = torch.rand(c, generator=req.generator).to(self.net.device)
-        noise = torch.randint(0, vocab, (c,), generator=req.generator).to(self.net.device)
-        picked = accepted.nonzero().squeeze(-1)
-        noise[picked] = sampler.sample_from_weights(weights[picked], uniforms[picked])
-        stop, req.history = sampler.stable_and_confident(
-            req.history, argmax[None], entropy[None], cfg.stability_threshold, cfg.confidence_threshold
         )
-        req.canvas, req.argmax, req.soft = noise, argmax, soft
-        req.step += 1
-        req.block_passes += 1
-        return bool(stop[0]) or req.step >= cfg.max_denoising_steps
+        return temps.repeat_interleave(self.config.canvas_length)[:, None].to(self.net.device)
+
+    def _soft_inputs(self, group: list[Request]) -> torch.Tensor | None:
+        if all(r.soft is None for r in group):
+            return None
+        # a zero input is exactly "no self-conditioning" (the MLP maps 0 to 0)
+        zeros = torch.zeros(self.config.canvas_length, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
+        return torch.stack([zeros if r.soft is None else r.soft for r in group])
+
+    def decoder_step(
+        self, canvas: torch.Tensor, soft: torch.Tensor | None, temps: torch.Tensor, plan: CachePass
+    ) -> tuple[torch.Tensor, ...]:
+        """Decoder pass + everything the sampler needs from the logits, with no host synchronisation.
+
+        Returns argmax [n, C], entropy [n, C], weights [n*C, V] (unnormalised probabilities) and the
+        next step's self-conditioning input [n, C, H]. The [n*C, V] logits do not outlive this call.
+        """
+        n, c = canvas.shape
+        logits = self.net.logits(self.net.decode(canvas, self.cache, plan, soft))
+        stats = sampler.step_statistics(logits.view(-1, self.config.vocab_size), temps)
+        del logits
+        soft_next = self.net.soft_embed(stats.weights.view(n, c, -1), stats.total.view(n, c))
+        return stats.argmax.view(n, c), stats.entropy.view(n, c), stats.weights, soft_next
+
+    def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:
+        canvas = torch.stack([r.canvas for r in group])
+        temps = self._temperatures(group)
+        rows = self._rows(group)
+        if self.graphs is not None:
+            out = self.graphs.run(self, group, rows, canvas, self._soft_inputs(group), temps)
+            if out is not None:
+                return out
+        plan = self.cache.plan_decoder(self.config.canvas_length, rows=rows)
+        return self.decoder_step(canvas, self._soft_inputs(group), temps, plan)
+
+    def _advance(self, group: list[Request], argmax, entropy, weights, soft_next) -> list[bool]:
+        """Sampler decisions for a group after its pass; returns which canvases converged.
+
+        Randomness comes from each request's own generator, a fixed amount per step. On CPU only
+        the accepted positions are sampled; on GPU every position is (no host sync), and the
+        unaccepted samples are discarded.
+        """
+        c, vocab, device = self.config.canvas_length, self.config.vocab_size, self.net.device
+        bounds = torch.tensor([[r.config.entropy_bound] for r in group], device=device)
+        accepted = sampler.entropy_bound_accept(entropy, bounds)
+        uniforms = torch.stack([torch.rand(c, generator=r.generator) for r in group]).to(device, non_blocking=True)
+        noise = torch.stack([torch.randint(0, vocab, (c,), generator=r.generator) for r in group])
+        canvas = noise.to(device, non_blocking=True)
+        if device.type == "cpu":
+            picked = accepted.view(-1).nonzero().squeeze(-1)
+            canvas.view(-1)[picked] = sampler.sample_from_weights(weights[picked], uniforms.view(-1)[picked])
+        else:
+            sampled = sampler.sample_from_weights(weights, uniforms.view(-1)).view(len(group), c)
+            canvas = torch.where(accepted, sampled, canvas)
+        stops = []
+        for i, r in enumerate(group):
+            stop, r.history = sampler.stable_and_confident(
+                r.history, argmax[i : i + 1], entropy[i : i + 1], r.config.stability_threshold, r.config.confidence_threshold
+            )
+            stops.append(stop)
+        argmax, soft_next = argmax.clone(), soft_next.clone()  # graph outputs are overwritten by the next replay
+        converged = []
+        for i, (r, stop) in enumerate(zip(group, torch.cat(stops).tolist())):
+            r.canvas, r.argmax, r.soft = canvas[i], argmax[i], soft_next[i]
+            r.step += 1
+            r.block_passes += 1
+            converged.append(stop or r.step >= r.config.max_denoising_steps)
+        return converged
 
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
@@ -213,8 +251,8 @@ class Engine:
 
         converged = []
         for group in self._groups(self.running):
-            for req, out in zip(group, self._denoise(group)):
-                if self._update(req, *out):
+            for req, done in zip(group, self._advance(group, *self._denoise(group))):
+                if done:
                     converged.append(req)
                 if req.drafts:
                     events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist()))
@@ -253,3 +291,69 @@ class Engine:
         for req in [r for r in self.running if r.cancelled]:
             req.passes += req.block_passes
             self._finish(req, "cancelled", events)
+
+
+class DecoderGraphs:
+    """CUDA-graph captures of `Engine.decoder_step`, one per (rows, prefix lengths).
+
+    A decoder step's shapes and cache views are fixed while a group's rows keep their prefix
+    lengths, i.e. for the whole of a block: the step is captured once and replayed every step of
+    the block. Only the latest capture is kept (its memory pool is freed on recapture). If
+    capture fails, the engine falls back to eager steps for good.
+    """
+
+    def __init__(self):
+        self.key = None
+        self.graph = None
+        self.inputs: dict = {}
+        self.outputs: tuple = ()
+        self.failed = False
+
+    def run(self, engine: Engine, group, rows, canvas, soft, temps):
+        if self.failed:
+            return None
+        key = (tuple(r.slot for r in group), tuple(engine.cache.lengths[r.slot] for r in group))
+        if key != self.key:
+            try:
+                self._capture(engine, rows, canvas, soft, temps)
+                self.key = key
+            except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
+                import logging
+
+                logging.getLogger("dgemma").warning("CUDA graph capture failed, running eagerly: %s", e)
+                self.failed, self.graph = True, None
+                return None
+        self.inputs["canvas"].copy_(canvas)
+        self.inputs["temps"].copy_(temps)
+        if soft is None:
+            self.inputs["soft"].zero_()
+        else:
+            self.inputs["soft"].copy_(soft)
+        self.graph.replay()
+        return self.outputs
+
+    def _capture(self, engine: Engine, rows, canvas, soft, temps) -> None:
+        self.graph = None
+        torch.cuda.empty_cache()
+        n, c = canvas.shape
+        inputs = {
+            "canvas": canvas.clone(),
+            "temps": temps.clone(),
+            "soft": soft.clone() if soft is not None else torch.zeros(
+                n, c, engine.config.hidden_size, dtype=engine.net.dtype, device=canvas.device
+            ),
+        }
+        plan = engine.cache.plan_decoder(c, rows=rows)
+
+        def step():
+            return engine.decoder_step(inputs["canvas"], inputs["soft"], inputs["temps"], plan)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm-up outside the capture (allocator, kernel selection)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
