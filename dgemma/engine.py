@@ -93,6 +93,8 @@ class Engine:
         self._ids = itertools.count()
         use_graphs = net.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecoderGraphs() if use_graphs else None
+        # GPU: sample every position (no host sync); CPU: only the accepted ones. Same tokens either way.
+        self.sample_all_positions = net.device.type != "cpu"
 
     # ---------------------------------------------------------------- admission
     def add(self, request: Request) -> int:
@@ -207,7 +209,7 @@ class Engine:
         uniforms = torch.stack([torch.rand(c, generator=r.generator) for r in group]).to(device, non_blocking=True)
         noise = torch.stack([torch.randint(0, vocab, (c,), generator=r.generator) for r in group])
         canvas = noise.to(device, non_blocking=True)
-        if device.type == "cpu":
+        if not self.sample_all_positions:
             picked = accepted.view(-1).nonzero().squeeze(-1)
             canvas.view(-1)[picked] = sampler.sample_from_weights(weights[picked], uniforms.view(-1)[picked])
         else:
@@ -294,46 +296,50 @@ class Engine:
 
 
 class DecoderGraphs:
-    """CUDA-graph captures of `Engine.decoder_step`, one per (rows, prefix lengths).
+    """CUDA-graph captures of `Engine.decoder_step`, one per group of rows.
 
     A decoder step's shapes and cache views are fixed while a group's rows keep their prefix
     lengths, i.e. for the whole of a block: the step is captured once and replayed every step of
-    the block. Only the latest capture is kept (its memory pool is freed on recapture). If
-    capture fails, the engine falls back to eager steps for good.
+    the block, and captured again when a row commits. If a capture fails, the engine falls back
+    to eager steps for good (with a warning).
     """
 
-    def __init__(self):
-        self.key = None
-        self.graph = None
-        self.inputs: dict = {}
-        self.outputs: tuple = ()
+    def __init__(self, max_graphs: int = 8):
+        self.max_graphs = max_graphs
+        self.captured: dict[tuple, tuple] = {}  # slots -> (lengths, graph, inputs, outputs)
         self.failed = False
 
     def run(self, engine: Engine, group, rows, canvas, soft, temps):
         if self.failed:
             return None
-        key = (tuple(r.slot for r in group), tuple(engine.cache.lengths[r.slot] for r in group))
-        if key != self.key:
+        slots = tuple(r.slot for r in group)
+        lengths = tuple(engine.cache.lengths[s] for s in slots)
+        entry = self.captured.get(slots)
+        if entry is None or entry[0] != lengths:
+            self.captured.pop(slots, None)
+            while len(self.captured) >= self.max_graphs:
+                self.captured.pop(next(iter(self.captured)))
             try:
-                self._capture(engine, rows, canvas, soft, temps)
-                self.key = key
+                entry = (lengths, *self._capture(engine, rows, canvas, soft, temps))
             except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
                 import logging
 
                 logging.getLogger("dgemma").warning("CUDA graph capture failed, running eagerly: %s", e)
-                self.failed, self.graph = True, None
+                self.failed, self.captured = True, {}
                 return None
-        self.inputs["canvas"].copy_(canvas)
-        self.inputs["temps"].copy_(temps)
+            self.captured[slots] = entry
+        _, graph, inputs, outputs = entry
+        inputs["canvas"].copy_(canvas)
+        inputs["temps"].copy_(temps)
         if soft is None:
-            self.inputs["soft"].zero_()
+            inputs["soft"].zero_()
         else:
-            self.inputs["soft"].copy_(soft)
-        self.graph.replay()
-        return self.outputs
+            inputs["soft"].copy_(soft)
+        graph.replay()
+        return outputs
 
-    def _capture(self, engine: Engine, rows, canvas, soft, temps) -> None:
-        self.graph = None
+    @staticmethod
+    def _capture(engine: Engine, rows, canvas, soft, temps):
         torch.cuda.empty_cache()
         n, c = canvas.shape
         inputs = {
@@ -356,4 +362,4 @@ class DecoderGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outputs = step()
-        self.graph, self.inputs, self.outputs = graph, inputs, outputs
+        return graph, inputs, outputs

@@ -128,3 +128,22 @@ def test_greedy_ar_equals_stepwise_recomputation(ref_wide):
         logits = _reference_encoder_logits(ref, torch.tensor([seq]))
         seq.append(int(logits[0, -1].argmax()))
     assert out.sequences[0] == seq[len(prompt) :]
+
+
+def test_sampling_every_position_gives_the_same_tokens(ref_gqa):
+    """The GPU way (sample all positions, keep the accepted) equals the CPU way (sample accepted only)."""
+    from dgemma.engine import Engine, Request
+
+    model = dgemma.load(ref_gqa[0])
+    cfg = model.generation_config.with_overrides(max_new_tokens=20, entropy_bound=1.0)
+    outs = []
+    for sample_all in (False, True):
+        engine = Engine(model.net, max_batch=2, capacity=64)
+        engine.sample_all_positions = sample_all
+        for seed, prompt in enumerate(PROMPTS[:2]):
+            engine.add(Request(prompt, cfg, seed))
+        finished = []
+        while engine.has_work:
+            finished += [e for e in engine.step() if isinstance(e, dgemma.Finished)]
+        outs.append(sorted((e.row, e.tokens) for e in finished))
+    assert outs[0] == outs[1]
