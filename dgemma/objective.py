@@ -109,10 +109,9 @@ def choose_block(example: Example, canvas_length: int, gen: torch.Generator) -> 
     if not example.complete:
         inside = [i for i in candidates if i + canvas_length <= n]
         candidates = inside or candidates
-    if not candidates:  # nothing supervised: an all-masked block (contributes no loss)
-        start = max(1, n)
-    else:
-        start = candidates[int(torch.randint(len(candidates), (1,), generator=gen))]
+    if not candidates:  # nothing supervised: an unsupervised block after the end (contributes no loss)
+        return max(1, n), [0] * canvas_length, [False] * canvas_length
+    start = candidates[int(torch.randint(len(candidates), (1,), generator=gen))]
     target = example.ids[start : start + canvas_length]
     mask = example.mask[start : start + canvas_length]
     pad = canvas_length - len(target)

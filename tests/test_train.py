@@ -169,6 +169,7 @@ def test_block_choice():
         starts.add(start)
         assert target == (done.ids[start:] + [0] * 8)[:8] and all(mask)  # pad after EOS is supervised
     assert starts == {1, 2, 3}
+    assert choose_block(Example([2, 9, 1], [False] * 3), 8, g) == (3, [0] * 8, [False] * 8)
 
 
 # ---------------------------------------------------------------- data
