@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -463,11 +464,8 @@ class Trainer:
         self._say("\nstopping after this step (Ctrl-C again to abort without saving)")
 
     def run(self, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-        a = self.args
         handlers = {}
         try:
-            import threading
-
             if threading.current_thread() is threading.main_thread():
                 for s in (signal.SIGINT, signal.SIGTERM):
                     handlers[s] = signal.signal(s, self._on_signal)
