@@ -47,9 +47,10 @@ class GenerationOutput:
 def cut_block(block: list[int], eos: tuple[int, ...], room: int) -> tuple[list[int], bool, int]:
     """Tokens to emit from a committed block: up to and including the first EOS, at most `room`.
 
-    Returns (tokens, hit_eos, length up to and including the EOS, or the whole block).
+    Returns (tokens, hit_eos, length up to and including the EOS, or the whole block); hit_eos
+    only when the EOS itself is emitted, so an EOS past `room` is a length stop.
     """
     eos_set = set(eos)
     end = next((i + 1 for i, t in enumerate(block) if t in eos_set), None)
     kept = block[: end if end is not None else len(block)]
-    return kept[:room], end is not None, len(kept)
+    return kept[:room], end is not None and end <= room, len(kept)

@@ -147,3 +147,11 @@ def test_sampling_every_position_gives_the_same_tokens(ref_gqa):
             finished += [e for e in engine.step() if isinstance(e, dgemma.Finished)]
         outs.append(sorted((e.row, e.tokens) for e in finished))
     assert outs[0] == outs[1]
+
+
+def test_cut_block_reports_eos_only_when_emitted():
+    from dgemma.events import cut_block
+
+    assert cut_block([5, 1, 7], (1,), 10) == ([5, 1], True, 2)
+    assert cut_block([5, 6, 1], (1,), 2) == ([5, 6], False, 3)  # EOS past the room: a length stop
+    assert cut_block([5, 6], (1,), 5) == ([5, 6], False, 2)
