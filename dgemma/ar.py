@@ -79,7 +79,7 @@ def ar_stream(model, prompt_ids: list[int], max_new_tokens: int | None = None, t
     """AR events for one prompt, with the checkpoint's max_new_tokens and EOS list by default."""
     gen = model.generation_config
     return ar_events(
-        model.net,
+        model.engine_net,
         [list(prompt_ids)],
         max_new_tokens or gen.max_new_tokens,
         temperature,

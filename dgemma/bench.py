@@ -119,7 +119,7 @@ def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode
     if not adaptive:
         knobs.update(max_denoising_steps=steps, confidence_threshold=FIXED_STEPS_CONFIDENCE)
     cfg = model.generation_config.with_overrides(**knobs)
-    net = model.net
+    net = model.engine_net
     timer = _Timer(net.encode, device)
     net.encode = timer
     _reset_peak(device)

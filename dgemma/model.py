@@ -217,6 +217,9 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(Layer(config, spec) for spec in config.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
+        # Optional replacements for the two vocab-sized matmuls (see kernels/cpu.py); None: plain torch.
+        self.lm_head_kernel = None
+        self.soft_embed_kernel = None
         # One spec per layer kind, for RoPE tables. Frequencies are rebuilt per pass in float32
         # (cheap) rather than kept as buffers that a dtype cast would round.
         self.rope_specs = {spec.kind: spec for spec in config.layers}
@@ -241,7 +244,8 @@ class DiffusionGemma(nn.Module):
         """
         w = self.embed_tokens.weight
         scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
-        soft = torch.matmul(probs.to(w.dtype), w)
+        kernel = self.soft_embed_kernel
+        soft = kernel(probs.to(w.dtype)) if kernel is not None else torch.matmul(probs.to(w.dtype), w)
         if total is not None:
             soft = soft / total.to(soft.dtype)[..., None]
         return soft * scale
@@ -274,5 +278,6 @@ class DiffusionGemma(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head, then float32 tanh softcapping."""
         cap = self.config.final_logit_softcapping
-        logits = F.linear(hidden, self.embed_tokens.weight).to(torch.float32)
+        kernel = self.lm_head_kernel
+        logits = (kernel(hidden) if kernel is not None else F.linear(hidden, self.embed_tokens.weight)).to(torch.float32)
         return torch.tanh(logits / cap) * cap

@@ -237,7 +237,7 @@ class Service:
         self.context = max_context
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.scheduler = Scheduler(model.net, max_active, max_queue, max_context, self.metrics, row_serial)
+        self.scheduler = Scheduler(model.engine_net, max_active, max_queue, max_context, self.metrics, row_serial)
 
     # ---------------------------------------------------------------- parsing
     def check_model(self, name: str) -> None:
