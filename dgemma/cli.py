@@ -141,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from .config import ConfigError
+    from .kernels.cpu import keep_freed_memory
     from .weights import WeightsError
+
+    keep_freed_memory()  # a long-running process: no page faults for every step's temporaries
 
     try:
         return args.func(args) or 0

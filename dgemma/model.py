@@ -275,9 +275,14 @@ class DiffusionGemma(nn.Module):
         h = self.self_conditioning(self.embed(canvas), soft_embeds)
         return self._run_layers(h, cache, cache_pass, encoder=False)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head, then float32 tanh softcapping."""
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tied LM head, then float32 tanh softcapping (into `out` [tokens, vocab] float32 if given)."""
         cap = self.config.final_logit_softcapping
         kernel = self.lm_head_kernel
-        logits = (kernel(hidden) if kernel is not None else F.linear(hidden, self.embed_tokens.weight)).to(torch.float32)
-        return torch.tanh(logits / cap) * cap
+        logits = kernel(hidden) if kernel is not None else F.linear(hidden, self.embed_tokens.weight)
+        if out is not None and logits.dtype != torch.float32:
+            logits = out.view(logits.shape).copy_(logits)
+        logits = logits.to(torch.float32)
+        if logits.requires_grad:
+            return torch.tanh(logits / cap) * cap
+        return logits.div_(cap).tanh_().mul_(cap)  # same ops in place: no [tokens, vocab] temporaries
