@@ -108,3 +108,22 @@ def test_fast_self_conditioning_step_matches_reference_logits(ref_gqa):
     with torch.no_grad():
         got = net.logits(net.decode(canvas, cache, cache.plan_decoder(8), soft))
     assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_step_statistics_in_place_equals_out_of_place_and_ignores_denormal_tail():
+    """The engine's variant (logits overwritten, weights into a reused buffer) decides exactly as the plain one,
+    and weights clamped at exp(-87) leave totals and entropies as float32 computes them without the clamp."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.tanh(torch.randn(6, 4000, generator=g) * 2) * 30.0  # (logits - max) / 0.4 reaches -150
+    temp = torch.full((6, 1), 0.4)
+    plain = sampler.step_statistics(logits, temp)
+    buffer = torch.empty_like(logits)
+    fast = sampler.step_statistics(logits.clone(), temp, overwrite_logits=True, out=buffer)
+    assert fast.weights.data_ptr() == buffer.data_ptr()
+    assert torch.equal(fast.argmax, plain.argmax) and torch.equal(fast.weights, plain.weights)
+    assert torch.allclose(fast.entropy, plain.entropy, atol=1e-6)
+    unclamped = torch.exp((logits - logits.max(-1, keepdim=True).values) / temp)
+    assert (unclamped < 1e-38).any()  # the case the clamp is for
+    assert torch.equal(plain.total, unclamped.sum(-1))
+    exact = torch.distributions.Categorical(logits=logits.double() / 0.4).entropy().float()
+    assert torch.allclose(plain.entropy, exact, atol=1e-5)
