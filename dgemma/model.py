@@ -276,7 +276,11 @@ class DiffusionGemma(nn.Module):
         return self._run_layers(h, cache, cache_pass, encoder=False)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Tied LM head, then float32 tanh softcapping (into `out` [tokens, vocab] float32 if given)."""
+        """Tied LM head, then float32 tanh softcapping.
+
+        `out` [tokens, vocab] float32 receives a bf16/fp16 head's conversion; a float32 head's own
+        output is softcapped where it is (in place outside autograd) and `out` is left unused.
+        """
         cap = self.config.final_logit_softcapping
         kernel = self.lm_head_kernel
         logits = kernel(hidden) if kernel is not None else F.linear(hidden, self.embed_tokens.weight)

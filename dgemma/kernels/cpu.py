@@ -89,7 +89,7 @@ class LeanRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module):
         super().__init__()
-        self.eps, self.weight = norm.eps, norm.weight
+        self.eps, self.weight = norm.eps, norm.weight  # shared with the model, as every packed module's tensors
         self.weight_f32 = None if norm.weight is None else norm.weight.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,22 +138,36 @@ def _tree_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
+def _fast_module(module: nn.Module) -> nn.Module | None:
+    """The engine's replacement for a module, or None to keep it (and look inside it)."""
+    if isinstance(module, DenseMLP):
+        return LeanDenseMLP(module)
+    if isinstance(module, nn.Linear):
+        return PackedLinear(module.weight)
+    if isinstance(module, Experts):
+        return PackedExperts(module)
+    if isinstance(module, RMSNorm):
+        return LeanRMSNorm(module)
+    return None
+
+
+def _swap_in_fast_modules(module: nn.Module) -> None:
+    """Replace children in place; a replaced module's own children are not visited (nor packed twice)."""
+    for name, child in module._modules.items():
+        fast = _fast_module(child)
+        if fast is None:
+            _swap_in_fast_modules(child)
+        else:
+            module._modules[name] = fast
+
+
 @torch.no_grad()
 def packed_copy(net: DiffusionGemma) -> DiffusionGemma:
     """The model with packed linears, experts, LM head and self-conditioning matmul (CPU only)."""
     if net.device.type != "cpu" or not supported(net.dtype):
         return net
     fast = _tree_copy(net)
-    for module in list(fast.modules()):
-        for name, child in list(module._modules.items()):
-            if isinstance(child, DenseMLP):
-                module._modules[name] = LeanDenseMLP(child)
-            elif isinstance(child, nn.Linear):
-                module._modules[name] = PackedLinear(child.weight)
-            elif isinstance(child, Experts):
-                module._modules[name] = PackedExperts(child)
-            elif isinstance(child, RMSNorm):
-                module._modules[name] = LeanRMSNorm(child)
+    _swap_in_fast_modules(fast)
     embed = net.embed_tokens.weight
     fast.lm_head_kernel = PackedLinear(embed)  # hidden @ E.T
     fast.soft_embed_kernel = PackedLinear(embed.t())  # probs @ E
