@@ -18,6 +18,8 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("diffusion_gemma",)
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
+GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> F.gelu's `approximate`
+
 
 class ConfigError(ValueError):
     """A checkpoint's configuration is missing, corrupt or describes a model dgemma cannot run."""
@@ -275,7 +277,7 @@ def parse_model_config(data: dict, where: str = "config.json") -> ModelConfig:
         specs.append(spec)
 
     act = text.get("hidden_activation") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu"):
+    if act not in GELU_APPROXIMATION:
         raise ConfigError(f"{tw}: hidden_activation {act!r} is not supported")
     canvas = data.get("canvas_length") or 256
     softcap = text.get("final_logit_softcapping")

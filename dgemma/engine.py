@@ -191,11 +191,15 @@ class Engine:
         soft_next = self.net.soft_embed(stats.weights.view(n, c, -1), stats.total.view(n, c))
         return stats.argmax.view(n, c), stats.entropy.view(n, c), stats.weights, soft_next
 
-    def _workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [rows, vocab] float32 buffers: the step's logits and its unnormalised probabilities."""
+    def _workspace(self, rows: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """[rows, vocab] float32 buffers: the step's logits (only for a bf16/fp16 head, whose output
+        is converted into it; a float32 head's own output is used in place) and its unnormalised
+        probabilities."""
+        count = 1 if self.net.dtype == torch.float32 else 2
         if self._buffers is None or self._buffers.shape[1] < rows:
-            self._buffers = torch.empty(2, rows, self.config.vocab_size, dtype=torch.float32, device=self.net.device)
-        return self._buffers[0, :rows], self._buffers[1, :rows]
+            self._buffers = torch.empty(count, rows, self.config.vocab_size, dtype=torch.float32, device=self.net.device)
+        weights = self._buffers[-1, :rows]
+        return (self._buffers[0, :rows] if count == 2 else None), weights
 
     def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:
         canvas = torch.stack([r.canvas for r in group])

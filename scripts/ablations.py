@@ -196,7 +196,7 @@ def bf16_moe(hidden: int, inter: int, experts: int, top_k: int, tokens: int):
         return {}
 
     class Shape:
-        num_experts, hidden_size, moe_intermediate_size = experts, hidden, inter
+        num_experts, hidden_size, moe_intermediate_size, hidden_activation = experts, hidden, inter, "gelu_pytorch_tanh"
 
     g = torch.Generator().manual_seed(6)
     module = Experts(Shape())
@@ -222,6 +222,21 @@ def bf16_rmsnorm(hidden: int, tokens: int):
     return {"RMSNorm (reference ops)": lambda: norm(x), "LeanRMSNorm (engine)": lambda: lean(x)}
 
 
+def bf16_dense_mlp(hidden: int, inter: int, tokens: int):
+    """bf16 dense MLP: packed GEMMs then gelu and multiply as torch ops vs both fused into the GEMMs."""
+    from dgemma.kernels.cpu import LeanDenseMLP, PackedLinear, supported
+    from dgemma.model import DenseMLP, gelu
+
+    if not supported(torch.bfloat16):
+        return {}
+    torch.manual_seed(7)
+    mlp = DenseMLP(hidden, inter).to(torch.bfloat16)
+    gate, up, down = (PackedLinear(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    fused = LeanDenseMLP(mlp)
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    return {"packed GEMMs, gelu and * as ops": lambda: down(gelu(gate(x), "tanh").mul_(up(x))), "post-op fused (engine)": lambda: fused(x)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--vocab", type=int, default=32768)
@@ -240,6 +255,7 @@ def main() -> None:
         "a [canvas, vocab] float32 result": reused_buffer(args.vocab, args.canvas),
         "bf16 MoE layer (32 experts, top-4)": bf16_moe(args.hidden, 512, 32, 4, args.canvas),
         "bf16 RMSNorm, 256 x 1024": bf16_rmsnorm(args.hidden, args.canvas),
+        "bf16 dense MLP, 256 x 1024 -> 2048": bf16_dense_mlp(args.hidden, 2048, args.canvas),
     }
     print(f"threads {torch.get_num_threads()}, best of {args.repeats}")
     print(f"| work | baseline | ms | dgemma | ms | speed-up |\n|---|---|---:|---|---:|---:|")

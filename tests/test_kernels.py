@@ -6,6 +6,7 @@ import torch
 import dgemma
 from dgemma.kernels.cpu import PackedExperts, packed_copy, supported
 from dgemma.kv_cache import KVCache
+from oracle import build_reference
 
 pytestmark = pytest.mark.skipif(not supported(torch.float32), reason="no oneDNN packed linears in this torch")
 
@@ -34,6 +35,17 @@ def test_packed_copy_matches_and_shares_tensors(ref_wide):
         assert (a - b).abs().max().item() < 1e-4
     probs = torch.softmax(torch.randn(5, 160, generator=g), -1)
     assert torch.allclose(fast.soft_embed(probs), model.net.soft_embed(probs), atol=1e-5)
+
+
+@torch.no_grad()
+def test_packed_copy_follows_the_activation(tmp_path):
+    build_reference(tmp_path, "wide", text_overrides={"hidden_activation": "gelu"})  # exact (erf) gelu
+    model = dgemma.load(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    prompt, canvas = torch.randint(0, 160, (1, 9), generator=g), torch.randint(0, 160, (1, 16), generator=g)
+    soft = torch.randn(1, 16, 48, generator=g)
+    for a, b in zip(_step_logits(model.net, prompt, canvas, soft), _step_logits(packed_copy(model.net), prompt, canvas, soft)):
+        assert (a - b).abs().max().item() < 1e-4
 
 
 def test_engine_uses_packed_copy_and_stays_batch_invariant(ref_gqa):

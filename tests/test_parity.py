@@ -6,6 +6,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import Entro
 
 import dgemma
 from conftest import EOS
+from oracle import build_reference
 
 
 def _reference_knobs(knobs):
@@ -93,3 +94,18 @@ def test_reference_seed_argument_equals_manual_seed(ref_gqa):
     a = model.generate([[1, 2, 3]], max_new_tokens=8, sampling="reference")
     b = model.generate([[1, 2, 3]], max_new_tokens=8, sampling="reference", seed=7)
     assert a.sequences == b.sequences
+
+
+def test_erf_gelu_checkpoint_matches_reference(tmp_path):
+    """hidden_activation "gelu" is exact (erf) gelu in the reference, not the tanh approximation."""
+    ref = build_reference(tmp_path, "gqa", text_overrides={"hidden_activation": "gelu"})
+    model = dgemma.load(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 11), generator=g)
+    canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length), generator=g)
+    sc = torch.randn(1, model.config.canvas_length, model.config.vocab_size, generator=g) * 4
+    with torch.no_grad():
+        expected = ref(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=sc).logits
+        tanh_instead = build_reference(tmp_path / "tanh", "gqa")(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=sc).logits
+    assert (tanh_instead - expected).abs().max().item() > 1e-3  # the test can tell the two apart
+    assert (model.canvas_logits(prompt.tolist(), canvas, sc) - expected).abs().max().item() < 1e-4
