@@ -12,6 +12,9 @@ dgemma sources on PYTHONPATH (the script adds the repo root). It prints:
 2. ms per decoder step (decoder forward + logits + sampler statistics) for a 256-token canvas
    at batch 1, 4, 8 after a 4096-token prompt, eager and (where it works) CUDA-graph captured;
 3. decode tokens/s at 16 fixed denoising steps (batch 1), through the engine.
+
+`--device cpu --size tiny --prompt-len 64 --quick` runs the same code on the CPU in seconds (no
+CUDA graphs): a test does, so the script cannot rot between the rare sessions with a GPU.
 """
 
 from __future__ import annotations
@@ -33,36 +36,41 @@ from dgemma.kv_cache import KVCache  # noqa: E402
 from dgemma.model import DiffusionGemma  # noqa: E402
 
 
-def copy_bandwidth(gb: float = 4.0) -> float:
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, gb: float = 4.0) -> float:
     """Bytes per second moved by a device-to-device copy (read + write counted)."""
     n = int(gb * 2**30) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    a = torch.empty(n, dtype=torch.bfloat16, device=device)
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(10):
         b.copy_(a)
-    torch.cuda.synchronize()
+    synchronize(device)
     return 2 * a.numel() * 2 * 10 / (time.perf_counter() - start)
 
 
 @torch.no_grad()
-def build(size: str, dtype=torch.bfloat16) -> DiffusionGemma:
+def build(size: str, device: str, dtype=torch.bfloat16) -> DiffusionGemma:
     config = make_config(**SIZES[size])
     with torch.device("meta"):
         net = DiffusionGemma(config)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     for module in net.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.dim() >= 2:
-                value = torch.randn(p.shape, generator=gen, device="cuda", dtype=dtype) * 0.02
+                value = torch.randn(p.shape, generator=gen, device=device, dtype=dtype) * 0.02
             else:
-                value = torch.ones(p.shape, device="cuda", dtype=dtype)
+                value = torch.ones(p.shape, device=device, dtype=dtype)
             module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
         for name, b in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = torch.ones(b.shape, device="cuda", dtype=dtype)
+            module._buffers[name] = torch.ones(b.shape, device=device, dtype=dtype)
     return net.eval()
 
 
@@ -73,19 +81,19 @@ def weight_bytes(net: DiffusionGemma) -> int:
 @torch.no_grad()
 def step_time(net: DiffusionGemma, batch: int, prompt_len: int, graphs: bool, iters: int = 10) -> float:
     """ms per decoder step: decode + logits + step statistics + self-conditioning input."""
-    cfg = net.config
+    cfg, device = net.config, net.device.type
     c = cfg.canvas_length
-    cache = KVCache(cfg, batch, prompt_len + 2 * c, "cuda", net.dtype)
-    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device="cuda")
+    cache = KVCache(cfg, batch, prompt_len + 2 * c, device, net.dtype)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
     for start in range(0, prompt_len, 1024):  # chunked prefill bounds activation memory
         chunk = ids[:, start : start + 1024]
         plan = cache.plan_encoder(chunk.shape[1])
         net.encode(chunk, cache, plan)
         cache.commit(plan)
-    canvas = torch.randint(0, cfg.vocab_size, (batch, c), device="cuda")
-    soft = torch.zeros(batch, c, cfg.hidden_size, device="cuda", dtype=net.dtype)
+    canvas = torch.randint(0, cfg.vocab_size, (batch, c), device=device)
+    soft = torch.zeros(batch, c, cfg.hidden_size, device=device, dtype=net.dtype)
     plan = cache.plan_decoder(c)
-    temp = torch.full((batch * c, 1), 0.6, device="cuda")
+    temp = torch.full((batch * c, 1), 0.6, device=device)
 
     def one_step():
         logits = net.logits(net.decode(canvas, cache, plan, soft))
@@ -107,11 +115,11 @@ def step_time(net: DiffusionGemma, batch: int, prompt_len: int, graphs: bool, it
         fn = graph.replay
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     return 1000 * (time.perf_counter() - start) / iters
 
 
@@ -120,36 +128,43 @@ def main() -> None:
     parser.add_argument("--size", default="real", choices=sorted(SIZES))
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--quick", action="store_true", help="batch 1 only, fewer iterations")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")
     args = parser.parse_args()
-    assert torch.cuda.is_available(), "this script needs a CUDA GPU"
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, size={args.size}", flush=True)
-    bw = copy_bandwidth()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("this script needs a CUDA GPU (or --device cpu for a smoke run)")
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {name}, size={args.size}", flush=True)
+    bw = copy_bandwidth(device, gb=4.0 if device == "cuda" else 0.25)
     t0 = time.perf_counter()
-    net = build(args.size)
+    net = build(args.size, device)
     nbytes = weight_bytes(net)
     print(f"built {nbytes / 1e9:.1f} GB of bf16 weights in {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s -> weight-read floor {1000 * nbytes / bw:.2f} ms per decoder step")
     print(f"{'batch':>5} {'eager ms/step':>14} {'graph ms/step':>14} {'floor ms':>9}")
     for batch in [1] if args.quick else [1, 4, 8]:
         eager = step_time(net, batch, args.prompt_len, graphs=False)
-        try:
-            graph = f"{step_time(net, batch, args.prompt_len, graphs=True):14.2f}"
-        except Exception as e:  # report, do not hide: capture can fail on dynamic ops
-            graph = f"{'failed':>14}  ({type(e).__name__}: {str(e)[:80]})"
+        if device != "cuda":
+            graph = f"{'n/a':>14}"
+        else:
+            try:
+                graph = f"{step_time(net, batch, args.prompt_len, graphs=True):14.2f}"
+            except Exception as e:  # report, do not hide: capture can fail on dynamic ops
+                graph = f"{'failed':>14}  ({type(e).__name__}: {str(e)[:80]})"
+            torch.cuda.empty_cache()
         print(f"{batch:5d} {eager:14.2f} {graph} {1000 * nbytes / bw:9.2f}", flush=True)
-        torch.cuda.empty_cache()
 
     from dgemma.config import GenerationConfig
     from dgemma.generate import collect, default_events
 
-    steps, new_tokens = 16, 512
+    steps, new_tokens = 16, 2 * net.config.canvas_length if args.quick else 512
     cfg = GenerationConfig(max_new_tokens=new_tokens, max_denoising_steps=steps, confidence_threshold=1e-30)
     prompt = torch.randint(0, net.config.vocab_size, (args.prompt_len,)).tolist()
     collect(default_events(net, [prompt], cfg, [0], row_serial=False))  # warm-up
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     out = collect(default_events(net, [prompt], cfg, [0], row_serial=False))
-    torch.cuda.synchronize()
+    synchronize(device)
     total = time.perf_counter() - start
     n = len(out.sequences[0])
     print(
