@@ -85,10 +85,17 @@ class Model:
     def engine_net(self) -> DiffusionGemma:
         """The network the engine and AR mode run: on CPU a copy with packed weights
         (kernels/cpu.py: faster, equal to `net` at float32 rounding); elsewhere `net` itself.
-        The reference-exact paths (`sampling="reference"`, `canvas_logits`) always use `net`."""
+        The reference-exact paths (`sampling="reference"`, `canvas_logits`) always use `net`.
+
+        The packed copy is made on first use; modules with hooks (LoRA adapters) stay unpacked.
+        After changing `net`'s weights in place or attaching adapters, call `reset_engine_net()`."""
         if self._engine_net is None:
             self._engine_net = packed_copy(self.net) if self.device.type == "cpu" else self.net
         return self._engine_net
+
+    def reset_engine_net(self) -> None:
+        """Forget the packed copy, so the next generation packs `net` as it is now."""
+        self._engine_net = None
 
     @property
     def device(self) -> torch.device:

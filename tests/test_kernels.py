@@ -48,6 +48,23 @@ def test_packed_copy_follows_the_activation(tmp_path):
         assert (a - b).abs().max().item() < 1e-4
 
 
+@torch.no_grad()
+def test_engine_net_keeps_lora_adapters(ref_gqa):
+    from dgemma import lora
+
+    model = dgemma.load(ref_gqa[0])
+    g = torch.Generator().manual_seed(2)
+    prompt, canvas = torch.randint(0, 128, (1, 7), generator=g), torch.randint(0, 128, (1, 8), generator=g)
+    before = _step_logits(model.engine_net, prompt, canvas)[1]
+    lora.apply_lora(model.net, rank=2)
+    for adapter in lora.adapters(model.net).values():
+        adapter.B.normal_(std=0.5, generator=g)
+    model.reset_engine_net()
+    expected, got = _step_logits(model.net, prompt, canvas)[1], _step_logits(model.engine_net, prompt, canvas)[1]
+    assert (expected - before).abs().max().item() > 1e-3  # the adapters change the logits
+    assert (got - expected).abs().max().item() < 1e-4
+
+
 def test_engine_uses_packed_copy_and_stays_batch_invariant(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     assert model.engine_net is model.engine_net and model.engine_net is not model.net

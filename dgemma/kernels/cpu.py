@@ -176,10 +176,15 @@ def _fast_module(module: nn.Module) -> nn.Module | None:
     return None
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    """Something (a LoRA adapter, a user's hook) acts on this module's calls: keep it as it is."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
 def _swap_in_fast_modules(module: nn.Module) -> None:
     """Replace children in place; a replaced module's own children are not visited (nor packed twice)."""
     for name, child in module._modules.items():
-        fast = _fast_module(child)
+        fast = None if _has_hooks(child) else _fast_module(child)
         if fast is None:
             _swap_in_fast_modules(child)
         else:
