@@ -216,11 +216,32 @@ def run_reference(ref, prompts, new_tokens: int, steps: int, adaptive: bool) -> 
     return result
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (unknown: no check)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
     """Random weights of a named size, written as a checkpoint (so every peer loads the same file)."""
     from .checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
+    from .model import DiffusionGemma
 
     config = make_config(**SIZES[size])
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DiffusionGemma(config).parameters())
+    need, have = 4 * params, available_memory_bytes()  # built in float32 before any cast
+    if have is not None and need > have:
+        raise ValueError(
+            f"--size {size} has {params / 1e9:.1f} B parameters: building its random weights needs ~{need / 2**30:.0f} GiB "
+            f"of memory and this machine has {have / 2**30:.0f} GiB available; use a smaller --size "
+            f"(mid is the CPU benchmark), or scripts/gpu_bench.py on a GPU for the real size"
+        )
     model = random_model(config, seed=seed, std=0.02)
     return save_checkpoint(model, directory / size, tokenizer=byte_tokenizer())
 

@@ -1,5 +1,6 @@
 """The benchmark scripts still run: the GPU one is only ever run for real in rare sessions with a GPU."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +25,30 @@ def test_gpu_bench_smoke_run_on_cpu():
 def test_gpu_bench_without_a_gpu_says_so():
     run = subprocess.run([sys.executable, "scripts/gpu_bench.py", "--size", "tiny"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_dgemma_bench_reports_every_peer_with_ratios(capsys):
+    from dgemma.cli import main
+
+    argv = ["bench", "--size", "tiny", "--prompt-len", "32", "--new-tokens", "128", "--runs", "1", "--no-warmup", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["peer"]: r for r in report["rows"]}
+    assert set(rows) == {"dgemma", "dgemma-ar", "transformers"}
+    assert rows["dgemma"]["tokens_per_forward"] == 64 / 16  # canvas 64, 16 fixed steps, no EOS
+    assert rows["dgemma-ar"]["tokens_per_forward"] == 1
+    assert rows["transformers"]["tokens_per_forward"] == 64 / 16
+    for peer in ("dgemma", "dgemma-ar"):
+        r = rows[peer]
+        assert r["x_vs_transformers"] == pytest.approx(r["output_tok_s"] / rows["transformers"]["output_tok_s"])
+    assert all(r["output_tok_s"] > 0 and r["ms_per_step"] > 0 for r in rows.values())
+
+
+def test_dgemma_bench_refuses_a_size_that_does_not_fit(monkeypatch, capsys):
+    from dgemma import bench
+    from dgemma.cli import main
+
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda: 8 << 30)
+    assert main(["bench", "--size", "real"]) != 0
+    err = capsys.readouterr().err
+    assert "25.3 B parameters" in err and "8 GiB available" in err and "Traceback" not in err
