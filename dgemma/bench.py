@@ -230,11 +230,9 @@ def available_memory_bytes() -> int | None:
 def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
     """Random weights of a named size, written as a checkpoint (so every peer loads the same file)."""
     from .checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
-    from .model import DiffusionGemma
 
     config = make_config(**SIZES[size])
-    with torch.device("meta"):
-        params = sum(p.numel() for p in DiffusionGemma(config).parameters())
+    params = config.num_parameters()
     need, have = 4 * params, available_memory_bytes()  # built in float32 before any cast
     if have is not None and need > have:
         raise ValueError(

@@ -73,6 +73,11 @@ class ModelConfig:
     def embed_scale(self) -> float:
         return self.hidden_size**0.5
 
+    @property
+    def gelu_approximate(self) -> str:
+        """F.gelu's `approximate` for `hidden_activation`: "tanh" (the released model) or "none" (erf)."""
+        return GELU_APPROXIMATION[self.hidden_activation]
+
     def num_parameters(self, active: bool = False) -> int:
         """Text-stack parameter count (embeddings counted once: they are tied)."""
         h, total = self.hidden_size, self.vocab_size * self.hidden_size

@@ -19,13 +19,13 @@ from torch import nn
 
 from . import rope
 from .attention import sdpa
-from .config import GELU_APPROXIMATION, LayerSpec, ModelConfig
+from .config import LayerSpec, ModelConfig
 from .kv_cache import CachePass, KVCache
 
 
-def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    """The feed-forward activation: tanh-approximated (the released model) or exact erf gelu."""
-    return F.gelu(x, approximate=approximate)
+def gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """down(gelu(gate(x)) * up(x)): the dense MLP's and the self-conditioning MLP's body."""
+    return mlp.down_proj(F.gelu(mlp.gate_proj(x), approximate=mlp.approximate) * mlp.up_proj(x))
 
 
 class RMSNorm(nn.Module):
@@ -89,7 +89,7 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu(self.gate_proj(x), self.approximate) * self.up_proj(x))
+        return gated_mlp(self, x)
 
 
 class Router(nn.Module):
@@ -135,7 +135,7 @@ class Experts(nn.Module):
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts = e
-        self.approximate = GELU_APPROXIMATION[config.hidden_activation]
+        self.approximate = config.gelu_approximate
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
@@ -152,7 +152,7 @@ class Experts(nn.Module):
         )
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         gate, up = grouped_matmul(routed, self.gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
-        out = grouped_matmul(gelu(gate, self.approximate) * up, self.down_proj.transpose(-2, -1), offsets)
+        out = grouped_matmul(F.gelu(gate, approximate=self.approximate) * up, self.down_proj.transpose(-2, -1), offsets)
         out = out * weights.unsqueeze(-1)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -166,7 +166,7 @@ class Layer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Attention(config, spec)
-        self.mlp = DenseMLP(h, config.intermediate_size, GELU_APPROXIMATION[config.hidden_activation])
+        self.mlp = DenseMLP(h, config.intermediate_size, config.gelu_approximate)
         self.router = Router(config)
         self.experts = Experts(config)
         self.input_layernorm = RMSNorm(h, eps)
@@ -201,7 +201,7 @@ class SelfConditioning(nn.Module):
         h = config.hidden_size
         self.pre_norm = RMSNorm(h, config.rms_norm_eps)
         self.post_norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
-        self.approximate = GELU_APPROXIMATION[config.hidden_activation]
+        self.approximate = config.gelu_approximate
         self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
@@ -212,7 +212,7 @@ class SelfConditioning(nn.Module):
         return self.post_norm(embeds + self.mlp(self.pre_norm(soft_embeds)))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu(self.gate_proj(x), self.approximate) * self.up_proj(x))
+        return gated_mlp(self, x)
 
 
 class DiffusionGemma(nn.Module):

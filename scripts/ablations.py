@@ -196,7 +196,7 @@ def bf16_moe(hidden: int, inter: int, experts: int, top_k: int, tokens: int):
         return {}
 
     class Shape:
-        num_experts, hidden_size, moe_intermediate_size, hidden_activation = experts, hidden, inter, "gelu_pytorch_tanh"
+        num_experts, hidden_size, moe_intermediate_size, gelu_approximate = experts, hidden, inter, "tanh"
 
     g = torch.Generator().manual_seed(6)
     module = Experts(Shape())
@@ -225,7 +225,7 @@ def bf16_rmsnorm(hidden: int, tokens: int):
 def bf16_dense_mlp(hidden: int, inter: int, tokens: int):
     """bf16 dense MLP: packed GEMMs then gelu and multiply as torch ops vs both fused into the GEMMs."""
     from dgemma.kernels.cpu import LeanDenseMLP, PackedLinear, supported
-    from dgemma.model import DenseMLP, gelu
+    from dgemma.model import DenseMLP
 
     if not supported(torch.bfloat16):
         return {}
@@ -234,7 +234,7 @@ def bf16_dense_mlp(hidden: int, inter: int, tokens: int):
     gate, up, down = (PackedLinear(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     fused = LeanDenseMLP(mlp)
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
-    return {"packed GEMMs, gelu and * as ops": lambda: down(gelu(gate(x), "tanh").mul_(up(x))), "post-op fused (engine)": lambda: fused(x)}
+    return {"packed GEMMs, gelu and * as ops": lambda: down(F.gelu(gate(x), approximate="tanh").mul_(up(x))), "post-op fused (engine)": lambda: fused(x)}
 
 
 def main() -> None:

@@ -122,17 +122,15 @@ class LeanDenseMLP(nn.Module):
         return self.down_proj(torch.ops.mkldnn._linear_pointwise(x, act, self.up, None, "mul"))
 
 
-class LeanSelfConditioning(nn.Module):
-    """`SelfConditioning` with lean norms and the fused MLP."""
+class LeanSelfConditioning(SelfConditioning):
+    """`SelfConditioning` (its forward) with lean norms and the fused MLP."""
 
     def __init__(self, module: SelfConditioning):
-        super().__init__()
+        nn.Module.__init__(self)
         self.pre_norm, self.post_norm, self.body = LeanRMSNorm(module.pre_norm), LeanRMSNorm(module.post_norm), LeanDenseMLP(module)
 
-    def forward(self, embeds: torch.Tensor, soft_embeds: torch.Tensor | None) -> torch.Tensor:
-        if soft_embeds is None:
-            return self.post_norm(embeds)
-        return self.post_norm(embeds + self.body(self.pre_norm(soft_embeds)))
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
 
 
 def keep_freed_memory(mmap_threshold: int = 64 << 20, trim_threshold: int = 1 << 30) -> bool:
