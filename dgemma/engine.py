@@ -30,6 +30,7 @@ import torch
 from . import sampler
 from .config import GenerationConfig
 from .events import Block, Draft, Finished, cut_block
+from .kernels import native
 from .kv_cache import CachePass, KVCache
 from .model import DiffusionGemma
 
@@ -96,7 +97,9 @@ class Engine:
         # GPU: sample every position (no host sync); CPU: only the accepted ones. Same tokens either way.
         self.sample_all_positions = net.device.type != "cpu"
         self.reuse_buffers = net.device.type == "cpu"
-        self._buffers: torch.Tensor | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        # CPU with AVX-512: softcap + statistics + bf16 probabilities in one native pass per row
+        self.native = native.extension() if net.device.type == "cpu" and self.config.vocab_size % 16 == 0 else None
 
     # ---------------------------------------------------------------- admission
     def add(self, request: Request) -> int:
@@ -182,24 +185,38 @@ class Engine:
         """
         n, c = canvas.shape
         hidden = self.net.decode(canvas, self.cache, plan, soft)
-        # CPU: the [n * C, vocab] float32 logits and weights live in buffers reused every step (a fresh
-        # 32 MB tensor is a fresh mmap: ~8 ms of page faults here); elsewhere the allocator caches.
-        logits_out, weights_out = self._workspace(n * c) if self.reuse_buffers else (None, None)
-        logits = self.net.logits(hidden, out=logits_out).view(n * c, -1)
-        stats = sampler.step_statistics(logits, temps, overwrite_logits=True, out=weights_out)
-        del logits
-        soft_next = self.net.soft_embed(stats.weights.view(n, c, -1), stats.total.view(n, c))
+        if self.native is not None:
+            stats, soft_input = self._native_statistics(hidden.view(n * c, -1), temps)
+        else:
+            # CPU: the [n * C, vocab] float32 logits and weights live in buffers reused every step (a
+            # fresh 32 MB tensor is a fresh mmap: ~8 ms of page faults here); elsewhere the allocator caches.
+            head_out = self._buffer("logits", n * c, torch.float32) if self.reuse_buffers and self.net.dtype != torch.float32 else None
+            weights_out = self._buffer("weights", n * c, torch.float32) if self.reuse_buffers else None
+            logits = self.net.logits(hidden, out=head_out).view(n * c, -1)
+            stats = sampler.step_statistics(logits, temps, overwrite_logits=True, out=weights_out)
+            del logits
+            soft_input = stats.weights
+        soft_next = self.net.soft_embed(soft_input.view(n, c, -1), stats.total.view(n, c))
         return stats.argmax.view(n, c), stats.entropy.view(n, c), stats.weights, soft_next
 
-    def _workspace(self, rows: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """[rows, vocab] float32 buffers: the step's logits (only for a bf16/fp16 head, whose output
-        is converted into it; a float32 head's own output is used in place) and its unnormalised
-        probabilities."""
-        count = 1 if self.net.dtype == torch.float32 else 2
-        if self._buffers is None or self._buffers.shape[1] < rows:
-            self._buffers = torch.empty(count, rows, self.config.vocab_size, dtype=torch.float32, device=self.net.device)
-        weights = self._buffers[-1, :rows]
-        return (self._buffers[0, :rows] if count == 2 else None), weights
+    def _native_statistics(self, hidden: torch.Tensor, temps: torch.Tensor) -> tuple[sampler.StepStatistics, torch.Tensor]:
+        """`step_statistics` of the softcapped logits straight from the LM head's output, plus the
+        self-conditioning matmul's input (the weights, in bf16 for a bf16 model)."""
+        rows = hidden.shape[0]
+        weights = self._buffer("weights", rows, torch.float32)
+        low = self.net.dtype == torch.bfloat16
+        probs = self._buffer("probs", rows, torch.bfloat16) if low else weights.new_empty(0, dtype=torch.bfloat16)
+        cap = self.config.final_logit_softcapping or 0.0
+        raw = self.net.lm_head(hidden).float() if self.net.dtype not in (torch.float32, torch.bfloat16) else self.net.lm_head(hidden)
+        argmax, entropy, total = self.native.step_statistics(raw, cap, temps.reshape(-1), weights, probs)
+        return sampler.StepStatistics(argmax=argmax, entropy=entropy, weights=weights, total=total), (probs if low else weights)
+
+    def _buffer(self, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, vocab] tensor kept across steps (CPU: a fresh 32 MB one is a fresh mmap)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < rows:
+            buf = self._buffers[name] = torch.empty(rows, self.config.vocab_size, dtype=dtype, device=self.net.device)
+        return buf[:rows]
 
     def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:
         canvas = torch.stack([r.canvas for r in group])

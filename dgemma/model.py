@@ -281,6 +281,11 @@ class DiffusionGemma(nn.Module):
         h = self.self_conditioning(self.embed(canvas), soft_embeds)
         return self._run_layers(h, cache, cache_pass, encoder=False)
 
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden @ E.T in the model's dtype: the logits before softcapping."""
+        kernel = self.lm_head_kernel
+        return kernel(hidden) if kernel is not None else F.linear(hidden, self.embed_tokens.weight)
+
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tied LM head, then float32 tanh softcapping.
 
@@ -288,8 +293,7 @@ class DiffusionGemma(nn.Module):
         output is softcapped where it is (in place outside autograd) and `out` is left unused.
         """
         cap = self.config.final_logit_softcapping
-        kernel = self.lm_head_kernel
-        logits = kernel(hidden) if kernel is not None else F.linear(hidden, self.embed_tokens.weight)
+        logits = self.lm_head(hidden)
         if out is not None and logits.dtype != torch.float32:
             logits = out.view(logits.shape).copy_(logits)
         logits = logits.to(torch.float32)

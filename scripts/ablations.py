@@ -237,6 +237,84 @@ def bf16_dense_mlp(hidden: int, inter: int, tokens: int):
     return {"packed GEMMs, gelu and * as ops": lambda: down(F.gelu(gate(x), approximate="tanh").mul_(up(x))), "post-op fused (engine)": lambda: fused(x)}
 
 
+def bf16_moe_native(hidden: int, inter: int, experts: int, top_k: int, tokens: int, layers: int = 8):
+    """bf16 MoE of `layers` layers in turn (their 768 MB of expert weights come from memory, as in
+    a step): oneDNN packed experts vs the AMX kernel."""
+    from dgemma.kernels import native
+    from dgemma.kernels.cpu import PackedExperts
+    from dgemma.model import Experts
+
+    kernel = native.amx()
+    if kernel is None:
+        return {}
+
+    class Shape:
+        num_experts, hidden_size, moe_intermediate_size, gelu_approximate = experts, hidden, inter, "tanh"
+
+    g = torch.Generator().manual_seed(8)
+    modules = []
+    for _ in range(layers):
+        module = Experts(Shape())
+        with torch.no_grad():
+            module.gate_up_proj.normal_(std=0.02, generator=g)
+            module.down_proj.normal_(std=0.02, generator=g)
+        modules.append(module.to(torch.bfloat16))
+    packed = [PackedExperts(m) for m in modules]
+    amx = [native.AMXExperts(m, kernel) for m in modules]
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    return {
+        "oneDNN packed experts": lambda: [m(x, index, weights) for m in packed],
+        "AMX kernel (engine)": lambda: [m(x, index, weights) for m in amx],
+    }
+
+
+def bf16_step_statistics(vocab: int, canvas: int):
+    """From the bf16 LM head output to the step's statistics and bf16 probabilities: torch passes
+    (float copy, softcap, step_statistics, bf16 copy) vs the native one-pass-per-row kernel."""
+    from dgemma.kernels import native
+
+    kernel = native.extension()
+    if kernel is None:
+        return {}
+    g = torch.Generator().manual_seed(9)
+    raw = (torch.randn(canvas, vocab, generator=g) * 8).to(torch.bfloat16)
+    temps = torch.full((canvas,), 0.6)
+    logits, weights = torch.empty(canvas, vocab), torch.empty(canvas, vocab)
+    probs = torch.empty(canvas, vocab, dtype=torch.bfloat16)
+
+    def torch_passes():
+        z = logits.copy_(raw).div_(30.0).tanh_().mul_(30.0)
+        stats = sampler.step_statistics(z, temps[:, None], overwrite_logits=True, out=weights)
+        return stats.weights.to(torch.bfloat16)
+
+    return {"torch passes": torch_passes, "native kernel (engine)": lambda: kernel.step_statistics(raw, 30.0, temps, weights, probs)}
+
+
+def bf16_amx_matmuls(hidden: int, inter: int, vocab: int, tokens: int):
+    """bf16 dense MLP and the self-conditioning probs @ E (K = vocab): oneDNN (post-op fused MLP,
+    packed weights) vs the AMX kernels."""
+    from dgemma.kernels import native
+    from dgemma.kernels.cpu import LeanDenseMLP, PackedLinear
+    from dgemma.model import DenseMLP
+
+    kernel = native.amx()
+    if kernel is None:
+        return {}, {}
+    torch.manual_seed(10)
+    mlp = DenseMLP(hidden, inter).to(torch.bfloat16)
+    lean, amx_mlp = LeanDenseMLP(mlp), native.AMXGatedMLP(mlp, kernel)
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    embed_t = (torch.randn(hidden, vocab) * 0.02).to(torch.bfloat16)
+    probs = torch.rand(tokens, vocab).to(torch.bfloat16)
+    packed, amx_linear = PackedLinear(embed_t), native.AMXLinear(embed_t, kernel)
+    return (
+        {"oneDNN, post-ops fused": lambda: lean(x), "AMX kernel (engine)": lambda: amx_mlp(x)},
+        {"oneDNN packed": lambda: packed(probs), "AMX kernel (engine)": lambda: amx_linear(probs)},
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--vocab", type=int, default=32768)
@@ -257,6 +335,13 @@ def main() -> None:
         "bf16 RMSNorm, 256 x 1024": bf16_rmsnorm(args.hidden, args.canvas),
         "bf16 dense MLP, 256 x 1024 -> 2048": bf16_dense_mlp(args.hidden, 2048, args.canvas),
     }
+    amx_mlp, amx_soft = bf16_amx_matmuls(args.hidden, 2048, args.vocab, args.canvas)
+    groups.update({
+        "bf16 MoE, 8 layers in turn (cold expert weights)": bf16_moe_native(args.hidden, 512, 32, 4, args.canvas),
+        "bf16 head output -> statistics + bf16 probabilities": bf16_step_statistics(args.vocab, args.canvas),
+        "bf16 dense MLP, 256 x 1024 -> 2048 (AMX)": amx_mlp,
+        "bf16 probs [256, vocab] @ E": amx_soft,
+    })
     print(f"threads {torch.get_num_threads()}, best of {args.repeats}")
     print(f"| work | baseline | ms | dgemma | ms | speed-up |\n|---|---|---:|---|---:|---:|")
     for title, fns in groups.items():

@@ -17,6 +17,16 @@ def _threads():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernels_built():
+    """Build the native CPU kernels (where they run) in this process first, not inside the startup
+    timeout of a server subprocess that a test launches."""
+    from dgemma.kernels import native
+
+    native.amx()
+    yield
+
+
 @pytest.fixture(scope="session")
 def ref_gqa(tmp_path_factory):
     path = tmp_path_factory.mktemp("gqa")

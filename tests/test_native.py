@@ -1,0 +1,147 @@
+"""Native CPU kernels (kernels/csrc): the AMX MoE block and the fused step statistics agree with the
+torch code they replace, to float32 / bfloat16 rounding, on the cases that stress them."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dgemma
+from dgemma import sampler
+from dgemma.engine import Engine
+from dgemma.kernels import native
+from dgemma.kernels.cpu import LeanRMSNorm
+from dgemma.model import DenseMLP, Experts, RMSNorm
+
+needs_native = pytest.mark.skipif(native.extension() is None, reason="native kernels unavailable (no AVX-512 BF16 or no compiler)")
+needs_amx = pytest.mark.skipif(native.amx() is None, reason="no AMX on this CPU")
+
+
+class _MoEConfig:
+    num_experts, hidden_size, moe_intermediate_size = 8, 64, 64
+
+    def __init__(self, approximate: str):
+        self.gelu_approximate = approximate
+
+
+@needs_amx
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@torch.no_grad()
+def test_amx_experts_match_the_reference_block(approximate):
+    g = torch.Generator().manual_seed(0)
+    experts = Experts(_MoEConfig(approximate))
+    experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.1)
+    experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
+    oracle = Experts(_MoEConfig(approximate)).double()
+    oracle.load_state_dict({k: v.double() for k, v in experts.state_dict().items()})
+    experts = experts.bfloat16()
+    fast = native.AMXExperts(experts, native.amx())
+    tokens, top_k = 75, 2
+    x = torch.randn(tokens, 64, generator=g).bfloat16()
+    # uneven routing: expert 0 gets 40 rows (two full tiles and a partial one), expert 7 none,
+    # expert 1 a single row; the rest spread
+    index = torch.randint(2, 7, (tokens, top_k), generator=g)
+    index[:, 1] = (index[:, 0] + 1 - 2) % 5 + 2
+    index[:40, 0], index[40, 0] = 0, 1
+    weights = torch.rand(tokens, top_k, generator=g)
+    expected = experts(x, index, weights)
+    got = fast(x, index, weights)
+    truth = oracle(x.double(), index, weights.double())
+    scale = truth.abs().max().item()
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    assert (got.double() - truth).abs().max().item() <= (expected.double() - truth).abs().max().item() + 2**-8 * scale
+    assert (got.float() - expected.float()).abs().max().item() <= 2**-7 * scale
+
+
+@needs_amx
+@pytest.mark.parametrize("rows, k, n", [(37, 64, 96), (1, 96, 32), (20, 4160, 64)])  # ragged rows; AR's one row; K-blocked
+def test_amx_linear_equals_a_bf16_matmul(rows, k, n):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    got = native.AMXLinear(w, native.amx())(x[None])[0]
+    exact = x.double() @ w.double().T  # bf16 products are exact in float64; only the float32 sums round
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.allclose(got.double(), exact, rtol=2**-8, atol=1e-6 * k)
+
+
+@needs_amx
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@torch.no_grad()
+def test_amx_gated_mlp_matches_the_dense_mlp(approximate):
+    g = torch.Generator().manual_seed(4)
+    mlp = DenseMLP(64, 96, approximate)
+    for p in mlp.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    oracle = DenseMLP(64, 96, approximate).double()
+    oracle.load_state_dict({k: v.double() for k, v in mlp.state_dict().items()})
+    mlp = mlp.bfloat16()
+    x = torch.randn(2, 19, 64, generator=g).bfloat16()
+    got, expected, truth = native.AMXGatedMLP(mlp, native.amx())(x), mlp(x), oracle(x.double())
+    scale = truth.abs().max().item()
+    assert got.shape == expected.shape
+    assert (got.double() - truth).abs().max().item() <= (expected.double() - truth).abs().max().item() + 2**-8 * scale
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_step_statistics_equal_the_torch_ones(dtype):
+    g = torch.Generator().manual_seed(1)
+    raw = (torch.randn(9, 4096, generator=g) * 12).to(dtype)
+    raw[2, 100] = raw[2, 3000] = 200.0  # a tie on the maximum: the first index wins, as in torch
+    raw[3] = 0.0  # a flat row: maximal entropy, argmax 0
+    raw[4], raw[4, 7] = -1e4, 1e4  # one certain token: entropy ~0, the other weights at the exp floor
+    temps = torch.rand(9, generator=g) + 0.3
+    weights, probs = torch.empty(9, 4096), torch.empty(9, 4096, dtype=torch.bfloat16)
+    argmax, entropy, total = native.extension().step_statistics(raw, 30.0, temps, weights, probs)
+    reference = sampler.step_statistics(raw.float().div(30.0).tanh().mul(30.0), temps[:, None])
+    assert torch.equal(argmax, reference.argmax) and argmax[2].item() == 100 and argmax[3].item() == 0
+    assert torch.allclose(entropy, reference.entropy, atol=2e-5) and entropy[4].item() < 1e-6
+    assert torch.allclose(total, reference.total, rtol=1e-5)
+    assert torch.allclose(weights, reference.weights, rtol=1e-4, atol=1e-30)
+    assert torch.equal(probs, weights.bfloat16())
+
+
+@needs_native
+@torch.no_grad()
+def test_engine_step_with_native_statistics_matches_the_torch_step(ref_gqa):
+    model = dgemma.load(ref_gqa[0])
+    net = model.engine_net
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 128, (13,), generator=g).tolist()
+    canvas = torch.randint(0, 128, (1, model.config.canvas_length), generator=g)
+    soft = torch.randn(1, model.config.canvas_length, model.config.hidden_size, generator=g)
+    temps = torch.full((model.config.canvas_length, 1), 0.7)
+    outputs = []
+    for use_native in (True, False):
+        engine = Engine(net, max_batch=1, capacity=64)
+        assert engine.native is not None
+        engine.native = engine.native if use_native else None
+        engine._encode([SimpleNamespace(slot=0)], [prompt])
+        outputs.append(engine.decoder_step(canvas, soft, temps, engine.cache.plan_decoder(model.config.canvas_length)))
+    (argmax, entropy, weights, soft_next), (argmax_t, entropy_t, weights_t, soft_next_t) = outputs
+    assert torch.equal(argmax, argmax_t)
+    assert torch.allclose(entropy, entropy_t, atol=1e-5)
+    assert torch.allclose(weights, weights_t, rtol=1e-4, atol=1e-30)
+    assert torch.allclose(soft_next, soft_next_t, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape, scaled", [((2, 9, 1024), True), ((1, 4, 8, 40), True), ((5, 48), False)])
+@torch.no_grad()
+def test_native_rms_norm_equals_the_model_norm(dtype, shape, scaled):
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(shape[-1], 1e-6, with_scale=scaled)
+    if scaled:
+        norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    norm = norm.to(dtype)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    lean = LeanRMSNorm(norm)
+    assert lean.kernel is not None
+    got, expected = lean(x), norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.bfloat16:  # the same float32 value before the cast, up to the sum's order
+        assert (got != expected).float().mean().item() < 1e-3
+        assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
