@@ -190,7 +190,8 @@ class Engine:
         else:
             # CPU: the [n * C, vocab] float32 logits and weights live in buffers reused every step (a
             # fresh 32 MB tensor is a fresh mmap: ~8 ms of page faults here); elsewhere the allocator caches.
-            head_out = self._buffer("logits", n * c, torch.float32) if self.reuse_buffers and self.net.dtype != torch.float32 else None
+            converted_head = self.reuse_buffers and self.net.dtype != torch.float32
+            head_out = self._buffer("logits", n * c, torch.float32) if converted_head else None
             weights_out = self._buffer("weights", n * c, torch.float32) if self.reuse_buffers else None
             logits = self.net.logits(hidden, out=head_out).view(n * c, -1)
             stats = sampler.step_statistics(logits, temps, overwrite_logits=True, out=weights_out)
@@ -207,7 +208,9 @@ class Engine:
         low = self.net.dtype == torch.bfloat16
         probs = self._buffer("probs", rows, torch.bfloat16) if low else weights.new_empty(0, dtype=torch.bfloat16)
         cap = self.config.final_logit_softcapping or 0.0
-        raw = self.net.lm_head(hidden).float() if self.net.dtype not in (torch.float32, torch.bfloat16) else self.net.lm_head(hidden)
+        raw = self.net.lm_head(hidden)
+        if raw.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads fp32 or bf16
+            raw = raw.float()
         argmax, entropy, total = self.native.step_statistics(raw, cap, temps.reshape(-1), weights, probs)
         return sampler.StepStatistics(argmax=argmax, entropy=entropy, weights=weights, total=total), (probs if low else weights)
 

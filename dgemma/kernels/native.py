@@ -155,3 +155,12 @@ class AMXExperts(nn.Module):
         return self.kernel.moe_forward(
             x.contiguous(), top_k_index, top_k_weights.float(), self.gate_up, self.down, self.exact_gelu
         )
+
+
+def describe(net: nn.Module) -> str:
+    """Which kernels an engine net runs on, for benchmark reports (a ratio means little without it)."""
+    if net.embed_tokens.weight.device.type != "cpu":
+        return "torch (" + net.embed_tokens.weight.device.type + ")"
+    amx = any(isinstance(m, (AMXExperts, AMXGatedMLP, AMXLinear)) for m in net.modules())
+    fused = extension() is not None
+    return ("AMX GEMMs" if amx else "oneDNN GEMMs") + (", native statistics + RMSNorm" if fused else ", torch statistics + RMSNorm")
