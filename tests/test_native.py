@@ -170,3 +170,19 @@ def test_bf16_engine_net_on_amx_is_as_close_to_float32_as_the_reference(tmp_path
         reference_error = (r.float() - t).abs().max().item()
         engine_error = (e.float() - t).abs().max().item()
         assert 0 < reference_error and engine_error <= 1.5 * reference_error
+
+
+def test_a_failed_build_or_dgemma_native_0_falls_back_with_one_line(monkeypatch, caplog):
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(native, "_cpu_flags", lambda: native.AVX512_FLAGS | native.AMX_FLAGS)
+
+    def broken_build(*args, **kwargs):
+        raise RuntimeError("Error building extension 'dgemma_native'\nx.cpp:1:1: error: no compiler here\nninja: build stopped")
+
+    monkeypatch.setattr(cpp, "load", broken_build)
+    with caplog.at_level("WARNING", logger="dgemma"):
+        assert native.extension.__wrapped__() is None
+    assert "the build failed (x.cpp:1:1: error: no compiler here)" in caplog.text
+    monkeypatch.setenv("DGEMMA_NATIVE", "0")
+    assert native.extension.__wrapped__() is None

@@ -6,7 +6,7 @@
 - `csrc/step_statistics.cpp`: softcap, argmax, entropy and the exp weights of a step's logits in
   one pass per row.
 
-Both are optional. Where the CPU lacks AVX-512 (BF16) or AMX, no C++ compiler is found, or the
+All are optional. Where the CPU lacks AVX-512 (BF16) or AMX, no C++ compiler is found, or the
 build fails, `extension()` / `amx()` return None and the engine keeps its torch / oneDNN path,
 with one logged line saying why. `DGEMMA_NATIVE=0` keeps them off. The build (~1 min, once) is
 cached by torch under `~/.cache/torch_extensions` (or `TORCH_EXTENSIONS_DIR`) and redone when a
@@ -84,10 +84,10 @@ def amx() -> ModuleType | None:
         return None
     missing = AMX_FLAGS - _cpu_flags()
     if missing:
-        log.info("AMX MoE kernel off: this CPU lacks %s", ", ".join(sorted(missing)))
+        log.info("AMX kernels off: this CPU lacks %s", ", ".join(sorted(missing)))
         return None
     if not module.amx_init():
-        log.warning("AMX MoE kernel off: the OS refused AMX tile state to this process")
+        log.warning("AMX kernels off: the OS refused AMX tile state to this process")
         return None
     return module
 
