@@ -1,10 +1,12 @@
 """Where one engine step's time goes: decoder pass, logits + sampler statistics + self-conditioning, sampler decisions.
 
-    python scripts/step_breakdown.py [--size mid] [--dtype bfloat16] [--steps 8] [--profile]
+    python scripts/step_breakdown.py [--size mid] [--dtype bfloat16] [--steps 8] [--modules] [--profile]
 
 Builds a random model of the named `dgemma bench` size, prefills a 512-token prompt, then times
-`--steps` engine steps (16 fixed denoising steps per canvas, as the benchmark). `--profile` adds
-torch.profiler's table of the most expensive ops.
+`--steps` engine steps (16 fixed denoising steps per canvas, as the benchmark). `--modules` adds
+the time inside each kind of decoder module (attention, dense MLP, router, experts) per step;
+`--profile` adds torch.profiler's table of the most expensive ops (it does not see inside the
+native kernels).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--modules", action="store_true")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     keep_freed_memory()  # as the CLI does
@@ -60,6 +63,11 @@ def main() -> None:
     net.decode = timed(totals, "decoder pass", net.decode)
     engine.decoder_step = timed(totals, "decoder step", engine.decoder_step)
     engine._advance = timed(totals, "sampler decisions", engine._advance)
+    module_kinds = ("self_attn", "mlp", "router", "experts") if args.modules else ()
+    for layer in net.layers:
+        for kind in module_kinds:
+            module = getattr(layer, kind)
+            module.forward = timed(totals, f"  {kind} ({type(module).__name__})", module.forward)
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -70,6 +78,8 @@ def main() -> None:
     print(f"  logits, statistics, self-cond input  {ms['decoder step'] - ms['decoder pass']:7.1f} ms")
     print(f"  sampler decisions                    {ms['sampler decisions']:7.1f} ms")
     print(f"  other (commit, bookkeeping)          {wall - ms['decoder step'] - ms['sampler decisions']:7.1f} ms")
+    for name in (k for k in ms if k.startswith("  ")):
+        print(f"  decoder pass, all layers: {name.strip():30s} {ms[name]:7.1f} ms")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
