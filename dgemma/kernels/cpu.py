@@ -94,8 +94,7 @@ class LeanRMSNorm(nn.Module):
         super().__init__()
         self.eps, self.weight = norm.eps, norm.weight  # shared with the model, as every packed module's tensors
         self.weight_f32 = None if norm.weight is None else norm.weight.detach().float().contiguous()
-        dtype = norm.weight.dtype if norm.weight is not None else None
-        self.kernel = native.extension() if dtype in (None, torch.float32, torch.bfloat16) else None
+        self.kernel = native.extension()  # used for float32 / bfloat16 inputs
         self.no_weight = torch.empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,14 +165,19 @@ def _tree_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
+def _amx_kernel(*weights: torch.Tensor):
+    """The AMX kernels if they run here and take every one of these weights, else None."""
+    return native.amx() if all(native.fits(w) for w in weights) else None
+
+
 def _linear(weight: torch.Tensor) -> nn.Module:
     """x @ weight.T: on AMX where the kernels run here and take the weight, else oneDNN packed."""
-    kernel = native.amx() if native.fits(weight) else None
+    kernel = _amx_kernel(weight)
     return native.AMXLinear(weight, kernel) if kernel is not None else PackedLinear(weight)
 
 
 def _gated_mlp(mlp: nn.Module) -> nn.Module:
-    kernel = native.amx() if native.fits(mlp.gate_proj.weight) and native.fits(mlp.down_proj.weight) else None
+    kernel = _amx_kernel(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     return native.AMXGatedMLP(mlp, kernel) if kernel is not None else LeanDenseMLP(mlp)
 
 
@@ -186,8 +190,7 @@ def _fast_module(module: nn.Module) -> nn.Module | None:
     if isinstance(module, nn.Linear):
         return _linear(module.weight)
     if isinstance(module, Experts):
-        fits = native.fits(module.gate_up_proj) and native.fits(module.down_proj)
-        kernel = native.amx() if fits else None
+        kernel = _amx_kernel(module.gate_up_proj, module.down_proj)
         return native.AMXExperts(module, kernel) if kernel is not None else PackedExperts(module)
     if isinstance(module, RMSNorm):
         return LeanRMSNorm(module)

@@ -159,8 +159,8 @@ class AMXExperts(nn.Module):
 
 def describe(net: nn.Module) -> str:
     """Which kernels an engine net runs on, for benchmark reports (a ratio means little without it)."""
-    if net.embed_tokens.weight.device.type != "cpu":
-        return "torch (" + net.embed_tokens.weight.device.type + ")"
+    if net.device.type != "cpu":
+        return f"torch ({net.device.type})"
     amx = any(isinstance(m, (AMXExperts, AMXGatedMLP, AMXLinear)) for m in net.modules())
     fused = extension() is not None
     return ("AMX GEMMs" if amx else "oneDNN GEMMs") + (", native statistics + RMSNorm" if fused else ", torch statistics + RMSNorm")
