@@ -2,8 +2,8 @@
 
 from .api import Model, default_model_dir, load
 from .config import ConfigError, GenerationConfig, ModelConfig
-from .events import Block, Draft, Finished, GenerationOutput
-from .weights import WeightsError
+from .engine.events import Block, Draft, Finished, GenerationOutput
+from .model.weights import WeightsError
 
 __version__ = "0.1.0"
 

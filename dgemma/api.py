@@ -9,13 +9,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import generate as gen_loop
+from .engine import reference as gen_loop
 from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
-from .events import Block, Draft, GenerationOutput
+from .engine.events import Block, Draft, GenerationOutput
 from .kernels.cpu import packed_copy
-from .model import DiffusionGemma
+from .model.diffusion_gemma import DiffusionGemma
 from .tokenizer import Tokenizer
-from .weights import load_weights
+from .model.weights import load_weights
 
 DTYPES = {
     "float32": torch.float32,
@@ -184,7 +184,7 @@ class Model:
         """
         prompt_ids = self._prompt_ids(prompts)
         if mode == "ar":
-            from .ar import ar_events
+            from .engine.ar import ar_events
 
             gen_loop._validate_prompts(prompt_ids, self.config.vocab_size)
             request = self.sampling_request(
@@ -227,7 +227,7 @@ class Model:
 
         Each prompt keeps its own positions (as if run alone); the canvas follows it.
         """
-        from .kv_cache import KVCache
+        from .engine.kv_cache import KVCache
 
         prompts = self._prompt_ids(prompt_ids)
         gen_loop._validate_prompts(prompts, self.config.vocab_size)

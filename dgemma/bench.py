@@ -111,8 +111,8 @@ def _peak_mb(device) -> float:
 
 def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode: str) -> RunResult:
     """One timed generation with dgemma (mode "diffusion" or "ar")."""
-    from .ar import ar_events
-    from .generate import default_events
+    from .engine.ar import ar_events
+    from .engine.reference import default_events
 
     device = model.device
     knobs = dict(max_new_tokens=new_tokens, eos_token_ids=())
@@ -229,7 +229,7 @@ def available_memory_bytes() -> int | None:
 
 def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
     """Random weights of a named size, written as a checkpoint (so every peer loads the same file)."""
-    from .checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
+    from .model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
 
     config = make_config(**SIZES[size])
     params = config.num_parameters()

@@ -49,7 +49,7 @@ def load_model(args):
 
 
 def cmd_run(args) -> int:
-    from .events import Block, Draft
+    from .engine.events import Block, Draft
 
     model = load_model(args)
     tok = model.tokenizer
@@ -63,7 +63,7 @@ def cmd_run(args) -> int:
     else:
         ids = tok.encode(args.prompt)
     if args.mode == "ar":
-        from .ar import ar_stream
+        from .engine.ar import ar_stream
 
         events = ar_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     else:
@@ -99,7 +99,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    from .checkpoint import make_tiny_random
+    from .model.checkpoint import make_tiny_random
 
     path = make_tiny_random(args.out, seed=args.seed)
     print(f"wrote a tiny random DiffusionGemma checkpoint to {path}")
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=cmd_make_tiny)
 
     # Subcommands that live with their concern: each module defines add_cli(subparsers).
-    for module in ("server", "bench", "train"):
+    for module in ("serve.server", "bench", "train.trainer"):
         if importlib.util.find_spec(f"dgemma.{module}") is not None:
             importlib.import_module(f"dgemma.{module}").add_cli(sub)
     return parser
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from .config import ConfigError
     from .kernels.cpu import keep_freed_memory
-    from .weights import WeightsError
+    from .model.weights import WeightsError
 
     keep_freed_memory()  # a long-running process: no page faults for every step's temporaries
 

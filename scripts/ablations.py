@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dgemma import sampler  # noqa: E402
-from dgemma.model import grouped_matmul  # noqa: E402
+from dgemma.engine import sampler  # noqa: E402
+from dgemma.model.diffusion_gemma import grouped_matmul  # noqa: E402
 
 
 def best_of(fns: dict, repeats: int) -> dict:
@@ -190,7 +190,7 @@ def reused_buffer(vocab: int, canvas: int):
 def bf16_moe(hidden: int, inter: int, experts: int, top_k: int, tokens: int):
     """bf16 MoE layer: the model's grouped matmuls (reference-exact path) vs the engine's packed experts."""
     from dgemma.kernels.cpu import PackedExperts, supported
-    from dgemma.model import Experts
+    from dgemma.model.diffusion_gemma import Experts
 
     if not supported(torch.bfloat16):
         return {}
@@ -214,7 +214,7 @@ def bf16_moe(hidden: int, inter: int, experts: int, top_k: int, tokens: int):
 def bf16_rmsnorm(hidden: int, tokens: int):
     """bf16 RMSNorm over [tokens, hidden]: the reference's op sequence vs the engine's leaner one."""
     from dgemma.kernels.cpu import LeanRMSNorm
-    from dgemma.model import RMSNorm
+    from dgemma.model.diffusion_gemma import RMSNorm
 
     norm = RMSNorm(hidden).to(torch.bfloat16)
     lean = LeanRMSNorm(norm)
@@ -225,7 +225,7 @@ def bf16_rmsnorm(hidden: int, tokens: int):
 def bf16_dense_mlp(hidden: int, inter: int, tokens: int):
     """bf16 dense MLP: packed GEMMs then gelu and multiply as torch ops vs both fused into the GEMMs."""
     from dgemma.kernels.cpu import LeanDenseMLP, PackedLinear, supported
-    from dgemma.model import DenseMLP
+    from dgemma.model.diffusion_gemma import DenseMLP
 
     if not supported(torch.bfloat16):
         return {}
@@ -242,7 +242,7 @@ def bf16_moe_native(hidden: int, inter: int, experts: int, top_k: int, tokens: i
     a step): oneDNN packed experts vs the AMX kernel."""
     from dgemma.kernels import native
     from dgemma.kernels.cpu import PackedExperts
-    from dgemma.model import Experts
+    from dgemma.model.diffusion_gemma import Experts
 
     kernel = native.amx()
     if kernel is None:
@@ -297,7 +297,7 @@ def bf16_amx_matmuls(hidden: int, inter: int, vocab: int, tokens: int):
     packed weights) vs the AMX kernels."""
     from dgemma.kernels import native
     from dgemma.kernels.cpu import LeanDenseMLP, PackedLinear
-    from dgemma.model import DenseMLP
+    from dgemma.model.diffusion_gemma import DenseMLP
 
     kernel = native.amx()
     if kernel is None:

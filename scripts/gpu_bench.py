@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dgemma import sampler  # noqa: E402
+from dgemma.engine import sampler  # noqa: E402
 from dgemma.bench import SIZES  # noqa: E402
-from dgemma.checkpoint import make_config  # noqa: E402
-from dgemma.kv_cache import KVCache  # noqa: E402
-from dgemma.model import DiffusionGemma  # noqa: E402
+from dgemma.model.checkpoint import make_config  # noqa: E402
+from dgemma.engine.kv_cache import KVCache  # noqa: E402
+from dgemma.model.diffusion_gemma import DiffusionGemma  # noqa: E402
 
 
 def synchronize(device: str) -> None:
@@ -155,7 +155,7 @@ def main() -> None:
         print(f"{batch:5d} {eager:14.2f} {graph} {1000 * nbytes / bw:9.2f}", flush=True)
 
     from dgemma.config import GenerationConfig
-    from dgemma.generate import collect, default_events
+    from dgemma.engine.reference import collect, default_events
 
     steps, new_tokens = 16, 2 * net.config.canvas_length if args.quick else 512
     cfg = GenerationConfig(max_new_tokens=new_tokens, max_denoising_steps=steps, confidence_threshold=1e-30)

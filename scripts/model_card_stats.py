@@ -19,7 +19,7 @@ from dataclasses import asdict
 import torch
 
 import dgemma
-from dgemma.train import TrainArgs, Trainer
+from dgemma.train.trainer import TrainArgs, Trainer
 
 PROMPTS = [
     "def fibonacci(n):",

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from dgemma.api import load  # noqa: E402
 from dgemma.bench import FIXED_STEPS_CONFIDENCE, synthetic_checkpoint  # noqa: E402
-from dgemma.engine import Engine, Request  # noqa: E402
+from dgemma.engine.engine import Engine, Request  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402
 
 

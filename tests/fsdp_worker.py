@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dgemma.train import TrainArgs, Trainer
+from dgemma.train.trainer import TrainArgs, Trainer
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

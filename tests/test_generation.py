@@ -5,7 +5,7 @@ import torch
 
 import dgemma
 from conftest import EOS
-from dgemma.generate import collect, default_events
+from dgemma.engine.reference import collect, default_events
 
 PROMPTS = [list(range(5, 27)), [20, 21, 22], [30, 31, 32, 33, 34, 35], [7] * 9]
 
@@ -110,7 +110,7 @@ def test_ar_logits_equal_reference_encoder(ref_wide):
     model = dgemma.load(path)
     ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
     expected = _reference_encoder_logits(ref, ids)
-    from dgemma.kv_cache import KVCache
+    from dgemma.engine.kv_cache import KVCache
 
     cache = KVCache(model.config, 2, 19, "cpu", torch.float32)
     plan = cache.plan_encoder(19)
@@ -132,7 +132,7 @@ def test_greedy_ar_equals_stepwise_recomputation(ref_wide):
 
 def test_sampling_every_position_gives_the_same_tokens(ref_gqa):
     """The GPU way (sample all positions, keep the accepted) equals the CPU way (sample accepted only)."""
-    from dgemma.engine import Engine, Request
+    from dgemma.engine.engine import Engine, Request
 
     model = dgemma.load(ref_gqa[0])
     cfg = model.generation_config.with_overrides(max_new_tokens=20, entropy_bound=1.0)
@@ -150,7 +150,7 @@ def test_sampling_every_position_gives_the_same_tokens(ref_gqa):
 
 
 def test_cut_block_reports_eos_only_when_emitted():
-    from dgemma.events import cut_block
+    from dgemma.engine.events import cut_block
 
     assert cut_block([5, 1, 7], (1,), 10) == ([5, 1], True, 2)
     assert cut_block([5, 6, 1], (1,), 2) == ([5, 6], False, 3)  # EOS past the room: a length stop

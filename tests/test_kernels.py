@@ -5,7 +5,7 @@ import torch
 
 import dgemma
 from dgemma.kernels.cpu import PackedExperts, packed_copy, supported
-from dgemma.kv_cache import KVCache
+from dgemma.engine.kv_cache import KVCache
 from oracle import build_reference
 
 pytestmark = pytest.mark.skipif(not supported(torch.float32), reason="no oneDNN packed linears in this torch")
@@ -50,7 +50,7 @@ def test_packed_copy_follows_the_activation(tmp_path):
 
 @torch.no_grad()
 def test_engine_net_keeps_lora_adapters(ref_gqa):
-    from dgemma import lora
+    from dgemma.train import lora
 
     model = dgemma.load(ref_gqa[0])
     g = torch.Generator().manual_seed(2)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import dgemma
-from dgemma import sampler
-from dgemma.engine import Engine
+from dgemma.engine import sampler
+from dgemma.engine.engine import Engine
 from dgemma.kernels import native
 from dgemma.kernels.cpu import LeanRMSNorm
-from dgemma.model import DenseMLP, Experts, RMSNorm
+from dgemma.model.diffusion_gemma import DenseMLP, Experts, RMSNorm
 
 needs_native = pytest.mark.skipif(native.extension() is None, reason="native kernels unavailable (no AVX-512 BF16 or no compiler)")
 needs_amx = pytest.mark.skipif(native.amx() is None, reason="no AMX on this CPU")

@@ -12,7 +12,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 
 import dgemma
-from dgemma import sampler
+from dgemma.engine import sampler
 
 
 def test_temperature_schedule_matches_reference():
@@ -96,7 +96,7 @@ def test_fast_self_conditioning_step_matches_reference_logits(ref_gqa):
     processed = torch.randn(2, 8, 128, generator=g) * 5
     with torch.no_grad():
         expected = ref(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=processed).logits
-    from dgemma.kv_cache import KVCache
+    from dgemma.engine.kv_cache import KVCache
 
     net = model.net
     cache = KVCache(model.config, 2, 19, "cpu", torch.float32)

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 import dgemma
-from dgemma.checkpoint import make_tiny_random
-from dgemma.server import ServerThread, create_app
-from dgemma.serving import TextStream
+from dgemma.model.checkpoint import make_tiny_random
+from dgemma.serve.server import ServerThread, create_app
+from dgemma.serve.engine_thread import TextStream
 
 MODEL = "tiny"
 FAST = {"max_denoising_steps": 6, "ignore_eos": True}  # few steps; no EOS, so lengths are exact
@@ -246,8 +246,8 @@ def test_cancelled_stream_frees_its_slot_and_full_queue_gets_429(model):
 
 
 def test_serve_cli_and_load_script(model, capsys):
-    """`python -m dgemma.loadtest --model` starts `dgemma serve` in a subprocess and drives it."""
-    from dgemma import loadtest
+    """`python -m dgemma.serve.loadtest --model` starts `dgemma serve` in a subprocess and drives it."""
+    from dgemma.serve import loadtest
 
     argv = ["--model", str(model.path), "--concurrency", "1", "2", "--requests", "1", "--max-tokens", "32", "--steps", "2"]
     assert loadtest.main(argv) == 0
@@ -279,7 +279,7 @@ def test_text_stream_cuts_and_holds_back():
 
 def test_serve_cli_errors_are_one_line(model, tmp_path, capsys):
     from dgemma.cli import main
-    from dgemma.server import bind
+    from dgemma.serve.server import bind
 
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err

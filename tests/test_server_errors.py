@@ -7,8 +7,8 @@ import openai
 import pytest
 
 import dgemma
-from dgemma.checkpoint import make_tiny_random
-from dgemma.server import ServerThread, create_app
+from dgemma.model.checkpoint import make_tiny_random
+from dgemma.serve.server import ServerThread, create_app
 
 MODEL = "tiny"
 CONTEXT = 512  # small, so "too long" is cheap to send

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.checkpoint import make_tiny_random
+from dgemma.model.checkpoint import make_tiny_random
 from dgemma.cli import main
 from dgemma.tokenizer import ChatTemplateError
 

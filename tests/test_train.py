@@ -14,14 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 import dgemma
-from dgemma import lora
+from dgemma.train import lora
 from dgemma.api import Model
-from dgemma.checkpoint import byte_tokenizer, make_config, random_model
+from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model
 from dgemma.cli import main
 from dgemma.config import GenerationConfig
-from dgemma.data import Sampler, chat_example, document_examples, load_examples, prompt_completion_example
-from dgemma.kv_cache import KVCache
-from dgemma.objective import (
+from dgemma.train.data import Sampler, chat_example, document_examples, load_examples, prompt_completion_example
+from dgemma.engine.kv_cache import KVCache
+from dgemma.train.objective import (
     Example,
     choose_block,
     collate,
@@ -30,8 +30,8 @@ from dgemma.objective import (
     masked_cross_entropy,
     training_losses,
 )
-from dgemma.tokenizer_train import as_tokenizer, train_bpe
-from dgemma.train import PRESETS, TrainArgs, Trainer, lr_at, train
+from dgemma.train.tokenizer_train import as_tokenizer, train_bpe
+from dgemma.train.trainer import PRESETS, TrainArgs, Trainer, lr_at, train
 
 CODE = '''def add(a, b):
     """Return the sum of a and b."""

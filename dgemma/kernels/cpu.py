@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import native
-from ..model import DenseMLP, DiffusionGemma, Experts, RMSNorm, SelfConditioning, grouped_matmul
+from ..model.diffusion_gemma import DenseMLP, DiffusionGemma, Experts, RMSNorm, SelfConditioning, grouped_matmul
 
 log = logging.getLogger("dgemma")
 BATCH_HINT = 256  # rows the packed layout is tuned for; any row count works

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
-from .config import GenerationConfig
-from .engine import Engine, Request
-from .events import Block, Draft, Finished, cut_block
-from .model import DiffusionGemma
+from ..config import GenerationConfig
+from ..engine.engine import Engine, Request
+from ..engine.events import Block, Draft, Finished, cut_block
+from ..model.diffusion_gemma import DiffusionGemma
 
 log = logging.getLogger("dgemma.serve")
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import decoder_mask, encoder_mask
-from .config import ModelConfig
+from ..model.attention import decoder_mask, encoder_mask
+from ..config import ModelConfig
 
 
 @dataclass

@@ -25,9 +25,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import ConfigError
-from .serving import EngineFailure, Generation, Metrics, QueueFull, Scheduler, TextStream
-from .tokenizer import ChatTemplateError
+from ..config import ConfigError
+from .engine_thread import EngineFailure, Generation, Metrics, QueueFull, Scheduler, TextStream
+from ..tokenizer import ChatTemplateError
 
 log = logging.getLogger("dgemma.serve")
 
@@ -639,7 +639,7 @@ class ServerThread:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     """Register `dgemma serve`."""
-    from .cli import add_model_flags
+    from ..cli import add_model_flags
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_flags(p)
@@ -661,7 +661,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .cli import CliError, load_model
+    from ..cli import CliError, load_model
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")

@@ -1,7 +1,7 @@
 """Load test for `dgemma serve`: 1, 4, 16 ... concurrent streaming clients; tokens/s and latency percentiles.
 
-    python -m dgemma.loadtest --model DIR                # starts `dgemma serve` on a free port, then drives it
-    python -m dgemma.loadtest --url http://127.0.0.1:8000 --served-model-name NAME
+    python -m dgemma.serve.loadtest --model DIR                # starts `dgemma serve` on a free port, then drives it
+    python -m dgemma.serve.loadtest --url http://127.0.0.1:8000 --served-model-name NAME
 
 Each client sends `--requests` streaming completions one after another (fixed seeds, `ignore_eos`, so
 every request yields exactly `--max-tokens` tokens). Per concurrency level it reports aggregate output
@@ -148,7 +148,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dgemma.loadtest", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dgemma.serve.loadtest", description=__doc__.split("\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="checkpoint directory: start `dgemma serve` for it")
     where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")

@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ConfigError, ModelConfig
-from .model import DiffusionGemma
+from ..config import ConfigError, ModelConfig
+from .diffusion_gemma import DiffusionGemma
 
 log = logging.getLogger("dgemma")
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCache
-from .model import DiffusionGemma
+from ..engine.kv_cache import KVCache
+from ..model.diffusion_gemma import DiffusionGemma
 
 EPS = 1e-3
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)

@@ -13,7 +13,7 @@ import torch
 
 from .events import Block, GenerationOutput
 from .kv_cache import KVCache
-from .model import DiffusionGemma
+from ..model.diffusion_gemma import DiffusionGemma
 from .sampler import sample_from_weights
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import LayerSpec
+from ..config import LayerSpec
 
 
 def inv_freq(spec: LayerSpec, device: torch.device | str | None = None) -> torch.Tensor:

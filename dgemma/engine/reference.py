@@ -27,11 +27,11 @@ from typing import Iterator
 import torch
 
 from . import sampler
-from .config import GenerationConfig
+from ..config import GenerationConfig
 from .engine import Engine, Request, room_needed
 from .events import Block, Draft, Finished, GenerationOutput, cut_block
 from .kv_cache import KVCache
-from .model import DiffusionGemma
+from ..model.diffusion_gemma import DiffusionGemma
 
 
 @dataclass

@@ -19,8 +19,8 @@ from torch import nn
 
 from . import rope
 from .attention import sdpa
-from .config import LayerSpec, ModelConfig
-from .kv_cache import CachePass, KVCache
+from ..config import LayerSpec, ModelConfig
+from ..engine.kv_cache import CachePass, KVCache
 
 
 def gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

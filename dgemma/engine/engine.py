@@ -28,11 +28,11 @@ from typing import Iterable
 import torch
 
 from . import sampler
-from .config import GenerationConfig
+from ..config import GenerationConfig
 from .events import Block, Draft, Finished, cut_block
-from .kernels import native
+from ..kernels import native
 from .kv_cache import CachePass, KVCache
-from .model import DiffusionGemma
+from ..model.diffusion_gemma import DiffusionGemma
 
 
 def room_needed(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:

@@ -38,14 +38,14 @@ import torch
 import torch.distributed as dist
 
 from . import lora
-from .checkpoint import init_weights, make_config, save_checkpoint
-from .config import ConfigError, GenerationConfig, ModelConfig, load_generation_config, load_model_config, parse_model_config
+from ..model.checkpoint import init_weights, make_config, save_checkpoint
+from ..config import ConfigError, GenerationConfig, ModelConfig, load_generation_config, load_model_config, parse_model_config
 from .data import Sampler, iter_records, load_examples
-from .model import DiffusionGemma
+from ..model.diffusion_gemma import DiffusionGemma
 from .objective import Losses, TrainingModule, collate, draw_noise, example_generator
-from .tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from ..tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from .tokenizer_train import as_tokenizer, train_bpe
-from .weights import load_weights
+from ..model.weights import load_weights
 
 EVAL_SALT = 0xE7A1
 STATE_FILE = "trainer_state.pt"

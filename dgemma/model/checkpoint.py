@@ -16,9 +16,9 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from .config import GLOBAL, SLIDING, GenerationConfig, LayerSpec, ModelConfig, parse_model_config
-from .model import DiffusionGemma
-from .tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from ..config import GLOBAL, SLIDING, GenerationConfig, LayerSpec, ModelConfig, parse_model_config
+from .diffusion_gemma import DiffusionGemma
+from ..tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from .weights import save_weights
 
 # Gemma-style special tokens at fixed ids; <eos> and <turn|> end generation.
