@@ -45,12 +45,15 @@ def stable_and_confident(
     entropy: torch.Tensor,
     stability_threshold: int,
     confidence_threshold: float,
+    free: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Adaptive stopping: (stop [B], new history).
 
     Stable: the argmax canvas equals each of the last `stability_threshold` argmax canvases
     (history starts at -1, so a canvas is never stable on its first step). Confident: the mean
-    per-position entropy is below `confidence_threshold`.
+    per-position entropy is below `confidence_threshold`. With `free` [B, C] (False at fixed
+    positions of the canvas constraints), the mean runs over the free positions only (0 when
+    none is free).
     """
     if stability_threshold == 0:
         stable = torch.ones(argmax_canvas.shape[0], dtype=torch.bool, device=argmax_canvas.device)
@@ -62,7 +65,11 @@ def stable_and_confident(
         stable = (history == argmax_canvas[None]).all(dim=-1).all(dim=0)
         history = torch.roll(history, shifts=-1, dims=0)
         history[-1] = argmax_canvas
-    confident = entropy.mean(dim=-1) < confidence_threshold
+    if free is None:
+        mean = entropy.mean(dim=-1)
+    else:
+        mean = (entropy * free).sum(dim=-1) / free.sum(dim=-1).clamp_min(1)
+    confident = mean < confidence_threshold
     return stable & confident, history
 
 
@@ -83,7 +90,12 @@ EXP_FLOOR = -87.0
 
 
 def step_statistics(
-    logits: torch.Tensor, temp: float | torch.Tensor, overwrite_logits: bool = False, out: torch.Tensor | None = None
+    logits: torch.Tensor,
+    temp: float | torch.Tensor,
+    overwrite_logits: bool = False,
+    out: torch.Tensor | None = None,
+    *,
+    allowed: torch.Tensor | None = None,
 ) -> StepStatistics:
     """Argmax, entropy and unnormalised probabilities of logits / temp.
 
@@ -92,15 +104,52 @@ def step_statistics(
     the logits buffer is reused for d (the engine's full-vocab tensors are 32 MB each at vocab
     32768: each one saved is a pass over memory and, on CPU, a fresh mmap of page faults);
     `out` receives the weights.
+
+    `allowed` (int32 [..., ceil(V / 32)], the packed bitmask of `pack_token_mask`, one row per
+    logits row) restricts each row to its allowed tokens, as if the others had logit -inf: never
+    the argmax, weight exactly 0, no part of total or entropy. A row whose mask is all ones gives
+    bit-identical results to no mask; every row must allow a token (one that allows none gets
+    zero weights and entropy 0).
     """
+    hidden = None  # the disallowed tokens
+    if allowed is not None:
+        keep = unpack_token_mask(allowed.reshape(-1, allowed.shape[-1]), logits.shape[-1])
+        hidden = keep.logical_not_().reshape(logits.shape)
+        logits = logits.masked_fill_(hidden, -torch.inf) if overwrite_logits else logits.masked_fill(hidden, -torch.inf)
     top, argmax = logits.max(dim=-1)
     d = logits.sub_(top[..., None]) if overwrite_logits else logits - top[..., None]
     d.div_(temp).clamp_(min=EXP_FLOOR)
     e = torch.exp(d, out=out) if out is not None else torch.exp(d)
+    if hidden is not None:  # d = -inf there was clamped to EXP_FLOOR: the weight must be exactly 0
+        e.masked_fill_(hidden, 0.0)
     total = e.sum(dim=-1)
     expected_d = (d.mul_(e) if overwrite_logits else d * e).sum(dim=-1)
     entropy = (torch.log(total) - expected_d / total).clamp_min_(0.0)
+    if hidden is not None:  # a row allowing nothing (the caller's error): 0/0 there, kept finite
+        entropy.nan_to_num_(nan=0.0)
     return StepStatistics(argmax=argmax, entropy=entropy, weights=e, total=total)
+
+
+def pack_token_mask(allowed_bool: torch.Tensor) -> torch.Tensor:
+    """Bool [..., V] -> the packed bitmask llguidance uses, int32 [..., ceil(V / 32)]: token t is
+    allowed iff bit t % 32 (little-endian) of word t // 32 is set; the bits past V are 0."""
+    *lead, vocab = allowed_bool.shape
+    words = -(-vocab // 32)
+    bits = torch.zeros(*lead, words * 32, dtype=torch.int64, device=allowed_bool.device)
+    bits[..., :vocab] = allowed_bool.to(torch.int64)
+    shifts = torch.arange(32, dtype=torch.int64, device=allowed_bool.device)
+    packed = (bits.view(*lead, words, 32) << shifts).sum(dim=-1)  # distinct bits: the sum is their OR
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # bit 31 is the sign bit
+
+
+def unpack_token_mask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The packed bitmask int32 [..., W] (W >= ceil(vocab / 32)) -> bool [..., vocab]; bits past
+    vocab are ignored."""
+    if bits.dtype != torch.int32 or bits.shape[-1] * 32 < vocab:
+        raise ValueError(f"allowed-token mask: need int32 [..., >= {-(-vocab // 32)}], got {bits.dtype} {list(bits.shape)}")
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    unpacked = (bits[..., None] >> shifts).bitwise_and_(1).bool()  # arithmetic shift: bit 31 still lands in bit 0
+    return unpacked.flatten(-2)[..., :vocab]
 
 
 def sample_from_weights(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
