@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
-from .engine import reference as gen_loop
 from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
-from .engine.events import Block, Draft, GenerationOutput
-from .kernels.cpu import packed_copy
+from .engine.client import EngineClient
+from .engine.engine import Engine, EngineOptions
+from .engine.events import Block, Draft, Finished, GenerationOutput, collect
+from .engine.kv_cache import DenseKVCache
+from .engine.prefill import prefill
+from .engine.reference import reference_events
+from .engine.request import Request, validate_prompts
+from .engine.runner import engine_net
 from .model.diffusion_gemma import DiffusionGemma
-from .tokenizer import Tokenizer
 from .model.weights import load_weights
+from .tokenizer import Tokenizer
 
 DTYPES = {
     "float32": torch.float32,
@@ -79,23 +84,40 @@ class Model:
         self.generation_config = generation_config
         self.tokenizer = tokenizer
         self.path = path
+        self.engine_options = EngineOptions()
         self._engine_net: DiffusionGemma | None = None
+        self._client: EngineClient | None = None
 
     @property
     def engine_net(self) -> DiffusionGemma:
-        """The network the engine and AR mode run: on CPU a copy with packed weights
-        (kernels/cpu.py: faster, equal to `net` at float32 rounding); elsewhere `net` itself.
-        The reference-exact paths (`sampling="reference"`, `canvas_logits`) always use `net`.
-
-        The packed copy is made on first use; modules with hooks (LoRA adapters) stay unpacked.
-        After changing `net`'s weights in place or attaching adapters, call `reset_engine_net()`."""
+        """The network the engine and AR mode run (`engine.runner.engine_net`: on CPU a copy with
+        packed weights). The reference-exact paths (`sampling="reference"`, `canvas_logits`)
+        always use `net`. Made on first use; after changing `net`'s weights in place or
+        attaching adapters, call `reset_engine_net()`."""
         if self._engine_net is None:
-            self._engine_net = packed_copy(self.net) if self.device.type == "cpu" else self.net
+            self._engine_net = engine_net(self.net)
         return self._engine_net
 
     def reset_engine_net(self) -> None:
-        """Forget the packed copy, so the next generation packs `net` as it is now."""
+        """Forget the packed copy and the engine, so the next generation runs `net` as it is now."""
         self._engine_net = None
+        self._client = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine `generate` and `stream` share (its prefix cache persists across calls)."""
+        return self._engine_client().engine
+
+    def configure_engine(self, **options) -> None:
+        """Set `EngineOptions` (block_size, kv_cache_memory, prefix_cache, prefill_chunk,
+        max_active, batch_invariant, ...) for the next generation; drops the current engine."""
+        self.engine_options = replace(self.engine_options, **options)
+        self._client = None
+
+    def _engine_client(self) -> EngineClient:
+        if self._client is None:
+            self._client = EngineClient(Engine(self.engine_net, self.engine_options))
+        return self._client
 
     @property
     def device(self) -> torch.device:
@@ -151,13 +173,40 @@ class Model:
         return SamplingRequest(config, sampling, seeds)
 
     def _events(
-        self, prompt_ids: list[list[int]], request: SamplingRequest, drafts: bool, user_seed: bool
+        self, prompt_ids: list[list[int]], request: SamplingRequest, drafts: bool, user_seed: bool, constraints=None
     ) -> Iterator[Draft | Block]:
         if request.sampling == "reference":
+            if constraints is not None:
+                raise ValueError("sampling='reference' takes no canvas constraints")
             if user_seed:
                 torch.manual_seed(request.seeds[0])
-            return gen_loop.reference_events(self.net, prompt_ids, request.config, drafts=drafts)
-        return gen_loop.default_events(self.engine_net, prompt_ids, request.config, request.seeds, drafts=drafts)
+            return reference_events(self.net, prompt_ids, request.config, drafts=drafts)
+        validate_prompts(prompt_ids, self.config.vocab_size)
+        if constraints is not None and len(constraints) != len(prompt_ids):
+            raise ValueError(f"got {len(constraints)} constraints for {len(prompt_ids)} prompts")
+        requests = [
+            Request(list(p), request.config, seed, drafts=drafts, constraints=None if constraints is None else constraints[i])
+            for i, (p, seed) in enumerate(zip(prompt_ids, request.seeds))
+        ]
+        return self._engine_events(requests)
+
+    def _engine_events(self, requests: list[Request]) -> Iterator[Draft | Block]:
+        """Engine events with `row` = the prompt's index; returns the GenerationOutput."""
+        finished: list[Finished | None] = [None] * len(requests)
+        row_of = None
+        for ev in self._engine_client().run(requests):
+            if row_of is None:  # ids are set once the requests are submitted
+                row_of = {r.request_id: i for i, r in enumerate(requests)}
+            ev.row = row_of[ev.row]
+            if isinstance(ev, Finished):
+                finished[ev.row] = ev
+            else:
+                yield ev
+        return GenerationOutput(
+            sequences=[f.tokens for f in finished],
+            tokens_per_forward=[f.tokens_per_forward for f in finished],
+            decoder_passes=[f.decoder_passes for f in finished],
+        )
 
     # ---------------------------------------------------------------- generation
     def generate(
@@ -175,24 +224,27 @@ class Model:
         eos_token_ids: Sequence[int] | None = None,
         mode: str = "diffusion",
         temperature: float = 0.0,
+        constraints: Sequence | None = None,
     ) -> GenerationOutput:
         """Generate for a batch of prompts (token-id lists of any lengths, or strings).
 
         Unset knobs come from the checkpoint's generation_config.json. `sampling="reference"`
         reproduces transformers' generate token for token after the same torch.manual_seed.
         `mode="ar"` decodes autoregressively with the encoder (greedy at temperature 0).
+        `constraints`: one per prompt, a `CanvasConstraints` for every canvas of it, a function
+        of the `Request` giving one per decoder pass, or None (see engine/constraints.py).
         """
         prompt_ids = self._prompt_ids(prompts)
         if mode == "ar":
             from .engine.ar import ar_events
 
-            gen_loop._validate_prompts(prompt_ids, self.config.vocab_size)
+            validate_prompts(prompt_ids, self.config.vocab_size)
             request = self.sampling_request(
                 len(prompt_ids), seed=seed, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
             )
             cfg = request.config
             events = ar_events(self.engine_net, prompt_ids, cfg.max_new_tokens, temperature, request.seeds, cfg.eos_token_ids)
-            return gen_loop.collect(events)
+            return collect(events)
         if mode != "diffusion":
             raise ValueError(f"mode must be 'diffusion' or 'ar', got {mode!r}")
         request = self.sampling_request(
@@ -208,13 +260,16 @@ class Model:
             confidence_threshold=confidence_threshold,
             eos_token_ids=eos_token_ids,
         )
-        return gen_loop.collect(self._events(prompt_ids, request, drafts=False, user_seed=seed is not None))
+        return collect(self._events(prompt_ids, request, drafts=False, user_seed=seed is not None, constraints=constraints))
 
-    def stream(self, prompt, drafts: bool = False, seed: int | None = None, sampling: str = "default", **knobs):
+    def stream(
+        self, prompt, drafts: bool = False, seed: int | None = None, sampling: str = "default", constraints=None, **knobs
+    ):
         """Yield `Block` events as each canvas commits (and `Draft` events per step if `drafts`)."""
         prompt_ids = self._prompt_ids([prompt])
         request = self.sampling_request(1, seed=seed, sampling=sampling, **knobs)
-        return self._events(prompt_ids, request, drafts=drafts, user_seed=seed is not None)
+        listed = None if constraints is None else [constraints]
+        return self._events(prompt_ids, request, drafts=drafts, user_seed=seed is not None, constraints=listed)
 
     @torch.no_grad()
     def canvas_logits(
@@ -227,30 +282,23 @@ class Model:
 
         Each prompt keeps its own positions (as if run alone); the canvas follows it.
         """
-        from .engine.kv_cache import KVCache
-
         prompts = self._prompt_ids(prompt_ids)
-        gen_loop._validate_prompts(prompts, self.config.vocab_size)
+        validate_prompts(prompts, self.config.vocab_size)
         canvas = torch.as_tensor(canvas_ids, dtype=torch.long, device=self.device)
         if canvas.dim() != 2 or canvas.shape[0] != len(prompts) or canvas.shape[1] == 0:
             raise ValueError(f"canvas_ids must be [num_prompts={len(prompts)}, canvas_len], got {tuple(canvas.shape)}")
         if canvas.min() < 0 or canvas.max() >= self.config.vocab_size:
             raise ValueError("canvas_ids hold ids outside the vocabulary")
         lengths = [len(p) for p in prompts]
-        cache = KVCache(self.config, len(prompts), max(lengths) + canvas.shape[1], self.device, self.dtype)
-        ids = torch.full((len(prompts), max(lengths)), self.config.pad_token_id, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, : len(p)] = torch.tensor(p)
-        encode_pass = cache.plan_encoder(max(lengths), new_counts=lengths)
-        self.net.encode(ids.to(self.device), cache, encode_pass)
-        cache.commit(encode_pass)
+        cache = DenseKVCache(self.config, len(prompts), max(lengths) + canvas.shape[1], self.device, self.dtype)
+        prefill(self.net, cache, list(range(len(prompts))), prompts)
         soft = None
         if self_conditioning_logits is not None:
             sc = torch.as_tensor(self_conditioning_logits, device=self.device)
             if sc.shape != (*canvas.shape, self.config.vocab_size):
                 raise ValueError(f"self_conditioning_logits must be {(*canvas.shape, self.config.vocab_size)}")
             soft = self.net.soft_embed_from_logits(sc)
-        hidden = self.net.decode(canvas, cache, cache.plan_decoder(canvas.shape[1]), soft)
+        hidden = self.net.decode(canvas, cache.plan_decoder(canvas.shape[1]), soft)
         return self.net.logits(hidden)
 
 

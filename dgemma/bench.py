@@ -16,10 +16,13 @@ import resource
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from .engine.events import Finished
+from .engine.options import available_memory
 
 SIZES = {
     # A model small enough for quick checks.
@@ -110,9 +113,13 @@ def _peak_mb(device) -> float:
 
 
 def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode: str) -> RunResult:
-    """One timed generation with dgemma (mode "diffusion" or "ar")."""
+    """One timed generation with dgemma (mode "diffusion" or "ar").
+
+    The diffusion peer runs a fresh engine without the prefix cache: every run encodes its
+    prompt, as the other peers do (with the cache, runs after the first would skip it)."""
     from .engine.ar import ar_events
-    from .engine.reference import default_events
+    from .engine.client import EngineClient
+    from .engine.engine import Engine, EngineOptions, Request
 
     device = model.device
     knobs = dict(max_new_tokens=new_tokens, eos_token_ids=())
@@ -120,6 +127,8 @@ def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode
         knobs.update(max_denoising_steps=steps, confidence_threshold=FIXED_STEPS_CONFIDENCE)
     cfg = model.generation_config.with_overrides(**knobs)
     net = model.engine_net
+    if mode != "ar":
+        client = EngineClient(Engine(net, replace(model.engine_options, prefix_cache=False)))
     timer = _Timer(net.encode, device)
     net.encode = timer
     _reset_peak(device)
@@ -129,36 +138,38 @@ def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode
         if mode == "ar":
             events = ar_events(net, prompts, new_tokens, 0.0, [0] * len(prompts), ())
         else:
-            events = default_events(net, prompts, cfg, list(range(len(prompts))))
-        first, first_tokens = None, 0
+            events = client.run([Request(list(p), cfg, seed) for seed, p in enumerate(prompts)])
+        first, first_tokens, finished = None, 0, []
         while True:
             try:
                 ev = next(events)
             except StopIteration as stop:
                 out = stop.value
                 break
-            if first is None and getattr(ev, "tokens", None):
+            if isinstance(ev, Finished):
+                finished.append(ev)
+            elif first is None and getattr(ev, "tokens", None):
                 _sync(device)
                 first, first_tokens = time.perf_counter() - start, len(ev.tokens)
         _sync(device)
         seconds = time.perf_counter() - start
     finally:
         del net.encode  # back to the class method
-    tokens = sum(len(s) for s in out.sequences)
-    passes = max(out.decoder_passes) if mode != "ar" else new_tokens
+    if mode == "ar":
+        tokens, passes = sum(len(s) for s in out.sequences), new_tokens
+    else:
+        tokens, passes = sum(len(f.tokens) for f in finished), max(f.decoder_passes for f in finished)
     result = RunResult(
         peer="dgemma-ar" if mode == "ar" else "dgemma",
         seconds=seconds,
         ttft=first or seconds,
         tokens=tokens,
         decoder_passes=passes,
-        encoder_seconds=timer.total if mode != "ar" else 0.0,
+        encoder_seconds=timer.total if mode != "ar" else 0.0,  # every AR step is an encoder pass
         peak_memory_mb=_peak_mb(device),
         batch=len(prompts),
     )
     result.tokens_after_first = tokens - first_tokens * (len(prompts) if mode != "ar" else 1)
-    if mode == "ar":  # every AR step is an encoder pass: report it as the per-token step time
-        result.encoder_seconds = 0.0
     return result
 
 
@@ -216,24 +227,13 @@ def run_reference(ref, prompts, new_tokens: int, steps: int, adaptive: bool) -> 
     return result
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else None (unknown: no check)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
     """Random weights of a named size, written as a checkpoint (so every peer loads the same file)."""
     from .model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
 
     config = make_config(**SIZES[size])
     params = config.num_parameters()
-    need, have = 4 * params, available_memory_bytes()  # built in float32 before any cast
+    need, have = 4 * params, available_memory(torch.device("cpu"))  # built in float32 before any cast
     if have is not None and need > have:
         raise ValueError(
             f"--size {size} has {params / 1e9:.1f} B parameters: building its random weights needs ~{need / 2**30:.0f} GiB "

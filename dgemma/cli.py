@@ -30,6 +30,46 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+              "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """A byte count: '4GiB', '512MB', '1.5g', '1073741824'."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in SIZE_UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4GiB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * SIZE_UNITS[unit])
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """KV cache and scheduling flags shared by `dgemma run` and `dgemma serve` (see EngineOptions)."""
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="memory for the KV cache blocks, e.g. 4GiB (default: a quarter of free memory, at most "
+                        "what 8 requests of max_position_embeddings need)")  # fmt: skip
+    p.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="prompt tokens encoded per engine step, between other requests' decoder steps (default: 2048)")  # fmt: skip
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not reuse the cached keys/values of earlier prompts and committed blocks")  # fmt: skip
+    p.add_argument("--batched-passes", action="store_true",
+                   help="run a step's canvases as one batched pass even on CPU (faster; a seeded request's text "
+                        "then depends on its batch and on the prefix cache at float-rounding level). "
+                        "Default: batched on GPU only")  # fmt: skip
+
+
+def engine_options(args):
+    from .engine.options import EngineOptions
+
+    return EngineOptions(
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
+        prefill_chunk=args.prefill_chunk, batch_invariant=False if args.batched_passes else None,
+    )  # fmt: skip
+
+
 def add_sampler_flags(p: argparse.ArgumentParser) -> None:
     for flag, dest, kind, text in SAMPLER_FLAGS:
         p.add_argument(flag, dest=dest, type=kind, default=None, help=f"{text} (default: generation_config.json)")

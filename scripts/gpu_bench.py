@@ -32,7 +32,8 @@ import torch  # noqa: E402
 from dgemma.engine import sampler  # noqa: E402
 from dgemma.bench import SIZES  # noqa: E402
 from dgemma.model.checkpoint import make_config  # noqa: E402
-from dgemma.engine.kv_cache import KVCache  # noqa: E402
+from dgemma.engine.kv_cache import DenseKVCache  # noqa: E402
+from dgemma.engine.prefill import prefill  # noqa: E402
 from dgemma.model.diffusion_gemma import DiffusionGemma  # noqa: E402
 
 
@@ -83,20 +84,16 @@ def step_time(net: DiffusionGemma, batch: int, prompt_len: int, graphs: bool, it
     """ms per decoder step: decode + logits + step statistics + self-conditioning input."""
     cfg, device = net.config, net.device.type
     c = cfg.canvas_length
-    cache = KVCache(cfg, batch, prompt_len + 2 * c, device, net.dtype)
-    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
-    for start in range(0, prompt_len, 1024):  # chunked prefill bounds activation memory
-        chunk = ids[:, start : start + 1024]
-        plan = cache.plan_encoder(chunk.shape[1])
-        net.encode(chunk, cache, plan)
-        cache.commit(plan)
+    cache = DenseKVCache(cfg, batch, prompt_len + 2 * c, device, net.dtype)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+    prefill(net, cache, list(range(batch)), ids, pass_tokens=1024)  # chunks bound activation memory
     canvas = torch.randint(0, cfg.vocab_size, (batch, c), device=device)
     soft = torch.zeros(batch, c, cfg.hidden_size, device=device, dtype=net.dtype)
     plan = cache.plan_decoder(c)
     temp = torch.full((batch * c, 1), 0.6, device=device)
 
     def one_step():
-        logits = net.logits(net.decode(canvas, cache, plan, soft))
+        logits = net.logits(net.decode(canvas, plan, soft))
         stats = sampler.step_statistics(logits.view(-1, cfg.vocab_size), temp)
         soft.copy_(net.soft_embed(stats.weights.view(batch, c, -1), stats.total.view(batch, c)))
         return stats.entropy
@@ -155,22 +152,26 @@ def main() -> None:
         print(f"{batch:5d} {eager:14.2f} {graph} {1000 * nbytes / bw:9.2f}", flush=True)
 
     from dgemma.config import GenerationConfig
-    from dgemma.engine.reference import collect, default_events
+    from dgemma.engine.client import EngineClient
+    from dgemma.engine.engine import Engine, EngineOptions, Request
 
     steps, new_tokens = 16, 2 * net.config.canvas_length if args.quick else 512
     cfg = GenerationConfig(max_new_tokens=new_tokens, max_denoising_steps=steps, confidence_threshold=1e-30)
     prompt = torch.randint(0, net.config.vocab_size, (args.prompt_len,)).tolist()
-    collect(default_events(net, [prompt], cfg, [0], row_serial=False))  # warm-up
+    # no prefix cache: the timed run must encode its prompt like the warm-up did
+    options = EngineOptions(batch_invariant=False, prefix_cache=False, kv_cache_memory=2 * 2**30)
+    client = EngineClient(Engine(net, options))
+    client.finish([Request(prompt, cfg, 0)])  # warm-up
     synchronize(device)
     start = time.perf_counter()
-    out = collect(default_events(net, [prompt], cfg, [0], row_serial=False))
+    out = client.finish([Request(prompt, cfg, 0)])[0]
     synchronize(device)
     total = time.perf_counter() - start
-    n = len(out.sequences[0])
+    n = len(out.tokens)
     print(
         f"engine, batch 1, prompt {args.prompt_len}, {n} new tokens, {steps} fixed steps: "
-        f"{n / total:.0f} output tok/s incl. prefill ({total:.2f} s, {out.decoder_passes[0]} decoder passes, "
-        f"{1000 * total / out.decoder_passes[0]:.1f} ms per pass incl. prefill and commits; "
+        f"{n / total:.0f} output tok/s incl. prefill ({total:.2f} s, {out.decoder_passes} decoder passes, "
+        f"{1000 * total / out.decoder_passes:.1f} ms per pass incl. prefill and commits; "
         f"{math.ceil(new_tokens / net.config.canvas_length)} canvases)"
     )
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from dgemma.api import load  # noqa: E402
 from dgemma.bench import FIXED_STEPS_CONFIDENCE, synthetic_checkpoint  # noqa: E402
-from dgemma.engine.engine import Engine, Request  # noqa: E402
+from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402
 
 
@@ -54,15 +54,15 @@ def main() -> None:
         max_new_tokens=4 * model.config.canvas_length, eos_token_ids=(), max_denoising_steps=16,
         confidence_threshold=FIXED_STEPS_CONFIDENCE,
     )
-    engine = Engine(net, max_batch=1, capacity=args.prompt_len + 4 * model.config.canvas_length)
+    engine = Engine(net, EngineOptions(prefix_cache=False))
     prompt = torch.randint(10, model.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
     engine.add(Request(prompt.tolist(), cfg, seed=0))
     for _ in range(3):  # prefill and warm-up
         engine.step()
     totals: dict[str, float] = {}
     net.decode = timed(totals, "decoder pass", net.decode)
-    engine.decoder_step = timed(totals, "decoder step", engine.decoder_step)
-    engine._advance = timed(totals, "sampler decisions", engine._advance)
+    engine.runner.decoder_step = timed(totals, "decoder step", engine.runner.decoder_step)
+    engine.runner._advance = timed(totals, "sampler decisions", engine.runner._advance)
     module_kinds = ("self_attn", "mlp", "router", "experts") if args.modules else ()
     for layer in net.layers:
         for kind in module_kinds:

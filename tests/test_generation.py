@@ -5,7 +5,7 @@ import torch
 
 import dgemma
 from conftest import EOS
-from dgemma.engine.reference import collect, default_events
+from dgemma.engine.engine import Engine, EngineOptions, Request
 
 PROMPTS = [list(range(5, 27)), [20, 21, 22], [30, 31, 32, 33, 34, 35], [7] * 9]
 
@@ -70,13 +70,23 @@ def test_stream_blocks_add_up_to_generate(ref_gqa):
     assert all(len(d.canvas) == model.config.canvas_length for d in drafts)
 
 
+def run_engine(engine: Engine, requests: list[Request]) -> dict[int, dgemma.Finished]:
+    """Step an engine until the requests end; their Finished events by request index."""
+    ids = [engine.add(r) for r in requests]
+    finished = {}
+    while engine.has_work:
+        finished.update({e.row: e for e in engine.step() if isinstance(e, dgemma.Finished)})
+    return {i: finished[rid] for i, rid in enumerate(ids)}
+
+
 def test_batched_passes_run(ref_gqa):
-    """Batched (non row-serial) passes, the GPU default, produce well-formed output."""
+    """Batched (not batch-invariant) passes, the GPU default, produce well-formed output."""
     model = dgemma.load(ref_gqa[0])
     cfg = model.generation_config.with_overrides(max_new_tokens=20)
-    out = collect(default_events(model.net, PROMPTS, cfg, [1, 2, 3, 4], row_serial=False))
-    assert all(1 <= len(s) <= 20 for s in out.sequences)
-    assert all(p >= 1 for p in out.decoder_passes)
+    engine = Engine(model.net, EngineOptions(batch_invariant=False))
+    out = run_engine(engine, [Request(p, cfg, seed) for seed, p in enumerate(PROMPTS)])
+    assert all(1 <= len(f.tokens) <= 20 for f in out.values())
+    assert all(f.decoder_passes >= 1 for f in out.values())
 
 
 def test_bad_inputs_raise_clear_errors(ref_gqa):
@@ -110,11 +120,10 @@ def test_ar_logits_equal_reference_encoder(ref_wide):
     model = dgemma.load(path)
     ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
     expected = _reference_encoder_logits(ref, ids)
-    from dgemma.engine.kv_cache import KVCache
+    from dgemma.engine.kv_cache import DenseKVCache
 
-    cache = KVCache(model.config, 2, 19, "cpu", torch.float32)
-    plan = cache.plan_encoder(19)
-    got = model.net.logits(model.net.encode(ids, cache, plan))
+    cache = DenseKVCache(model.config, 2, 19, "cpu", torch.float32)
+    got = model.net.logits(model.net.encode(ids, cache.plan_encoder(19)))
     assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -132,20 +141,14 @@ def test_greedy_ar_equals_stepwise_recomputation(ref_wide):
 
 def test_sampling_every_position_gives_the_same_tokens(ref_gqa):
     """The GPU way (sample all positions, keep the accepted) equals the CPU way (sample accepted only)."""
-    from dgemma.engine.engine import Engine, Request
-
     model = dgemma.load(ref_gqa[0])
     cfg = model.generation_config.with_overrides(max_new_tokens=20, entropy_bound=1.0)
     outs = []
     for sample_all in (False, True):
-        engine = Engine(model.net, max_batch=2, capacity=64)
-        engine.sample_all_positions = sample_all
-        for seed, prompt in enumerate(PROMPTS[:2]):
-            engine.add(Request(prompt, cfg, seed))
-        finished = []
-        while engine.has_work:
-            finished += [e for e in engine.step() if isinstance(e, dgemma.Finished)]
-        outs.append(sorted((e.row, e.tokens) for e in finished))
+        engine = Engine(model.net)
+        engine.runner.sample_all_positions = sample_all
+        finished = run_engine(engine, [Request(p, cfg, seed) for seed, p in enumerate(PROMPTS[:2])])
+        outs.append([finished[i].tokens for i in range(2)])
     assert outs[0] == outs[1]
 
 

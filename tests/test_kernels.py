@@ -5,18 +5,18 @@ import torch
 
 import dgemma
 from dgemma.kernels.cpu import PackedExperts, packed_copy, supported
-from dgemma.engine.kv_cache import KVCache
+from dgemma.engine.kv_cache import DenseKVCache
 from oracle import build_reference
 
 pytestmark = pytest.mark.skipif(not supported(torch.float32), reason="no oneDNN packed linears in this torch")
 
 
 def _step_logits(net, prompt, canvas, soft=None):
-    cache = KVCache(net.config, prompt.shape[0], prompt.shape[1] + canvas.shape[1], "cpu", net.dtype)
+    cache = DenseKVCache(net.config, prompt.shape[0], prompt.shape[1] + canvas.shape[1], "cpu", net.dtype)
     plan = cache.plan_encoder(prompt.shape[1])
-    enc = net.encode(prompt, cache, plan)
+    enc = net.encode(prompt, plan)
     cache.commit(plan)
-    return net.logits(enc), net.logits(net.decode(canvas, cache, cache.plan_decoder(canvas.shape[1]), soft))
+    return net.logits(enc), net.logits(net.decode(canvas, cache.plan_decoder(canvas.shape[1]), soft))
 
 
 @torch.no_grad()

@@ -1,7 +1,6 @@
 """Native CPU kernels (kernels/csrc): the AMX MoE block and the fused step statistics agree with the
 torch code they replace, to float32 / bfloat16 rounding, on the cases that stress them."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,11 +112,13 @@ def test_engine_step_with_native_statistics_matches_the_torch_step(ref_gqa):
     temps = torch.full((model.config.canvas_length, 1), 0.7)
     outputs = []
     for use_native in (True, False):
-        engine = Engine(net, max_batch=1, capacity=64)
-        assert engine.native is not None
-        engine.native = engine.native if use_native else None
-        engine._encode([SimpleNamespace(slot=0)], [prompt])
-        outputs.append(engine.decoder_step(canvas, soft, temps, engine.cache.plan_decoder(model.config.canvas_length)))
+        engine = Engine(net)
+        runner = engine.runner
+        assert runner.native is not None
+        runner.native = runner.native if use_native else None
+        kv = engine.encode_prefix(prompt)
+        plan = runner.cache.plan_decoder(model.config.canvas_length, [kv])
+        outputs.append(runner.decoder_step(canvas, soft, temps, plan))
     (argmax, entropy, weights, soft_next), (argmax_t, entropy_t, weights_t, soft_next_t) = outputs
     assert torch.equal(argmax, argmax_t)
     assert torch.allclose(entropy, entropy_t, atol=1e-5)

@@ -96,17 +96,17 @@ def test_fast_self_conditioning_step_matches_reference_logits(ref_gqa):
     processed = torch.randn(2, 8, 128, generator=g) * 5
     with torch.no_grad():
         expected = ref(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=processed).logits
-    from dgemma.engine.kv_cache import KVCache
+    from dgemma.engine.kv_cache import DenseKVCache
 
     net = model.net
-    cache = KVCache(model.config, 2, 19, "cpu", torch.float32)
+    cache = DenseKVCache(model.config, 2, 19, "cpu", torch.float32)
     plan = cache.plan_encoder(11)
-    net.encode(prompt, cache, plan)
+    net.encode(prompt, plan)
     cache.commit(plan)
     stats = sampler.step_statistics(processed.view(-1, 128), 1.0)
     soft = net.soft_embed(stats.weights.view(2, 8, 128), stats.total.view(2, 8))
     with torch.no_grad():
-        got = net.logits(net.decode(canvas, cache, cache.plan_decoder(8), soft))
+        got = net.logits(net.decode(canvas, cache.plan_decoder(8), soft))
     assert (got - expected).abs().max().item() < 1e-4
 
 

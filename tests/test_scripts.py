@@ -49,7 +49,7 @@ def test_dgemma_bench_refuses_a_size_that_does_not_fit(monkeypatch, capsys):
     from dgemma import bench
     from dgemma.cli import main
 
-    monkeypatch.setattr(bench, "available_memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(bench, "available_memory", lambda device: 8 << 30)
     assert main(["bench", "--size", "real"]) != 0
     err = capsys.readouterr().err
     assert "25.3 B parameters" in err and "8 GiB available" in err and "Traceback" not in err

@@ -111,7 +111,7 @@ def test_eos_ends_request_with_stop(model, client):
 
 
 def test_streaming_sends_each_block_before_the_end(model, server, client):
-    scheduler = server.app.state.service.scheduler
+    engine_thread = server.app.state.service.engine_thread
     blocks = 8  # canvases of 32 tokens
     stream = client.completions.create(
         model=MODEL, prompt="import os", max_tokens=32 * blocks, seed=7, stream=True,
@@ -122,7 +122,7 @@ def test_streaming_sends_each_block_before_the_end(model, server, client):
         if chunk.choices[0].finish_reason is None:
             texts.append(chunk.choices[0].text)
             if in_flight_at_first is None:
-                in_flight_at_first = scheduler.in_flight
+                in_flight_at_first = engine_thread.in_flight
         else:
             assert chunk.choices[0].finish_reason == "length"
     assert len(texts) == blocks  # one chunk per committed block
@@ -217,7 +217,7 @@ def _steps_above(metrics_text, n):
 
 def test_cancelled_stream_frees_its_slot_and_full_queue_gets_429(model):
     app = create_app(model, MODEL, max_active=1, max_queue=1)
-    scheduler = app.state.service.scheduler
+    engine_thread = app.state.service.engine_thread
     with ServerThread(app) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         long = dict(model=MODEL, prompt="long", max_tokens=3000, seed=0, stream=True, extra_body={"ignore_eos": True})
@@ -229,9 +229,9 @@ def test_cancelled_stream_frees_its_slot_and_full_queue_gets_429(model):
         a.close()
         b.close()
         deadline = time.monotonic() + 20
-        while scheduler.in_flight and time.monotonic() < deadline:
+        while engine_thread.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert scheduler.in_flight == 0 and not scheduler.engine.running and not scheduler.engine.waiting
+        assert engine_thread.in_flight == 0 and not engine_thread.engine.scheduler.running and not engine_thread.engine.scheduler.waiting
         assert metric(server, 'dgemma_requests_total{finish_reason="cancelled"}') == 2
         r = client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body=FAST)
         assert r.usage.completion_tokens == 8
@@ -239,9 +239,9 @@ def test_cancelled_stream_frees_its_slot_and_full_queue_gets_429(model):
         with pytest.raises(openai.APITimeoutError):
             client.with_options(timeout=1.0).completions.create(model=MODEL, prompt="x", max_tokens=3000, extra_body={"ignore_eos": True})
         deadline = time.monotonic() + 20
-        while scheduler.in_flight and time.monotonic() < deadline:
+        while engine_thread.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert scheduler.in_flight == 0
+        assert engine_thread.in_flight == 0
         assert metric(server, 'dgemma_requests_total{finish_reason="cancelled"}') == 3
 
 

@@ -141,14 +141,14 @@ def test_engine_failure_is_contained(tmp_path):
     """A fault inside the engine fails the requests it held (500), and the next request is served."""
     model = dgemma.load(make_tiny_random(tmp_path / "ckpt", seed=2))
     app = create_app(model, MODEL, max_active=2, max_queue=2, max_context=CONTEXT)
-    scheduler = app.state.service.scheduler
+    engine_thread = app.state.service.engine_thread
     calls = []
 
     def failing_step():
         calls.append(1)
         raise RuntimeError("simulated device fault")
 
-    scheduler.engine.step = failing_step
+    engine_thread.engine.step = failing_step
     with ServerThread(app) as server:
         r = send(server, "POST", C, completion(max_denoising_steps=2))
         assert r.status_code == 500 and "simulated device fault" in r.json()["error"]["message"]

@@ -20,7 +20,7 @@ from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model
 from dgemma.cli import main
 from dgemma.config import GenerationConfig
 from dgemma.train.data import Sampler, chat_example, document_examples, load_examples, prompt_completion_example
-from dgemma.engine.kv_cache import KVCache
+from dgemma.engine.kv_cache import DenseKVCache
 from dgemma.train.objective import (
     Example,
     choose_block,
@@ -121,9 +121,9 @@ def test_loss_equals_hand_computation_on_a_fixed_batch():
     # AR: each row alone through the encoder, -log p(next) summed over supervised targets.
     ar_sum, ar_n = 0.0, 0
     for e in examples:
-        cache = KVCache(config, 1, len(e.ids))
+        cache = DenseKVCache(config, 1, len(e.ids))
         ids = torch.tensor([e.ids])
-        logp = net.logits(net.encode(ids, cache, cache.plan_encoder(len(e.ids)))).log_softmax(-1)[0]
+        logp = net.logits(net.encode(ids, cache.plan_encoder(len(e.ids)))).log_softmax(-1)[0]
         for i in range(1, len(e.ids)):
             if e.mask[i]:
                 ar_sum -= logp[i - 1, e.ids[i]].item()

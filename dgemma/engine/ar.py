@@ -11,9 +11,10 @@ from typing import Iterator
 
 import torch
 
-from .events import Block, GenerationOutput
-from .kv_cache import KVCache
 from ..model.diffusion_gemma import DiffusionGemma
+from .events import Block, GenerationOutput
+from .kv_cache import DenseKVCache
+from .prefill import prefill
 from .sampler import sample_from_weights
 
 
@@ -33,15 +34,9 @@ def ar_events(
         raise ValueError("temperature must be >= 0")
     device, batch = net.device, len(prompts)
     lengths = [len(p) for p in prompts]
-    cache = KVCache(net.config, batch, max(lengths) + max_new_tokens, device, net.dtype)
+    cache = DenseKVCache(net.config, batch, max(lengths) + max_new_tokens, device, net.dtype)
     generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
-    ids = torch.full((batch, max(lengths)), net.config.pad_token_id, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, : len(p)] = torch.tensor(p)
-    plan = cache.plan_encoder(max(lengths), new_counts=lengths)
-    hidden = net.encode(ids.to(device), cache, plan)
-    cache.commit(plan)
-    last = hidden[torch.arange(batch, device=device), torch.tensor(lengths, device=device) - 1]
+    last = prefill(net, cache, list(range(batch)), prompts)
 
     outputs: list[list[int]] = [[] for _ in prompts]
     live = list(range(batch))
@@ -66,11 +61,7 @@ def ar_events(
         if not still:
             break
         live = [live[j] for j in still]
-        feed = next_ids[torch.tensor(still, device=device)][:, None]
-        rows = None if len(live) == batch else torch.tensor(live, device=device)
-        plan = cache.plan_encoder(1, rows=rows)
-        last = net.encode(feed, cache, plan)[:, -1]
-        cache.commit(plan)
+        last = prefill(net, cache, live, [[int(next_ids[j])] for j in still])
     passes = [len(o) for o in outputs]
     return GenerationOutput(sequences=outputs, tokens_per_forward=[1.0] * batch, decoder_passes=passes)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 
 @dataclass
@@ -35,6 +36,8 @@ class Finished:
     tokens: list[int]
     decoder_passes: int
     tokens_per_forward: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
 
 
 @dataclass
@@ -54,3 +57,12 @@ def cut_block(block: list[int], eos: tuple[int, ...], room: int) -> tuple[list[i
     end = next((i + 1 for i, t in enumerate(block) if t in eos_set), None)
     kept = block[: end if end is not None else len(block)]
     return kept[:room], end is not None and end <= room, len(kept)
+
+
+def collect(events: Iterator) -> GenerationOutput:
+    """Run an event stream to the end and return its output (the generator's return value)."""
+    while True:
+        try:
+            next(events)
+        except StopIteration as stop:
+            return stop.value

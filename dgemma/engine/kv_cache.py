@@ -1,4 +1,7 @@
-"""The committed-block KV cache.
+"""The dense KV cache: one preallocated row per sequence (the reference loop, AR mode, `canvas_logits`, training).
+
+The engine keeps its cache in blocks instead (`paged_cache.py`); this one mirrors the reference's
+layout, so that `sampling="reference"` calls SDPA on the same tensors transformers does.
 
 One preallocated K and V buffer per layer, [rows, kv_heads, capacity, head_dim]. Row r's committed
 tokens sit at storage indices [0, lengths[r]) and a key's storage index is its position, so
@@ -42,6 +45,7 @@ class KeyPlan:
 class CachePass:
     """Everything the layers of one forward pass need from the cache."""
 
+    cache: "DenseKVCache"
     rows: torch.Tensor | None  # subset of cache rows, or None for all rows
     row_slice: slice | None  # the same subset when it is a contiguous range (views instead of gathers)
     positions: torch.Tensor  # [B, T] storage index (= RoPE position) of each new token
@@ -50,8 +54,14 @@ class CachePass:
     full: KeyPlan
     advance: list[int] | None  # tokens to commit per row (encoder), None for the decoder
 
+    def attend(self, layer: int, sliding: bool, k: torch.Tensor, v: torch.Tensor):
+        """Store this pass's k/v [B, Hkv, T, D]; return (keys, values, mask, is_causal) to attend over."""
+        plan = self.sliding if sliding else self.full
+        keys, values = self.cache.store_and_view(layer, k, v, self, plan)
+        return keys, values, plan.mask, plan.is_causal
 
-class KVCache:
+
+class DenseKVCache:
     def __init__(
         self,
         config: ModelConfig,
@@ -98,6 +108,16 @@ class KVCache:
     def _row_list(self, rows: torch.Tensor | None) -> list[int]:
         return list(range(self.batch_size)) if rows is None else rows.tolist()
 
+    def _as_rows(self, rows) -> torch.Tensor | None:
+        """Rows as the plans take them: None for all rows, else an index tensor."""
+        if rows is None or isinstance(rows, torch.Tensor):
+            return rows
+        rows = [int(r) for r in rows]
+        return None if rows == list(range(self.batch_size)) else torch.tensor(rows, device=self.device)
+
+    def length(self, row: int) -> int:
+        return self.lengths[row]
+
     @staticmethod
     def _as_slice(row_ids: list[int]) -> slice | None:
         if row_ids == list(range(row_ids[0], row_ids[0] + len(row_ids))):
@@ -115,6 +135,7 @@ class KVCache:
         self, num_tokens: int, rows: torch.Tensor | None = None, new_counts: list[int] | None = None
     ) -> CachePass:
         """Plan a causal pass appending `num_tokens` per row (of which new_counts[r] are real)."""
+        rows = self._as_rows(rows)
         row_ids = self._row_list(rows)
         self._check_room(row_ids, num_tokens)
         lens = [self.lengths[r] for r in row_ids]
@@ -143,6 +164,7 @@ class KVCache:
             return KeyPlan(lo, hi, encoder_mask(positions, lo, hi, valid, window), False)
 
         return CachePass(
+            cache=self,
             rows=rows,
             row_slice=None if rows is None else self._as_slice(row_ids),
             positions=positions,
@@ -154,6 +176,7 @@ class KVCache:
 
     def plan_decoder(self, canvas_length: int, rows: torch.Tensor | None = None) -> CachePass:
         """Plan a bidirectional pass over a canvas placed right after each row's prefix."""
+        rows = self._as_rows(rows)
         row_ids = self._row_list(rows)
         self._check_room(row_ids, canvas_length)
         lens = [self.lengths[r] for r in row_ids]
@@ -175,6 +198,7 @@ class KVCache:
             return KeyPlan(lo, hi, decoder_mask(lo, hi, valid, canvas_length), False)
 
         return CachePass(
+            cache=self,
             rows=rows,
             row_slice=None if rows is None else self._as_slice(row_ids),
             positions=positions,

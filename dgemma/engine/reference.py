@@ -1,21 +1,14 @@
-"""Block-autoregressive diffusion generation.
+"""The reference sampler: transformers' `DiffusionGemmaForBlockDiffusion.generate`, step for step.
 
 Outer loop over blocks: a canvas of `canvas_length` random tokens is denoised by repeated decoder
 passes (inner loop), its argmax is committed, and the committed block is run through the encoder
-to extend the KV cache before the next canvas starts.
+to extend the KV cache before the next canvas starts. Every random number comes from torch's
+global RNG in the reference's order, so that after the same `torch.manual_seed` the tokens are
+identical (CPU, float32). Ragged prompts are left-padded with an attention mask, as one calls
+the reference; the prompt is encoded in one pass, as the reference does, in a dense cache.
 
-Two loops share the model, the cache and the sampler maths:
-
-- `reference_events`: the `transformers` 5.23 `DiffusionGemmaForBlockDiffusion.generate` step for
-  step, drawing every random number from torch's global RNG in the same order, so that after the
-  same `torch.manual_seed` the tokens are identical. Ragged prompts are left-padded with an
-  attention mask, as one would call the reference.
-- `default_events`: each prompt has its own generator, rows leave the batch when their canvas has
-  converged, only accepted positions are sampled, and the self-conditioning input is computed in
-  the same pass as the entropy. A prompt's output does not depend on the rest of the batch.
-
-Both are generators of events (per-step drafts, committed blocks) so that streaming, the CLI and
-`generate` share them.
+The default sampler (each request its own generator, continuous batching, the paged cache and
+prefix caching) is the engine's (`engine.py`). Both emit the same events (`events.py`).
 """
 
 from __future__ import annotations
@@ -26,12 +19,13 @@ from typing import Iterator
 
 import torch
 
-from . import sampler
 from ..config import GenerationConfig
-from .engine import Engine, Request, room_needed
-from .events import Block, Draft, Finished, GenerationOutput, cut_block
-from .kv_cache import KVCache
 from ..model.diffusion_gemma import DiffusionGemma
+from . import sampler
+from .events import Block, Draft, GenerationOutput, cut_block
+from .kv_cache import DenseKVCache
+from .prefill import prefill
+from .request import validate_prompts
 
 
 @dataclass
@@ -43,17 +37,6 @@ class _RowResult:
     done: bool = False
 
 
-def _validate_prompts(prompts: list[list[int]], vocab_size: int) -> None:
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, (list, tuple)) or not p:
-            raise ValueError(f"prompt {i} must be a non-empty list of token ids")
-        for t in p:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise ValueError(f"prompt {i} holds {t!r}, not a token id in [0, {vocab_size})")
-
-
 def _finish(results: list[_RowResult]) -> GenerationOutput:
     return GenerationOutput(
         sequences=[r.tokens for r in results],
@@ -62,33 +45,23 @@ def _finish(results: list[_RowResult]) -> GenerationOutput:
     )
 
 
-def collect(events: Iterator) -> GenerationOutput:
-    """Run an event stream to the end and return its output (the generator's return value)."""
-    while True:
-        try:
-            next(events)
-        except StopIteration as stop:
-            return stop.value
-
-
 @torch.no_grad()
 def reference_events(
     model: DiffusionGemma, prompts: list[list[int]], gen: GenerationConfig, drafts: bool = False
 ) -> Iterator[Draft | Block]:
     """The reference sampler, random numbers from the global RNG in the reference's order."""
     cfg = model.config
-    _validate_prompts(prompts, cfg.vocab_size)
+    validate_prompts(prompts, cfg.vocab_size)
     device, batch, canvas_len, vocab = model.device, len(prompts), cfg.canvas_length, cfg.vocab_size
     max_len = max(len(p) for p in prompts)
     num_blocks = math.ceil(gen.max_new_tokens / canvas_len)
-    cache = KVCache(cfg, batch, max_len + num_blocks * canvas_len, device, model.dtype)
+    cache = DenseKVCache(cfg, batch, max_len + num_blocks * canvas_len, device, model.dtype)
 
     ids = torch.full((batch, max_len), gen.pad_token_id, dtype=torch.long)
     valid = torch.zeros(batch, max_len, dtype=torch.bool)
     for r, p in enumerate(prompts):  # left padding, as the reference is called with an attention mask
         ids[r, max_len - len(p) :] = torch.tensor(p)
         valid[r, max_len - len(p) :] = True
-    ids = ids.to(device)
     if not valid.all():
         cache.mark_padding(valid)
 
@@ -97,10 +70,9 @@ def reference_events(
     passes = torch.zeros(batch, dtype=torch.long, device=device)
     results = [_RowResult() for _ in range(batch)]
     block_input = ids
+    rows = list(range(batch))
     for block in range(num_blocks):
-        encode_pass = cache.plan_encoder(block_input.shape[1])
-        model.encode(block_input, cache, encode_pass)
-        cache.commit(encode_pass)
+        prefill(model, cache, rows, block_input.tolist())  # one pass per block, as the reference
 
         decode_pass = cache.plan_decoder(canvas_len)
         canvas = torch.randint(0, vocab, (batch, canvas_len), device=device)
@@ -112,7 +84,7 @@ def reference_events(
         for steps_remaining in reversed(range(1, gen.max_denoising_steps + 1)):
             block_passes += ~(finished_denoising | finished)
             soft = model.soft_embed_from_logits(sc_logits) if sc_logits is not None else None
-            logits = model.logits(model.decode(canvas, cache, decode_pass, soft))
+            logits = model.logits(model.decode(canvas, decode_pass, soft))
             processed = logits / sampler.temperature(steps_remaining, gen.max_denoising_steps, gen.t_min, gen.t_max)
             probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
             denoised = torch.multinomial(probs.view(-1, vocab), num_samples=1).view(batch, canvas_len)
@@ -171,29 +143,4 @@ def reference_events(
     for r, res in enumerate(results):
         res.passes = int(passes[r])
         res.tokens_per_forward = res.counted / res.passes if res.passes else 0.0
-    return _finish(results)
-
-
-def default_events(
-    model: DiffusionGemma,
-    prompts: list[list[int]],
-    gen: GenerationConfig,
-    seeds: list[int],
-    drafts: bool = False,
-    row_serial: bool | None = None,
-) -> Iterator[Draft | Block]:
-    """Per-prompt generators, driven through the engine: each row moves on as soon as its canvas converges."""
-    _validate_prompts(prompts, model.config.vocab_size)
-    capacity = max(room_needed(len(p), gen.max_new_tokens, model.config.canvas_length) for p in prompts)
-    engine = Engine(model, max_batch=len(prompts), capacity=capacity, row_serial=row_serial)
-    row_of = {engine.add(Request(list(p), gen, seed, drafts=drafts)): r for r, (p, seed) in enumerate(zip(prompts, seeds))}
-    results = [_RowResult() for _ in prompts]
-    while engine.has_work:
-        for event in engine.step():
-            row = row_of[event.row]
-            event.row = row
-            if isinstance(event, Finished):
-                results[row] = _RowResult(event.tokens, event.decoder_passes, event.tokens_per_forward)
-            else:
-                yield event
     return _finish(results)

@@ -5,6 +5,11 @@
   canvas; reads the cache only. Its input embeddings are mixed with a self-conditioning signal
   built from the previous step's predictions.
 
+Both take a *cache pass* (`dgemma.engine.kv_cache.CachePass` for the dense cache, `PagedPass`
+for the engine's block pool): the positions of the pass's tokens, and `attend(layer, sliding, k,
+v)`, which stores this pass's keys/values where the cache keeps them and returns the keys/values
+to attend over with their mask. The model does not know how a cache is laid out.
+
 Module and parameter names follow the checkpoint (`model.decoder.*`), so loading is a rename.
 Arithmetic follows the `transformers` reference operation for operation (RMSNorm via pow(-0.5),
 fp32 router softmax, grouped expert matmuls, fp32 softcapped logits) so float32 results agree to
@@ -20,7 +25,6 @@ from torch import nn
 from . import rope
 from .attention import sdpa
 from ..config import LayerSpec, ModelConfig
-from ..engine.kv_cache import CachePass, KVCache
 
 
 def gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -70,13 +74,10 @@ class Attention(nn.Module):
         v = self.v_norm(v_raw).transpose(1, 2)
         return q, k, v
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache: KVCache, cache_pass: CachePass
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache_pass) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
-        plan = cache_pass.sliding if self.spec.is_sliding else cache_pass.full
-        k_all, v_all = cache.store_and_view(layer, k, v, cache_pass, plan)
-        out = sdpa(q, k_all, v_all, plan.mask, plan.is_causal)
+        k_all, v_all, mask, is_causal = cache_pass.attend(layer, self.spec.is_sliding, k, v)
+        out = sdpa(q, k_all, v_all, mask, is_causal)
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
 
@@ -187,8 +188,8 @@ class Layer(nn.Module):
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(h.shape)
         return self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
 
-    def forward(self, h, cos, sin, layer, cache, cache_pass, encoder: bool) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, cache_pass))
+    def forward(self, h, cos, sin, layer, cache_pass, encoder: bool) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, layer, cache_pass))
         h = h + self.feed_forward(h)
         return h * (self.encoder_layer_scalar if encoder else self.layer_scalar)
 
@@ -260,26 +261,24 @@ class DiffusionGemma(nn.Module):
         """The reference's self-conditioning input: softmax(logits) @ E x sqrt(hidden)."""
         return self.soft_embed(logits.softmax(dim=-1, dtype=torch.float32))
 
-    def _run_layers(self, h: torch.Tensor, cache: KVCache, cache_pass: CachePass, encoder: bool) -> torch.Tensor:
+    def _run_layers(self, h: torch.Tensor, cache_pass, encoder: bool) -> torch.Tensor:
         tables = {
             kind: rope.cos_sin(cache_pass.positions, rope.inv_freq(spec, h.device), h.dtype)
             for kind, spec in self.rope_specs.items()
         }
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.self_attn.spec.kind]
-            h = layer(h, cos, sin, i, cache, cache_pass, encoder)
+            h = layer(h, cos, sin, i, cache_pass, encoder)
         return self.norm(h)
 
-    def encode(self, ids: torch.Tensor, cache: KVCache, cache_pass: CachePass) -> torch.Tensor:
+    def encode(self, ids: torch.Tensor, cache_pass) -> torch.Tensor:
         """Causal pass over ids [B, T]; writes the cache (commit it afterwards). Returns final hidden states."""
-        return self._run_layers(self.embed(ids), cache, cache_pass, encoder=True)
+        return self._run_layers(self.embed(ids), cache_pass, encoder=True)
 
-    def decode(
-        self, canvas: torch.Tensor, cache: KVCache, cache_pass: CachePass, soft_embeds: torch.Tensor | None
-    ) -> torch.Tensor:
+    def decode(self, canvas: torch.Tensor, cache_pass, soft_embeds: torch.Tensor | None) -> torch.Tensor:
         """Bidirectional pass over canvas [B, C] given self-conditioning soft embeddings [B, C, H] (or None)."""
         h = self.self_conditioning(self.embed(canvas), soft_embeds)
-        return self._run_layers(h, cache, cache_pass, encoder=False)
+        return self._run_layers(h, cache_pass, encoder=False)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ E.T in the model's dtype: the logits before softcapping."""

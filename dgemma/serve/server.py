@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -26,7 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
-from .engine_thread import EngineFailure, Generation, Metrics, QueueFull, Scheduler, TextStream
+from ..engine.engine import Engine, EngineOptions
+from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
+from .metrics import Metrics
+from .text import TextStream
 from ..tokenizer import ChatTemplateError
 
 log = logging.getLogger("dgemma.serve")
@@ -219,7 +223,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class Service:
-    """What the routes share: model, tokenizer, scheduler, metrics and limits."""
+    """What the routes share: model, tokenizer, the engine thread, metrics and limits."""
 
     def __init__(
         self,
@@ -228,7 +232,7 @@ class Service:
         max_active: int,
         max_queue: int,
         max_context: int,
-        row_serial: bool | None = None,
+        options: EngineOptions | None = None,
     ):
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
@@ -237,7 +241,13 @@ class Service:
         self.context = max_context
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.scheduler = Scheduler(model.engine_net, max_active, max_queue, max_context, self.metrics, row_serial)
+        options = replace(options or EngineOptions(), max_active=max_active)
+        net = model.engine_net
+
+        def new_engine() -> Engine:
+            return Engine(net, options)
+
+        self.engine_thread = EngineThread(new_engine, max_active, max_queue, self.metrics)
 
     # ---------------------------------------------------------------- parsing
     def check_model(self, name: str) -> None:
@@ -307,6 +317,9 @@ class Service:
                 "max_tokens",
                 "context_length_exceeded",
             )
+        why = self.engine_thread.engine.scheduler.refusal(prompt_len, max_tokens)
+        if why is not None:
+            raise ApiError(400, why, "max_tokens", "context_length_exceeded")
         try:
             return defaults.with_overrides(
                 max_new_tokens=max_tokens,
@@ -326,14 +339,14 @@ class Service:
         stops = parse_stop(params.stop)
         config = self.generation_config(params, len(prompt), max_tokens)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_LIMIT)
-        if not self.scheduler.alive:
+        if not self.engine_thread.alive:
             raise ApiError(503, "the engine is not running", code="engine_stopped")
         try:
-            job = self.scheduler.submit(prompt, config, seed, drafts=params.stream_drafts)
+            job = self.engine_thread.submit(prompt, config, seed, drafts=params.stream_drafts)
         except QueueFull as e:
             raise ApiError(429, str(e), None, "queue_full") from None
         text = TextStream(self.tokenizer.decode, stops, config.eos_token_ids, config.max_new_tokens)
-        return Generation(self.scheduler, job, text)
+        return Generation(self.engine_thread, job, text)
 
     def usage(self, prompt_len: int, gen: Generation) -> dict:
         done = gen.completion_tokens
@@ -341,6 +354,7 @@ class Service:
             "prompt_tokens": prompt_len,
             "completion_tokens": done,
             "total_tokens": prompt_len + done,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
             "decoder_passes": gen.decoder_passes,
             "tokens_per_forward": round(gen.tokens_per_forward, 3),
         }
@@ -488,35 +502,34 @@ class _CountResponses:
         await self.app(scope, receive, counting_send)
 
 
-def default_context(model) -> int:
-    return min(model.config.max_position_embeddings, 4096)
-
-
 def create_app(
     model,
     served_model_name: str = "dgemma",
     max_active: int = 8,
     max_queue: int = 64,
     max_context: int | None = None,
-    row_serial: bool | None = None,
+    options: EngineOptions | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up."""
+    """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up.
+
+    `max_context` caps prompt plus output per request (default: the model's
+    max_position_embeddings; the KV cache's size decides what fits at once)."""
     if max_active < 1 or max_queue < 0:
         raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
-    context = default_context(model) if max_context is None else max_context
+    context = model.config.max_position_embeddings if max_context is None else max_context
     canvas = model.config.canvas_length
     if not canvas < context <= model.config.max_position_embeddings:
         raise ValueError(
             f"max_context must be between {canvas + 1} (one block of {canvas} plus a prompt token) and "
             f"{model.config.max_position_embeddings} (the model's max_position_embeddings); got {context}"
         )
-    service = Service(model, served_model_name, max_active, max_queue, context, row_serial)
+    service = Service(model, served_model_name, max_active, max_queue, context, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        service.scheduler.start()
+        service.engine_thread.start()
         yield
-        service.scheduler.stop()
+        service.engine_thread.stop()
 
     app = FastAPI(title="dgemma", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
@@ -538,7 +551,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if not service.scheduler.alive:
+        if not service.engine_thread.alive:
             return json_response({"status": "engine stopped"}, 503)
         return json_response({"status": "ok"})
 
@@ -639,20 +652,18 @@ class ServerThread:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     """Register `dgemma serve`."""
-    from ..cli import add_model_flags
+    from ..cli import add_engine_flags, add_model_flags
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
-    p.add_argument("--max-active", type=int, default=8, help="canvases denoised together (cache slots; default: 8)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get HTTP 429 (default: 64)")
+    p.add_argument("--max-active", type=int, default=8, help="requests admitted at once, each denoising its canvas (default: 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for admission; more get HTTP 429 (default: 64)")
     p.add_argument("--max-context", type=int, default=None,
-                   help="cache positions per request: prompt plus output blocks (default: min(4096, max_position_embeddings))")  # fmt: skip
+                   help="prompt plus output positions per request (default: the model's max_position_embeddings)")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the checkpoint directory name)")
-    p.add_argument("--batched-passes", action="store_true",
-                   help="run a step's canvases as one batched pass even on CPU (faster; a seeded request's text "
-                        "then depends on its batch at float-rounding level). Default: batched on GPU only")  # fmt: skip
+    add_engine_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
@@ -661,28 +672,28 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from ..cli import CliError, load_model
+    from ..cli import CliError, engine_options, load_model
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
     model = load_model(args)
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
     try:
-        row_serial = False if args.batched_passes else None
-        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, row_serial)
+        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args))
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
-    except (RuntimeError, MemoryError) as e:  # the KV cache does not fit in memory
+    except (RuntimeError, MemoryError) as e:  # the KV pools do not fit in memory
         first = str(e).splitlines()[-1] if str(e) else type(e).__name__
-        raise CliError(
-            f"cannot allocate the engine's KV cache for --max-active {args.max_active} x --max-context "
-            f"{args.max_context or default_context(model)}: {first}"
-        ) from None
+        raise CliError(f"cannot allocate the engine's KV cache ({args.kv_cache_memory or 'default size'}): {first}") from None
     host, port = sock.getsockname()[:2]
+    engine = app.state.service.engine_thread.engine
+    usage = engine.kv_usage()
+    kv = ", ".join(f"{k} {u['total']}" for k, u in usage.items())
     print(
         f"dgemma: serving '{name}' on http://{host}:{port} (max-active {args.max_active}, max-queue {args.max_queue}, "
-        f"context {app.state.service.context}, device {model.device})",
+        f"context {app.state.service.context}, KV blocks of {engine.options.block_size}: {kv}; "
+        f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; device {model.device})",
         flush=True,
     )
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine.kv_cache import KVCache
+from ..engine.kv_cache import DenseKVCache
 from ..model.diffusion_gemma import DiffusionGemma
 
 EPS = 1e-3
@@ -184,7 +184,7 @@ def ar_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, ar_mask: torch.Ten
     return masked_cross_entropy(logits[:, :-1], ids[:, 1:], ar_mask[:, 1:])
 
 
-def expand_rows(cache: KVCache, k: int) -> None:
+def expand_rows(cache: DenseKVCache, k: int) -> None:
     """Repeat every cache row k times (differentiably), so that k canvases share one encoder pass.
 
     Each repeated row is another sample of the same objective (another block and noise level of
@@ -216,10 +216,10 @@ def training_losses(
     """
     bsz, width = batch.ids.shape
     c = batch.target.shape[1]
-    cache = KVCache(net.config, bsz, width + c, device=batch.ids.device, dtype=net.dtype, differentiable=True)
+    cache = DenseKVCache(net.config, bsz, width + c, device=batch.ids.device, dtype=net.dtype, differentiable=True)
     ragged = any(n != width for n in batch.lengths)
     plan = cache.plan_encoder(width, new_counts=batch.lengths if ragged else None)
-    hidden = net.encode(batch.ids, cache, plan)
+    hidden = net.encode(batch.ids, plan)
     cache.commit(plan)
     ar = ar_cross_entropy(net.logits(hidden), batch.ids, batch.ar_mask)
 
@@ -231,9 +231,9 @@ def training_losses(
     soft = None
     if two_pass:
         with torch.no_grad():
-            first = net.logits(net.decode(canvas, cache, dec_plan, None))
+            first = net.logits(net.decode(canvas, dec_plan, None))
         soft = net.soft_embed_from_logits(first) * noise.self_cond.to(net.dtype)[:, None, None]
-    logits = net.logits(net.decode(canvas, cache, dec_plan, soft))
+    logits = net.logits(net.decode(canvas, dec_plan, soft))
     diffusion = masked_cross_entropy(logits, batch.target, batch.canvas_mask)
     return Losses(diffusion + ar_weight * ar, diffusion, ar)
 

@@ -1,0 +1,96 @@
+"""Canvas constraints: fixed tokens and allowed-token masks, per canvas position.
+
+The one API that seeded canvases (infill, editing) and grammars (structured output) build on.
+
+- A *fixed* position holds a given token: it is written into the canvas when it starts, never
+  re-noised, excluded from entropy-bound acceptance and from the stopping statistics (mean
+  entropy, and it cannot make the canvas unstable), and committed as given. The other positions
+  denoise as usual and see the fixed ones on both sides (the decoder is bidirectional).
+- An *allowed-token mask* bans tokens at a position: their logits become -inf after the softcap,
+  before any statistic, so they are never the argmax, never sampled, and weigh nothing in the
+  entropy or the self-conditioning input. It is kept packed (bit t % 32 of word t // 32 set =
+  token t allowed, llguidance's layout), which every statistics path reads directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from .sampler import pack_token_mask, unpack_token_mask
+
+
+@dataclass(frozen=True)
+class CanvasConstraints:
+    fixed: torch.Tensor | None = None  # [C] long: the token at fixed positions, -1 elsewhere
+    allowed: torch.Tensor | None = None  # [C, ceil(V / 32)] int32 packed mask, or None: all allowed
+
+    @staticmethod
+    def build(
+        canvas_length: int,
+        vocab_size: int,
+        fixed: Mapping[int, int] | None = None,
+        allowed: torch.Tensor | Mapping[int, Iterable[int]] | None = None,
+    ) -> "CanvasConstraints":
+        """Validated constraints from friendly forms.
+
+        `fixed`: {position: token}. `allowed`: a bool tensor [canvas_length, vocab_size], or
+        {position: allowed token ids} (positions not named allow everything).
+        """
+        fixed_tokens = None
+        if fixed:
+            fixed_tokens = torch.full((canvas_length,), -1, dtype=torch.long)
+            for pos, tok in fixed.items():
+                _check_position(pos, canvas_length, "fixed")
+                if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+                    raise ValueError(f"fixed[{pos}] = {tok!r} is not a token id in [0, {vocab_size})")
+                fixed_tokens[pos] = tok
+        mask = None
+        if allowed is not None:
+            if isinstance(allowed, torch.Tensor):
+                if allowed.shape != (canvas_length, vocab_size) or allowed.dtype != torch.bool:
+                    raise ValueError(f"allowed must be a bool tensor [{canvas_length}, {vocab_size}], got "
+                                     f"{allowed.dtype} {tuple(allowed.shape)}")  # fmt: skip
+                dense = allowed.cpu()
+            else:
+                dense = torch.ones(canvas_length, vocab_size, dtype=torch.bool)
+                for pos, toks in allowed.items():
+                    _check_position(pos, canvas_length, "allowed")
+                    ids = torch.as_tensor(list(toks), dtype=torch.long)
+                    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+                        raise ValueError(f"allowed[{pos}] holds ids outside [0, {vocab_size})")
+                    dense[pos] = False
+                    dense[pos, ids] = True
+            empty = (~dense.any(dim=-1)).nonzero().flatten().tolist()
+            if empty:
+                raise ValueError(f"allowed bans every token at canvas position(s) {empty}")
+            if fixed_tokens is not None:
+                at = (fixed_tokens >= 0).nonzero().flatten()
+                bad = [int(p) for p in at if not dense[p, fixed_tokens[p]]]
+                if bad:
+                    raise ValueError(f"fixed token(s) at position(s) {bad} are not allowed there")
+            mask = None if bool(dense.all()) else pack_token_mask(dense)
+        return CanvasConstraints(fixed_tokens, mask)
+
+    @property
+    def free(self) -> torch.Tensor | None:
+        """[C] bool: positions that denoise (not fixed), or None when nothing is fixed."""
+        return None if self.fixed is None else self.fixed < 0
+
+    def apply_fixed(self, canvas: torch.Tensor) -> torch.Tensor:
+        """`canvas` with the fixed tokens written in (on its device)."""
+        if self.fixed is None:
+            return canvas
+        fixed = self.fixed.to(canvas.device)
+        return torch.where(fixed >= 0, fixed, canvas)
+
+    def allowed_dense(self, vocab_size: int) -> torch.Tensor | None:
+        """The mask unpacked to bool [C, vocab] (tests and debugging)."""
+        return None if self.allowed is None else unpack_token_mask(self.allowed, vocab_size)
+
+
+def _check_position(pos, canvas_length: int, what: str) -> None:
+    if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < canvas_length:
+        raise ValueError(f"{what}: position {pos!r} is outside the canvas [0, {canvas_length})")

@@ -1,0 +1,113 @@
+"""One generation request: what was asked, and every piece of state it carries through the engine.
+
+A request's tokens live in `sequence` (the prompt, then each committed block that is encoded
+into the cache); `kv` says where their keys/values are (block tables, how many are computed).
+While a canvas denoises, the request holds it with its self-conditioning input, stopping
+history and step count; its own `generator` draws all of its randomness, so what it produces
+does not depend on what else runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+
+from ..config import GenerationConfig
+from .constraints import CanvasConstraints
+from .paged_cache import SequenceBlocks
+
+ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstraints | None"], None]
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    config: GenerationConfig
+    seed: int
+    drafts: bool = False
+    # Canvas constraints: fixed tokens and allowed-token masks (see constraints.py), or a function
+    # of the request called before every decoder pass (grammars update them as positions settle).
+    constraints: ConstraintSource = None
+    request_id: int = -1
+
+    # --- sequence and cache
+    sequence: list[int] = field(default_factory=list)  # prompt + encoded committed blocks
+    kv: SequenceBlocks = field(default_factory=SequenceBlocks)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of sequence's full blocks
+    registered_blocks: int = 0  # leading full blocks already in the prefix cache
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    encoded_tokens: int = 0  # tokens this request ran through the encoder (re-encodes included)
+
+    # --- output
+    tokens: list[int] = field(default_factory=list)  # emitted tokens (cut at EOS and max_new_tokens)
+    counted: int = 0  # generated non-pad tokens up to EOS: the numerator of tokens per forward
+    passes: int = 0  # decoder passes of committed (and, on cancel, current) blocks
+
+    # --- the canvas being denoised
+    block: int = 0
+    step: int = 0
+    block_passes: int = 0
+    canvas: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    soft: torch.Tensor | None = None
+    history: torch.Tensor | None = None
+    active_constraints: CanvasConstraints | None = None
+    generator: torch.Generator | None = None
+
+    cancelled: bool = False
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.sequence:
+            self.sequence = list(self.prompt)
+
+    def tokens_per_forward(self) -> float:
+        """Generated non-pad tokens (up to EOS) per decoder pass: the one definition the API,
+        the server's usage and /metrics report."""
+        return self.counted / self.passes if self.passes else 0.0
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens of `sequence` whose keys/values are not computed yet."""
+        return len(self.sequence) - self.kv.length
+
+    def max_sequence_length(self, canvas_length: int) -> int:
+        """Positions this request may ever encode: its prompt and every block but the last
+        (the last committed block ends the request and is never encoded)."""
+        blocks = math.ceil(self.config.max_new_tokens / canvas_length)
+        return len(self.prompt) + (blocks - 1) * canvas_length
+
+    def resolve_constraints(self) -> CanvasConstraints | None:
+        source = self.constraints
+        return source(self) if callable(source) else source
+
+    def start_canvas(self, canvas_length: int, vocab_size: int, device: torch.device) -> None:
+        """A fresh canvas of uniform random tokens (fixed positions of the constraints written in).
+
+        The random canvas is drawn even where every position is given, so the request's random
+        stream is the same whatever its constraints (as the reference draws one for
+        `decoder_input_ids`)."""
+        canvas = torch.randint(0, vocab_size, (canvas_length,), generator=self.generator)
+        self.active_constraints = self.resolve_constraints()
+        if self.active_constraints is not None:
+            canvas = self.active_constraints.apply_fixed(canvas)
+        self.canvas = canvas.to(device)
+        self.argmax = self.canvas.clone()
+        self.soft = None
+        self.history = None
+        self.step = 0
+        self.block_passes = 0
+
+
+def validate_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids")
+        for t in p:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {i} holds {t!r}, not a token id in [0, {vocab_size})")

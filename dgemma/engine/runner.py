@@ -1,0 +1,287 @@
+"""The runner: the passes a step plan asks for, on the KV pool, with the kernels this machine runs.
+
+This is the one place that decides which kernels run:
+- `engine_net(net)`: on CPU a copy of the network with packed weights (oneDNN, or dgemma's AMX
+  kernels where they run; `kernels/cpu.py`), elsewhere the network itself;
+- the step statistics: dgemma's native kernel on a CPU with AVX-512 (softcap, argmax, entropy
+  and exp weights in two sweeps per row), torch elsewhere; both honour allowed-token masks;
+- CUDA graphs for the decoder step on GPU (`DecoderGraphs`; eager where a capture fails).
+
+A step runs the plan's encoder work (prefill chunks, committed blocks) through `prefill`, then one
+decoder pass per denoising canvas, each followed by the sampler: entropy-bound acceptance,
+sampling of the accepted positions, renoising of the others, the stopping rule. Every random
+number comes from the request's own generator, a fixed amount per step.
+
+With `batch_invariant` (CPU default) each request's passes run as a batch of one and encoder
+passes are whole aligned blocks, so its tokens are bit-identical whatever else runs and whatever
+the prefix cache held. Otherwise a step's canvases run as one batched decoder pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+
+from ..kernels import native
+from ..kernels.cpu import packed_copy
+from ..model.diffusion_gemma import DiffusionGemma
+from . import sampler
+from .options import EngineOptions
+from .paged_cache import PagedKVCache, PagedPass
+from .prefill import prefill
+from .request import Request
+from .scheduler import DecodeResult, StepPlan
+
+log = logging.getLogger("dgemma")
+
+
+def engine_net(net: DiffusionGemma) -> DiffusionGemma:
+    """The network the engine and AR mode run: on CPU a copy with packed weights (faster, equal
+    to `net` at float32 rounding; modules with hooks, e.g. LoRA adapters, stay as they are),
+    elsewhere `net` itself. The reference-exact paths always run `net`."""
+    return packed_copy(net) if net.device.type == "cpu" else net
+
+
+class Runner:
+    def __init__(self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int]):
+        self.net, self.config, self.options = net, net.config, options
+        self.cache = PagedKVCache(net.config, num_blocks, options.block_size, net.device, net.dtype)
+        cpu = net.device.type == "cpu"
+        self.pass_tokens = options.block_size if options.batch_invariant else None
+        self.native = native.extension() if cpu and self.config.vocab_size % 16 == 0 else None
+        self.graphs = DecoderGraphs() if options.cuda_graphs else None
+        # GPU: sample every position (no host sync); CPU: only the accepted ones. Same tokens either way.
+        self.sample_all_positions = not cpu
+        self.reuse_buffers = cpu
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan) -> list[DecodeResult]:
+        for work in plan.encode:
+            req = work.request
+            prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens)
+        results = []
+        for group in self._groups(plan.decode):
+            results += self._advance(group, *self._denoise(group))
+        return results
+
+    def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
+        if self.options.batch_invariant:
+            return ([r] for r in requests)
+        return [requests] if requests else []
+
+    # ---------------------------------------------------------------- the decoder pass
+    def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:
+        canvas = torch.stack([r.canvas for r in group])
+        temps = self._temperatures(group)
+        soft = self._soft_inputs(group)
+        allowed = self._allowed(group)
+        if self.graphs is not None and allowed is None:
+            out = self.graphs.run(self, group, canvas, soft, temps)
+            if out is not None:
+                return out
+        plan = self.cache.plan_decoder(self.config.canvas_length, [r.kv for r in group])
+        return self.decoder_step(canvas, soft, temps, plan, allowed)
+
+    def _temperatures(self, group: list[Request]) -> torch.Tensor:
+        """Each request's temperature at its own step, one per canvas position [n * C, 1]."""
+        temps = torch.stack(
+            [
+                sampler.temperature(
+                    r.config.max_denoising_steps - r.step, r.config.max_denoising_steps, r.config.t_min, r.config.t_max
+                )
+                for r in group
+            ]
+        )
+        return temps.repeat_interleave(self.config.canvas_length)[:, None].to(self.net.device)
+
+    def _soft_inputs(self, group: list[Request]) -> torch.Tensor | None:
+        if all(r.soft is None for r in group):
+            return None
+        # a zero input is exactly "no self-conditioning" (the MLP maps 0 to 0)
+        zeros = torch.zeros(self.config.canvas_length, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
+        return torch.stack([zeros if r.soft is None else r.soft for r in group])
+
+    def _allowed(self, group: list[Request]) -> torch.Tensor | None:
+        """Packed allowed-token masks [n * C, words] when any request has one (others allow all)."""
+        masks = [r.active_constraints.allowed if r.active_constraints is not None else None for r in group]
+        if all(m is None for m in masks):
+            return None
+        c, words = self.config.canvas_length, -(-self.config.vocab_size // 32)
+        everything = torch.full((c, words), -1, dtype=torch.int32)
+        return torch.cat([everything if m is None else m for m in masks]).to(self.net.device)
+
+    def decoder_step(
+        self,
+        canvas: torch.Tensor,
+        soft: torch.Tensor | None,
+        temps: torch.Tensor,
+        plan: PagedPass,
+        allowed: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Decoder pass + everything the sampler needs from the logits, with no host synchronisation.
+
+        Returns argmax [n, C], entropy [n, C], weights [n*C, V] (unnormalised probabilities) and the
+        next step's self-conditioning input [n, C, H]. The [n*C, V] logits do not outlive this call.
+        """
+        n, c = canvas.shape
+        hidden = self.net.decode(canvas, plan, soft)
+        if self.native is not None:
+            stats, soft_input = self._native_statistics(hidden.view(n * c, -1), temps, allowed)
+        else:
+            # CPU: the [n * C, vocab] float32 logits and weights live in buffers reused every step (a
+            # fresh 32 MB tensor is a fresh mmap: ~8 ms of page faults here); elsewhere the allocator caches.
+            converted_head = self.reuse_buffers and self.net.dtype != torch.float32
+            head_out = self._buffer("logits", n * c, torch.float32) if converted_head else None
+            weights_out = self._buffer("weights", n * c, torch.float32) if self.reuse_buffers else None
+            logits = self.net.logits(hidden, out=head_out).view(n * c, -1)
+            stats = sampler.step_statistics(logits, temps, overwrite_logits=True, out=weights_out, allowed=allowed)
+            del logits
+            soft_input = stats.weights
+        soft_next = self.net.soft_embed(soft_input.view(n, c, -1), stats.total.view(n, c))
+        return stats.argmax.view(n, c), stats.entropy.view(n, c), stats.weights, soft_next
+
+    def _native_statistics(
+        self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None
+    ) -> tuple[sampler.StepStatistics, torch.Tensor]:
+        """`step_statistics` of the softcapped logits straight from the LM head's output, plus the
+        self-conditioning matmul's input (the weights, in bf16 for a bf16 model)."""
+        rows = hidden.shape[0]
+        weights = self._buffer("weights", rows, torch.float32)
+        low = self.net.dtype == torch.bfloat16
+        probs = self._buffer("probs", rows, torch.bfloat16) if low else weights.new_empty(0, dtype=torch.bfloat16)
+        cap = self.config.final_logit_softcapping or 0.0
+        raw = self.net.lm_head(hidden)
+        if raw.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads fp32 or bf16
+            raw = raw.float()
+        mask = allowed if allowed is not None else torch.empty(0, dtype=torch.int32)
+        argmax, entropy, total = self.native.step_statistics(raw, cap, temps.reshape(-1), weights, probs, mask)
+        return sampler.StepStatistics(argmax=argmax, entropy=entropy, weights=weights, total=total), (probs if low else weights)
+
+    def _buffer(self, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, vocab] tensor kept across steps (CPU: a fresh 32 MB one is a fresh mmap)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < rows:
+            buf = self._buffers[name] = torch.empty(rows, self.config.vocab_size, dtype=dtype, device=self.net.device)
+        return buf[:rows]
+
+    # ---------------------------------------------------------------- the sampler
+    def _advance(self, group: list[Request], argmax, entropy, weights, soft_next) -> list[DecodeResult]:
+        """Sampler decisions for a group after its pass.
+
+        Randomness comes from each request's own generator, a fixed amount per step. On CPU only
+        the accepted positions are sampled; on GPU every position is (no host sync), and the
+        unaccepted samples are discarded. Fixed positions of the canvas constraints are excluded
+        from acceptance (entropy 0 counts nothing against the bound) and from the stopping
+        statistics, and keep their tokens.
+        """
+        c, vocab, device = self.config.canvas_length, self.config.vocab_size, self.net.device
+        fixed = self._fixed(group)
+        free = None if fixed is None else fixed < 0
+        bounds = torch.tensor([[r.config.entropy_bound] for r in group], device=device)
+        accepted = sampler.entropy_bound_accept(entropy if free is None else entropy * free, bounds)
+        if free is not None:
+            accepted &= free
+        uniforms = torch.stack([torch.rand(c, generator=r.generator) for r in group]).to(device, non_blocking=True)
+        noise = torch.stack([torch.randint(0, vocab, (c,), generator=r.generator) for r in group])
+        canvas = noise.to(device, non_blocking=True)
+        if not self.sample_all_positions:
+            picked = accepted.view(-1).nonzero().squeeze(-1)
+            canvas.view(-1)[picked] = sampler.sample_from_weights(weights[picked], uniforms.view(-1)[picked])
+        else:
+            sampled = sampler.sample_from_weights(weights, uniforms.view(-1)).view(len(group), c)
+            canvas = torch.where(accepted, sampled, canvas)
+        argmax, soft_next = argmax.clone(), soft_next.clone()  # graph outputs are overwritten by the next replay
+        if fixed is not None:
+            canvas = torch.where(free, canvas, fixed)
+            argmax = torch.where(free, argmax, fixed)
+        stops, histories = [], []
+        for i, r in enumerate(group):
+            stop, history = sampler.stable_and_confident(
+                r.history, argmax[i : i + 1], entropy[i : i + 1], r.config.stability_threshold,
+                r.config.confidence_threshold, None if free is None else free[i : i + 1],
+            )  # fmt: skip
+            stops.append(stop)
+            histories.append(history)
+        return [
+            DecodeResult(r, canvas[i], argmax[i], soft_next[i], histories[i], stop)
+            for i, (r, stop) in enumerate(zip(group, torch.cat(stops).tolist()))
+        ]
+
+    def _fixed(self, group: list[Request]) -> torch.Tensor | None:
+        """[n, C] fixed token per position (-1: free), or None when no request fixes any."""
+        fixed = [r.active_constraints.fixed if r.active_constraints is not None else None for r in group]
+        if all(f is None for f in fixed):
+            return None
+        none = torch.full((self.config.canvas_length,), -1, dtype=torch.long)
+        return torch.stack([none if f is None else f for f in fixed]).to(self.net.device)
+
+
+class DecoderGraphs:
+    """CUDA-graph captures of `Runner.decoder_step`, one per group of requests.
+
+    A decoder step's shapes and key views are fixed while a group's requests keep their prefix
+    lengths, i.e. for the whole of a block: the step is captured once and replayed every step of
+    the block, and captured again when a request commits. If a capture fails, the runner falls
+    back to eager steps for good (with a warning). Not yet exercised on a GPU.
+    """
+
+    def __init__(self, max_graphs: int = 8):
+        self.max_graphs = max_graphs
+        self.captured: dict[tuple, tuple] = {}  # request ids -> (lengths, graph, inputs, outputs)
+        self.failed = False
+
+    def run(self, runner: Runner, group: list[Request], canvas, soft, temps):
+        if self.failed:
+            return None
+        ids = tuple(r.request_id for r in group)
+        lengths = tuple(r.kv.length for r in group)
+        entry = self.captured.get(ids)
+        if entry is None or entry[0] != lengths:
+            self.captured.pop(ids, None)
+            while len(self.captured) >= self.max_graphs:
+                self.captured.pop(next(iter(self.captured)))
+            try:
+                entry = (lengths, *self._capture(runner, group, canvas, soft, temps))
+            except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
+                log.warning("CUDA graph capture failed, running eagerly: %s", e)
+                self.failed, self.captured = True, {}
+                return None
+            self.captured[ids] = entry
+        _, graph, inputs, outputs = entry
+        inputs["canvas"].copy_(canvas)
+        inputs["temps"].copy_(temps)
+        if soft is None:
+            inputs["soft"].zero_()
+        else:
+            inputs["soft"].copy_(soft)
+        graph.replay()
+        return outputs
+
+    @staticmethod
+    def _capture(runner: Runner, group: list[Request], canvas, soft, temps):
+        torch.cuda.empty_cache()
+        n, c = canvas.shape
+        inputs = {
+            "canvas": canvas.clone(),
+            "temps": temps.clone(),
+            "soft": soft.clone() if soft is not None else torch.zeros(
+                n, c, runner.config.hidden_size, dtype=runner.net.dtype, device=canvas.device
+            ),
+        }
+        plan = runner.cache.plan_decoder(c, [r.kv for r in group])
+
+        def step():
+            return runner.decoder_step(inputs["canvas"], inputs["soft"], inputs["temps"], plan)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm-up outside the capture (allocator, kernel selection)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        return graph, inputs, outputs

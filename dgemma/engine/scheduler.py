@@ -1,0 +1,252 @@
+"""The scheduler: admission, KV blocks, prefix matches, cancellation, and what runs each step.
+
+`schedule()` returns a `StepPlan`: the encoder work of this step (prompt chunks within the
+prefill budget, and every block committed last step), then the requests whose canvases take a
+decoder pass. `update()` takes the runner's results and turns them into request state and
+events: drafts, committed blocks (cut at EOS and max_new_tokens), finished requests.
+
+Requests are admitted first come, first served while both KV pools can reserve what they may
+need (their prompt and every block of max_new_tokens), so a running request never runs out of
+blocks; a request that does not fit waits at the head of the queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+from .block_manager import BlockManager, block_hash
+from .events import Block, Draft, Finished, cut_block
+from .options import EngineOptions
+from .request import Request
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue is at its limit."""
+
+
+@dataclass
+class EncodeWork:
+    """Encode request.sequence[start:end]; the cache length is set back to `start` first."""
+
+    request: Request
+    start: int
+    end: int
+
+
+@dataclass
+class StepPlan:
+    encode: list[EncodeWork] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    events: list = field(default_factory=list)  # produced while scheduling (cancellations)
+
+
+@dataclass
+class DecodeResult:
+    """A canvas after one decoder pass and the sampler's decisions."""
+
+    request: Request
+    canvas: torch.Tensor  # [C] the next step's input
+    argmax: torch.Tensor  # [C]
+    soft: torch.Tensor  # [C, H] the next step's self-conditioning input
+    history: torch.Tensor | None
+    stop: bool  # stable and confident
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # of admitted requests
+    cached_tokens: int = 0  # of those, found in the prefix cache
+    encoded_tokens: int = 0  # every token run through the encoder (prefill, commits, re-encodes)
+    decoder_passes: int = 0  # one per canvas per step
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Scheduler:
+    def __init__(self, config: ModelConfig, options: EngineOptions, blocks: BlockManager, device: torch.device):
+        self.config, self.options, self.blocks, self.device = config, options, blocks, device
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- requests in and out
+    def refusal(self, prompt_len: int, max_new_tokens: int) -> str | None:
+        """Why a request of this size can never run here (None if it can): past the model's
+        positions, or more KV blocks than the pools hold even when empty."""
+        cfg, c = self.config, self.config.canvas_length
+        blocks = -(-max_new_tokens // c)
+        last = prompt_len + blocks * c  # end of the last canvas
+        if last > cfg.max_position_embeddings:
+            return (
+                f"prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} (in blocks of {c}) reaches "
+                f"position {last}; the model's max_position_embeddings is {cfg.max_position_embeddings}"
+            )
+        fits, need = self.blocks.fits_at_all(prompt_len + (blocks - 1) * c)
+        if not fits:
+            have = {k: p.num_blocks for k, p in self.blocks.pools.items()}
+            return (
+                f"prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} needs {need} KV blocks of "
+                f"{self.options.block_size} positions; the KV cache holds {have}: raise the KV cache memory "
+                f"or shorten the request"
+            )
+        return None
+
+    def add(self, request: Request) -> int:
+        why = self.refusal(len(request.prompt), request.config.max_new_tokens)
+        if why is not None:
+            raise ValueError(why)
+        if self.options.max_waiting is not None and len(self.waiting) >= self.options.max_waiting:
+            raise EngineFull(f"queue full ({self.options.max_waiting} waiting)")
+        request.request_id = next(self._ids)
+        request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
+        if self.blocks.prefix_cache:
+            request.block_hashes = self.blocks.prompt_hashes(request.prompt)
+        self.waiting.append(request)
+        return request.request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Mark a request cancelled; it leaves at the next step boundary."""
+        for r in itertools.chain(self.waiting, self.running):
+            if r.request_id == request_id:
+                r.cancelled = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- planning a step
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._drop_cancelled(plan.events)
+        self._admit()
+        budget = self.options.prefill_chunk
+        for req in self.running:
+            if req.pending_tokens == 0:
+                continue
+            work, budget = self._encode_work(req, budget)
+            if work is not None:
+                self.blocks.allocate(req.request_id, req.kv, work.end)
+                req.kv.length = work.start
+                plan.encode.append(work)
+        planned = {id(w.request): w.end for w in plan.encode}
+        for req in self.running:
+            if planned.get(id(req), req.kv.length) < len(req.sequence):
+                continue  # still prefilling
+            if req.canvas is None:
+                req.start_canvas(self.config.canvas_length, self.config.vocab_size, self.device)
+            elif callable(req.constraints):
+                req.active_constraints = req.resolve_constraints()
+            plan.decode.append(req)
+        return plan
+
+    def _encode_work(self, req: Request, budget: int) -> tuple[EncodeWork | None, int]:
+        b, start, total = self.options.block_size, req.kv.length, len(req.sequence)
+        invariant = self.options.batch_invariant
+        if req.block > 0:  # a committed block: always encoded at once (its request waits for it)
+            if invariant:  # redo the partial block before it, so that it is encoded as a whole block
+                start = start // b * b
+            return EncodeWork(req, start, total), budget
+        end = min(total, start + budget)
+        if invariant and end < total:
+            end = end // b * b  # whole blocks only, so passes fall where a cold run's do
+        if end <= start:
+            return None, budget
+        return EncodeWork(req, start, end), budget - (end - start)
+
+    def _admit(self) -> None:
+        limit = self.options.max_active
+        while self.waiting and (limit is None or len(self.running) < limit):
+            req = self.waiting[0]
+            cached = self.blocks.admit(
+                req.request_id, req.kv, req.block_hashes, req.max_sequence_length(self.config.canvas_length)
+            )
+            if cached is None:
+                return  # wait for blocks: no overtaking, so a long request is not starved
+            self.waiting.popleft()
+            req.cached_tokens = cached
+            req.registered_blocks = cached // self.options.block_size
+            self.running.append(req)
+            self.stats.prompt_tokens += len(req.prompt)
+            self.stats.cached_tokens += cached
+
+    # ---------------------------------------------------------------- after the step
+    def update(self, plan: StepPlan, decoded: list[DecodeResult]) -> list:
+        events = plan.events
+        self.stats.steps += 1
+        for work in plan.encode:
+            self._after_encode(work)
+        converged = []
+        for res in decoded:
+            req = res.request
+            req.canvas, req.argmax, req.soft, req.history = res.canvas, res.argmax, res.soft, res.history
+            req.step += 1
+            req.block_passes += 1
+            self.stats.decoder_passes += 1
+            if req.drafts:
+                events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist()))
+            if res.stop or req.step >= req.config.max_denoising_steps:
+                converged.append(req)
+        for req in converged:
+            self._commit(req, events)
+        return events
+
+    def _after_encode(self, work: EncodeWork) -> None:
+        req, b = work.request, self.options.block_size
+        count = work.end - work.start
+        req.encoded_tokens += count
+        self.stats.encoded_tokens += count
+        if self.blocks.prefix_cache:
+            self._extend_hashes(req)
+            full = req.kv.length // b
+            if full > req.registered_blocks:
+                self.blocks.register(req.kv, req.block_hashes[:full], req.registered_blocks)
+                req.registered_blocks = full
+        rewind = req.kv.length // b * b if self.options.batch_invariant else req.kv.length
+        self.blocks.release_behind_window(req.request_id, req.kv, rewind - (self.config.sliding_window - 1))
+
+    def _extend_hashes(self, req: Request) -> None:
+        b, keys = self.options.block_size, req.block_hashes
+        while len(keys) < len(req.sequence) // b:
+            j = len(keys)
+            keys.append(block_hash(keys[-1] if keys else None, req.sequence[j * b : (j + 1) * b]))
+
+    def _commit(self, req: Request, events: list) -> None:
+        """The converged canvas's argmax becomes the request's next block."""
+        block = req.argmax.tolist()
+        eos, pad = req.config.eos_token_ids, req.config.pad_token_id
+        tokens, hit_eos, counted = cut_block(block, eos, req.config.max_new_tokens - len(req.tokens))
+        req.tokens += tokens
+        req.counted += sum(1 for t in block[:counted] if t != pad)
+        req.passes += req.block_passes
+        req.done = hit_eos or len(req.tokens) >= req.config.max_new_tokens
+        events.append(Block(req.request_id, req.block, tokens, req.done, req.block_passes))
+        if req.done:
+            self._finish(req, "eos" if hit_eos else "length", events)
+            return
+        req.sequence += block  # encoded next step, then the next canvas starts
+        req.block += 1
+        req.canvas = None
+
+    def _finish(self, req: Request, reason: str, events: list) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.request_id, req.kv)
+        events.append(
+            Finished(req.request_id, reason, req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), req.cached_tokens)
+        )
+
+    def _drop_cancelled(self, events: list) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            events.append(Finished(req.request_id, "cancelled", req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), 0))
+        for req in [r for r in self.running if r.cancelled]:
+            req.passes += req.block_passes
+            self._finish(req, "cancelled", events)
