@@ -23,27 +23,8 @@ import torch
 
 from .engine.events import Finished
 from .engine.options import available_memory
+from .model.presets import PRESETS
 
-SIZES = {
-    # A model small enough for quick checks.
-    "tiny": dict(
-        vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, global_head_dim=64,
-        num_global_kv_heads=1, intermediate_size=256, num_experts=8, top_k_experts=2, moe_intermediate_size=64,
-        sliding_window=256, canvas_length=64,
-    ),
-    # The issue's mid-size CPU benchmark model.
-    "mid": dict(
-        vocab_size=32768, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=128,
-        global_head_dim=256, num_global_kv_heads=2, intermediate_size=2048, num_experts=32, top_k_experts=4,
-        moe_intermediate_size=512, sliding_window=1024, canvas_length=256,
-    ),
-    # The released DiffusionGemma 26B-A4B text stack (model.md), for GPUs.
-    "real": dict(
-        vocab_size=262144, hidden_size=2816, num_layers=30, num_heads=16, num_kv_heads=8, head_dim=256,
-        global_head_dim=512, num_global_kv_heads=2, intermediate_size=2112, num_experts=128, top_k_experts=8,
-        moe_intermediate_size=704, sliding_window=1024, canvas_length=256, max_position_embeddings=131072,
-    ),
-}
 FIXED_STEPS_CONFIDENCE = 1e-30  # no canvas is ever this confident: every canvas takes exactly --steps passes
 
 
@@ -231,7 +212,7 @@ def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
     """Random weights of a named size, written as a checkpoint (so every peer loads the same file)."""
     from .model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
 
-    config = make_config(**SIZES[size])
+    config = make_config(**PRESETS[size])
     params = config.num_parameters()
     need, have = 4 * params, available_memory(torch.device("cpu"))  # built in float32 before any cast
     if have is not None and need > have:
@@ -338,7 +319,7 @@ def cmd_bench(args) -> int:
 def add_cli(sub) -> None:
     p = sub.add_parser("bench", help="time dgemma against its AR mode and the transformers reference")
     p.add_argument("--model", "-m", help="checkpoint directory (default: random weights of --size)")
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="synthetic model size (random weights)")
+    p.add_argument("--size", choices=list(PRESETS), default="tiny", help="synthetic model size (random weights)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--prompt-len", type=int, default=512)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dgemma.engine import sampler  # noqa: E402
-from dgemma.bench import SIZES  # noqa: E402
 from dgemma.model.checkpoint import make_config  # noqa: E402
+from dgemma.model.presets import PRESETS  # noqa: E402
 from dgemma.engine.kv_cache import DenseKVCache  # noqa: E402
 from dgemma.engine.prefill import prefill  # noqa: E402
 from dgemma.model.diffusion_gemma import DiffusionGemma  # noqa: E402
@@ -59,7 +59,7 @@ def copy_bandwidth(device: str, gb: float = 4.0) -> float:
 
 @torch.no_grad()
 def build(size: str, device: str, dtype=torch.bfloat16) -> DiffusionGemma:
-    config = make_config(**SIZES[size])
+    config = make_config(**PRESETS[size])
     with torch.device("meta"):
         net = DiffusionGemma(config)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -122,7 +122,7 @@ def step_time(net: DiffusionGemma, batch: int, prompt_len: int, graphs: bool, it
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--size", default="real", choices=sorted(SIZES))
+    parser.add_argument("--size", default="real", choices=list(PRESETS))
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--quick", action="store_true", help="batch 1 only, fewer iterations")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")

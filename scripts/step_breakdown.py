@@ -2,9 +2,10 @@
 
     python scripts/step_breakdown.py [--size mid] [--dtype bfloat16] [--steps 8] [--modules] [--profile]
 
-Builds a random model of the named `dgemma bench` size, prefills a 512-token prompt, then times
-`--steps` engine steps (16 fixed denoising steps per canvas, as the benchmark). `--modules` adds
-the time inside each kind of decoder module (attention, dense MLP, router, experts) per step;
+Builds a random model of the named size (dgemma/model/presets.py, as `dgemma bench --size`),
+prefills a 512-token prompt, then times `--steps` engine steps (16 fixed denoising steps per
+canvas, as the benchmark). `--modules` adds the time inside each kind of decoder module
+(attention, dense MLP, router, experts) per step;
 `--profile` adds torch.profiler's table of the most expensive ops (it does not see inside the
 native kernels).
 """
@@ -25,6 +26,7 @@ from dgemma.api import load  # noqa: E402
 from dgemma.bench import FIXED_STEPS_CONFIDENCE, synthetic_checkpoint  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402
+from dgemma.model.presets import PRESETS  # noqa: E402
 
 
 def timed(totals: dict, key: str, fn):
@@ -39,7 +41,7 @@ def timed(totals: dict, key: str, fn):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--size", default="mid")
+    p.add_argument("--size", default="mid", choices=list(PRESETS))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)

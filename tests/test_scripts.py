@@ -17,7 +17,7 @@ def test_gpu_bench_smoke_run_on_cpu():
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert any(line.split()[:1] == ["1"] and "n/a" in line for line in lines), run.stdout  # batch 1 eager row
-    assert "engine, batch 1, prompt 64, 128 new tokens, 16 fixed steps" in run.stdout
+    assert "engine, batch 1, prompt 64, 64 new tokens, 16 fixed steps" in run.stdout  # 2 canvases of 32
     assert "32 decoder passes" in run.stdout
 
 
@@ -35,9 +35,9 @@ def test_dgemma_bench_reports_every_peer_with_ratios(capsys):
     report = json.loads(capsys.readouterr().out)
     rows = {r["peer"]: r for r in report["rows"]}
     assert set(rows) == {"dgemma", "dgemma-ar", "transformers"}
-    assert rows["dgemma"]["tokens_per_forward"] == 64 / 16  # canvas 64, 16 fixed steps, no EOS
+    assert rows["dgemma"]["tokens_per_forward"] == 32 / 16  # canvas 32, 16 fixed steps, no EOS
     assert rows["dgemma-ar"]["tokens_per_forward"] == 1
-    assert rows["transformers"]["tokens_per_forward"] == 64 / 16
+    assert rows["transformers"]["tokens_per_forward"] == 32 / 16
     for peer in ("dgemma", "dgemma-ar"):
         r = rows[peer]
         assert r["x_vs_transformers"] == pytest.approx(r["output_tok_s"] / rows["transformers"]["output_tok_s"])

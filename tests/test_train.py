@@ -19,7 +19,7 @@ from dgemma.api import Model
 from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model
 from dgemma.cli import main
 from dgemma.config import GenerationConfig
-from dgemma.train.data import Sampler, chat_example, document_examples, load_examples, prompt_completion_example
+from dgemma.train.data import ExampleOrder, chat_example, document_examples, load_examples, prompt_completion_example
 from dgemma.engine.kv_cache import DenseKVCache
 from dgemma.train.objective import (
     Example,
@@ -31,7 +31,8 @@ from dgemma.train.objective import (
     training_losses,
 )
 from dgemma.train.tokenizer_train import as_tokenizer, train_bpe
-from dgemma.train.trainer import PRESETS, TrainArgs, Trainer, lr_at, train
+from dgemma.model.presets import PRESETS
+from dgemma.train.trainer import TrainArgs, Trainer, lr_at, train
 
 CODE = '''def add(a, b):
     """Return the sum of a and b."""
@@ -202,7 +203,7 @@ def test_data_formats_and_loss_masks(workdir):
 
     train_set, held = load_examples([workdir / "text", workdir / "sft.jsonl"], tok, 64, eval_fraction=0.3)
     assert train_set and held and len(train_set) + len(held) >= 6 + 40  # long files span several windows
-    s = Sampler(train_set, seed=0)
+    s = ExampleOrder(train_set, seed=0)
     first_epoch = [id(s[i]) for i in range(len(s))]
     assert sorted(first_epoch) == sorted(map(id, train_set))  # a permutation per epoch
 
@@ -223,6 +224,20 @@ def test_bpe_tokenizer_has_gemma_specials():
 
 
 # ---------------------------------------------------------------- the loop
+
+
+def test_every_preset_is_a_train_config_and_micro_is_make_tiny(tmp_path):
+    from dgemma.config import load_model_config
+    from dgemma.model.checkpoint import make_tiny_random
+    from dgemma.train.trainer import model_config_from
+
+    assert list(PRESETS) == ["tiny", "test", "micro", "mid", "real"]
+    for name, sizes in PRESETS.items():
+        config = model_config_from(name)
+        assert (config.hidden_size, config.canvas_length) == (sizes["hidden_size"], sizes["canvas_length"]), name
+    assert model_config_from("tiny").num_parameters() == 9_925_180  # the shipped dgemma-tiny (its model card)
+    micro = load_model_config(make_tiny_random(tmp_path / "micro"))
+    assert micro == model_config_from("micro")
 
 
 def test_lr_schedule():

@@ -18,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from ..config import GLOBAL, SLIDING, GenerationConfig, LayerSpec, ModelConfig, parse_model_config
 from .diffusion_gemma import DiffusionGemma
+from .presets import PRESETS
 from ..tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from .weights import save_weights
 
@@ -231,15 +232,8 @@ def save_checkpoint(
     return path
 
 
-TINY_RANDOM = dict(
-    vocab_size=384, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
-    num_global_kv_heads=1, intermediate_size=128, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
-    sliding_window=64, canvas_length=32,
-)
-
-
 def make_tiny_random(path: str | Path, seed: int = 0) -> Path:
     """A tiny random checkpoint with a byte-level tokenizer (for trying the tools; it writes noise)."""
-    config = make_config(**TINY_RANDOM)
+    config = make_config(**PRESETS["micro"])
     model = random_model(config, seed=seed, std=0.5)
     return save_checkpoint(model, path, tokenizer=byte_tokenizer())

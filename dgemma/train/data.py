@@ -184,8 +184,9 @@ def load_examples(
     return train, held
 
 
-class Sampler:
-    """Stateless epoch sampling: global example index -> example, with a fresh permutation per epoch."""
+class ExampleOrder:
+    """Stateless epoch order of the training examples: global example index -> example, with a fresh
+    permutation per epoch (not the denoising sampler, dgemma/engine/sampler.py)."""
 
     def __init__(self, examples: list[Example], seed: int):
         self.examples = examples

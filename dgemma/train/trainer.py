@@ -39,8 +39,9 @@ import torch.distributed as dist
 
 from . import lora
 from ..model.checkpoint import init_weights, make_config, save_checkpoint
+from ..model.presets import PRESETS
 from ..config import ConfigError, GenerationConfig, ModelConfig, load_generation_config, load_model_config, parse_model_config
-from .data import Sampler, iter_records, load_examples
+from .data import ExampleOrder, iter_records, load_examples
 from ..model.diffusion_gemma import DiffusionGemma
 from .objective import Losses, TrainingModule, collate, draw_noise, example_generator
 from ..tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
@@ -49,23 +50,6 @@ from ..model.weights import load_weights
 
 EVAL_SALT = 0xE7A1
 STATE_FILE = "trainer_state.pt"
-
-# dgemma-tiny: every feature of the real architecture (sliding + global layers with K=V and
-# partial RoPE, dense MLP + 8-expert top-2 MoE, self-conditioning) at a size a 2-core CPU trains.
-PRESETS = {
-    "tiny": dict(
-        vocab_size=4096, hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64,
-        global_head_dim=128, num_global_kv_heads=1, intermediate_size=512, num_experts=8, top_k_experts=2,
-        moe_intermediate_size=128, sliding_window=128, canvas_length=32,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, max_position_embeddings=2048,
-    ),
-    "test": dict(
-        vocab_size=384, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
-        num_global_kv_heads=1, intermediate_size=128, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-        sliding_window=16, canvas_length=8, max_position_embeddings=512,
-    ),
-}
-
 
 @dataclass
 class TrainArgs:
@@ -354,13 +338,13 @@ class Trainer:
         train, held = load_examples(a.data, self.tok, a.seq_len, fraction)
         if a.eval_data:
             held, _ = load_examples(a.eval_data, self.tok, a.seq_len, 0.0)
-        return Sampler(train, a.seed), (Sampler(held, a.seed) if held else None)
+        return ExampleOrder(train, a.seed), (ExampleOrder(held, a.seed) if held else None)
 
     # ---- one step
-    def _micro_batch(self, indices: list[int], sampler: Sampler, step: int, salt: int = 0):
+    def _micro_batch(self, indices: list[int], order: ExampleOrder, step: int, salt: int = 0):
         a, c = self.args, self.net.config.canvas_length
         gens = [example_generator(a.seed, step, i, salt) for i in indices]
-        examples = [sampler[i] for i in indices]
+        examples = [order[i] for i in indices]
         batch = collate(examples, c, gens, blocks=a.blocks, pad_id=self.net.config.pad_token_id)
         noise = draw_noise(gens, c, self.net.config.vocab_size, a.sc_prob, blocks=a.blocks)
         return batch.to(self.device), noise.to(self.device)
