@@ -108,10 +108,11 @@ class Model:
         """The engine `generate` and `stream` share (its prefix cache persists across calls)."""
         return self._engine_client().engine
 
-    def configure_engine(self, **options) -> None:
+    def configure_engine(self, options: EngineOptions | None = None, **changes) -> None:
         """Set `EngineOptions` (block_size, kv_cache_memory, prefix_cache, prefill_chunk,
-        max_active, batch_invariant, ...) for the next generation; drops the current engine."""
-        self.engine_options = replace(self.engine_options, **options)
+        max_active, batch_invariant, ...) for the next generation: a whole `options`, and/or
+        fields to change; drops the current engine (and its prefix cache)."""
+        self.engine_options = replace(options or self.engine_options, **changes)
         self._client = None
 
     def _engine_client(self) -> EngineClient:

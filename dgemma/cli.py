@@ -92,6 +92,7 @@ def cmd_run(args) -> int:
     from .engine.events import Block, Draft
 
     model = load_model(args)
+    model.configure_engine(engine_options(args))
     tok = model.tokenizer
     if tok is None:
         raise CliError(f"{model.path} has no tokenizer.json: `dgemma run` needs one")
@@ -146,6 +147,37 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    """KV cache bytes of one request: the paged layout against preallocated rows."""
+    from .api import resolve_dtype
+    from .config import load_model_config
+    from .engine.options import kv_report
+
+    if args.model:
+        config = load_model_config(args.model)
+    else:
+        from .model.checkpoint import make_config
+        from .model.presets import PRESETS
+
+        if args.size not in PRESETS:
+            raise CliError(f"--size must be one of {', '.join(PRESETS)} (got {args.size!r})")
+        config = make_config(**PRESETS[args.size])
+    if args.tokens < 1:
+        raise CliError(f"--tokens must be positive (got {args.tokens})")
+    r = kv_report(config, args.tokens, resolve_dtype(args.dtype), args.block_size)
+    unit, scale = ("GiB", 2**30) if r["dense_total"] >= 2**30 else ("MiB", 2**20)
+    print(f"KV cache for one request of {r['tokens']} tokens, {args.dtype}, blocks of {r['block_size']} positions "
+          f"({args.model or args.size}: window {config.sliding_window})")  # fmt: skip
+    print(f"{'layers':<20} {'bytes/token':>12} {'paged ' + unit:>10} {'preallocated rows ' + unit:>22}")
+    for kind in r["paged"]:
+        n = sum(1 for spec in config.layers if spec.kind == kind)
+        print(f"{f'{n} {kind}':<20} {r['bytes_per_token'][kind]:>12} {r['paged'][kind] / scale:>10.2f} {r['dense'][kind] / scale:>22.2f}")
+    print(f"{'total':<20} {sum(r['bytes_per_token'].values()):>12} {r['paged_total'] / scale:>10.2f} {r['dense_total'] / scale:>22.2f}")
+    print("paged: sliding layers hold the blocks their window sees, global layers every block; "
+          "preallocated rows: every layer holds every position")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma.")
     parser.add_argument("--verbose", "-v", action="store_true", help="log loading details")
@@ -162,12 +194,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sampling", choices=["default", "reference"], default="default")
     run.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion", help="ar: autoregressive decoding")
     run.add_argument("--temperature", type=float, default=0.0, help="AR mode temperature (0 = greedy)")
+    add_engine_flags(run)
     run.set_defaults(func=cmd_run)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (for trying the tools)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)
+
+    mem = sub.add_parser("memory", help="KV cache bytes of one request of --tokens tokens (paged vs preallocated)")
+    mem.add_argument("--model", "-m", help="checkpoint directory (its config.json); default: --size")
+    mem.add_argument("--size", default="real", help="a model-size preset (default: real, the released model)")
+    mem.add_argument("--tokens", type=int, default=131072)
+    mem.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    mem.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
+    mem.set_defaults(func=cmd_memory)
 
     # Subcommands that live with their concern: each module defines add_cli(subparsers).
     for module in ("serve.server", "bench", "train.trainer"):

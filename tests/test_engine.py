@@ -233,3 +233,36 @@ def test_two_streams_read_in_turn_share_one_engine(ref_gqa):
             tokens[name] += ev.tokens
     assert tokens["a"] == solo(model, PREFIX, 1).tokens
     assert tokens["b"] == solo(model, PREFIX[:20], 2).tokens
+
+
+def test_a_32k_prompt_generates_while_a_short_request_keeps_receiving_blocks():
+    """scripts/long_context.py: 32768 prompt tokens prefilled 2048 per step; the short request
+    that arrived after it commits blocks before that prefill ends (the script exits 1 otherwise)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "scripts/long_context.py", "--prompt-tokens", "32768"], cwd=root,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    print(run.stdout)  # the figures docs/performance.md quotes
+    assert re.search(r"long prompt: 32768 tokens, time to first block [\d.]+ s", run.stdout)
+    meanwhile = int(re.search(r"short request: (\d+) of (\d+) blocks committed while", run.stdout).group(1))
+    assert meanwhile >= 1
+    assert re.search(r"peak memory \(process RSS\): \d+ MB", run.stdout)
+
+
+def test_memory_report_for_the_released_model_at_128k(capsys):
+    """`dgemma memory`: sliding layers bounded by their window, global layers linear (bf16)."""
+    from dgemma.cli import main
+
+    assert main(["memory", "--size", "real", "--tokens", "131072"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.split()[1:2] in (["full_attention"], ["sliding_attention"])}
+    total = next(line.split() for line in out.splitlines() if line.startswith("total"))
+    assert float(rows["full_attention"][3]) == float(rows["full_attention"][4]) == 2.5  # linear: 20 KiB per token
+    assert float(rows["sliding_attention"][3]) < 0.4 < 25.0 == float(rows["sliding_attention"][4])  # the window only
+    assert 2.5 < float(total[2]) < 3.0 and float(total[3]) == 27.5
+    assert main(["memory", "--size", "nope"]) == 2

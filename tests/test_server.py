@@ -87,6 +87,28 @@ def test_chat_uses_chat_template(model, client):
     assert r2.choices[0].message.content == r.choices[0].message.content
 
 
+def test_prefix_cache_in_usage_and_metrics(model, server, client):
+    """A prompt sharing a long prefix with an earlier one: cached tokens in usage, the same text
+    as generate, blocks and hit rate in /metrics; tokens per forward as generate counts it."""
+    shared = "import os\nimport sys\n" * 12  # a few blocks of 32 byte tokens
+    first = client.completions.create(model=MODEL, prompt=shared + "a", max_tokens=32, seed=8, extra_body=FAST)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=MODEL, prompt=shared + "b", max_tokens=64, seed=9, extra_body=FAST)
+    ids = model.tokenizer.encode(shared + "b")
+    assert second.usage.prompt_tokens_details.cached_tokens == len(model.tokenizer.encode(shared + "a")) // 32 * 32 > 0
+    expected = model.generate([ids], max_new_tokens=64, seed=9, max_denoising_steps=6, eos_token_ids=[])
+    assert second.choices[0].text == model.tokenizer.decode(expected.sequences[0])
+    usage = second.usage.model_dump()
+    assert usage["decoder_passes"] == expected.decoder_passes[0]
+    assert usage["tokens_per_forward"] == round(expected.tokens_per_forward[0], 3)
+    text = httpx.get(server.url + "/metrics").text
+    for kind in ("sliding_attention", "full_attention"):
+        for state in ("used", "cached", "free"):
+            assert re.search(rf'^dgemma_kv_blocks{{kind="{kind}",state="{state}"}} \d+$', text, re.M)
+    assert metric(server, "dgemma_prefix_cache_hit_rate") > 0
+    assert metric(server, "dgemma_prefix_cache_hit_tokens_total") >= second.usage.prompt_tokens_details.cached_tokens
+
+
 def test_seed_reproducibility(client):
     def run(seed):
         return client.completions.create(model=MODEL, prompt="x = ", max_tokens=32, seed=seed, extra_body=FAST).choices[0].text

@@ -1,8 +1,8 @@
 """The scheduler: admission, KV blocks, prefix matches, cancellation, and what runs each step.
 
-`schedule()` returns a `StepPlan`: the encoder work of this step (prompt chunks within the
-prefill budget, and every block committed last step), then the requests whose canvases take a
-decoder pass. `update()` takes the runner's results and turns them into request state and
+`schedule()` returns a `StepPlan`: the encoder work of this step (every block committed last
+step, and prompt chunks within the step's prefill budget, shortest remaining prompt first), then
+the requests whose canvases take a decoder pass. `update()` takes the runner's results and turns them into request state and
 events: drafts, committed blocks (cut at EOS and max_new_tokens), finished requests.
 
 Requests are admitted first come, first served while both KV pools can reserve what they may
@@ -129,9 +129,10 @@ class Scheduler:
         self._drop_cancelled(plan.events)
         self._admit()
         budget = self.options.prefill_chunk
-        for req in self.running:
-            if req.pending_tokens == 0:
-                continue
+        # committed blocks first, then prompts with the fewest tokens left: a short prompt is not
+        # held up behind a long one, which still gets what the step's budget leaves
+        pending = sorted((r for r in self.running if r.pending_tokens), key=lambda r: (r.block == 0, r.pending_tokens))
+        for req in pending:
             work, budget = self._encode_work(req, budget)
             if work is not None:
                 self.blocks.allocate(req.request_id, req.kv, work.end)
