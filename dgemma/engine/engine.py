@@ -19,9 +19,9 @@ from .paged_cache import SequenceBlocks
 from .prefill import prefill
 from .request import Request
 from .runner import Runner
-from .scheduler import EngineFull, Scheduler
+from .scheduler import Scheduler
 
-__all__ = ["Engine", "EngineFull", "EngineOptions", "Request"]
+__all__ = ["Engine", "EngineOptions", "Request"]
 
 
 class Engine:
@@ -44,7 +44,7 @@ class Engine:
         return self.scheduler.update(plan, out)
 
     def add(self, request: Request) -> int:
-        """Queue a request; returns its id. ValueError if it can never fit, EngineFull if the queue is."""
+        """Queue a request; returns its id. ValueError if it can never fit (the server bounds its queue itself)."""
         return self.scheduler.add(request)
 
     def cancel(self, request_id: int) -> None:

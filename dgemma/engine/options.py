@@ -26,7 +26,7 @@ class EngineOptions:
     - prefill_chunk: prompt tokens encoded per engine step, across requests, so a long prompt is
       interleaved with other requests' decoder steps.
     - max_active: requests admitted at once (each denoises one canvas per step); None: as many
-      as the KV blocks allow. max_waiting: queue length before `EngineFull`.
+      as the KV blocks allow.
     - batch_invariant: a request's tokens do not depend on what runs beside it or on the prefix
       cache: passes run one request at a time and encoder passes are whole aligned blocks
       (default on CPU). Off: canvases run as one batched decoder pass (default on GPU).
@@ -38,7 +38,6 @@ class EngineOptions:
     prefix_cache: bool = True
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_active: int | None = None
-    max_waiting: int | None = None
     batch_invariant: bool | None = None
     cuda_graphs: bool | None = None
 

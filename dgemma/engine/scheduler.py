@@ -25,10 +25,6 @@ from .options import EngineOptions
 from .request import Request
 
 
-class EngineFull(RuntimeError):
-    """The waiting queue is at its limit."""
-
-
 @dataclass
 class EncodeWork:
     """Encode request.sequence[start:end]; the cache length is set back to `start` first."""
@@ -104,8 +100,6 @@ class Scheduler:
         why = self.refusal(len(request.prompt), request.config.max_new_tokens)
         if why is not None:
             raise ValueError(why)
-        if self.options.max_waiting is not None and len(self.waiting) >= self.options.max_waiting:
-            raise EngineFull(f"queue full ({self.options.max_waiting} waiting)")
         request.request_id = next(self._ids)
         request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
         if self.blocks.prefix_cache:
@@ -138,9 +132,9 @@ class Scheduler:
                 self.blocks.allocate(req.request_id, req.kv, work.end)
                 req.kv.length = work.start
                 plan.encode.append(work)
-        planned = {id(w.request): w.end for w in plan.encode}
+        planned = {w.request.request_id: w.end for w in plan.encode}
         for req in self.running:
-            if planned.get(id(req), req.kv.length) < len(req.sequence):
+            if planned.get(req.request_id, req.kv.length) < len(req.sequence):
                 continue  # still prefilling
             if req.canvas is None:
                 req.start_canvas(self.config.canvas_length, self.config.vocab_size, self.device)
