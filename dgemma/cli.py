@@ -127,6 +127,8 @@ def cmd_run(args) -> int:
                     view.append(tok.decode(ev.canvas, skip_special_tokens=False), style="dim cyan")
                     view.append(f"\n[block {ev.block + 1}, step {ev.step}]", style="dim")
                     live.update(view)
+        if not console.is_terminal:  # a pipe gets the final text only: end it as the plain mode does
+            sys.stdout.write("\n")
         return 0
     for ev in events:
         if isinstance(ev, Block):

@@ -236,8 +236,8 @@ def test_two_streams_read_in_turn_share_one_engine(ref_gqa):
 
 
 def test_a_32k_prompt_generates_while_a_short_request_keeps_receiving_blocks():
-    """scripts/long_context.py: 32768 prompt tokens prefilled 2048 per step; the short request
-    that arrived after it commits blocks before that prefill ends (the script exits 1 otherwise)."""
+    """scripts/long_context.py: 32768 prompt tokens prefilled 2048 per step (16 steps); the short
+    request that arrived after it commits blocks (8 steps each) before that prefill ends."""
     import re
     import subprocess
     import sys

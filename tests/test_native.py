@@ -187,3 +187,29 @@ def test_a_failed_build_or_dgemma_native_0_falls_back_with_one_line(monkeypatch,
     assert "the build failed (x.cpp:1:1: error: no compiler here)" in caplog.text
     monkeypatch.setenv("DGEMMA_NATIVE", "0")
     assert native.extension.__wrapped__() is None
+
+
+def test_a_build_is_announced_whenever_torch_will_build(monkeypatch, caplog, tmp_path):
+    """None cached, one made from another checkout's sources, or sources newer than it: one line."""
+    import os
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+
+    def announced() -> bool:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dgemma"):
+            native._announce_build("dgemma_native")
+        return "building dgemma's native CPU kernels" in caplog.text
+
+    assert announced()  # nothing built
+    so, ninja = tmp_path / "dgemma_native.so", tmp_path / "build.ninja"
+    so.write_bytes(b"")
+    ninja.write_text("build x.o: compile /elsewhere/dgemma/kernels/csrc/bindings.cpp\n")
+    assert announced()  # built from another checkout
+    ninja.write_text(f"build x.o: compile {native.SOURCES[0]}\n")
+    assert not announced()  # this checkout's build, newer than its sources
+    old = min(s.stat().st_mtime for s in native.SOURCES) - 60
+    os.utime(so, (old, old))
+    assert announced()  # a source changed since

@@ -41,15 +41,24 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _announce_first_build(name: str) -> None:
-    """Say so before a build that will take a minute (none is cached yet), so a first `dgemma run`
-    does not look hung."""
+def _announce_build(name: str) -> None:
+    """Say so before a build that will take a minute, so a `dgemma run` does not look hung: when
+    no build is cached, when the cached one was made from sources elsewhere (another checkout)
+    or when a source changed since (torch then rebuilds)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
         directory = Path(_get_build_directory(name, verbose=False))
-        if not any(directory.glob("*.so")):
-            log.warning("building dgemma's native CPU kernels (once, about a minute) in %s", directory)
+        built = sorted(directory.glob("*.so"), key=lambda f: f.stat().st_mtime)
+        ninja = directory / "build.ninja"
+        stale = (
+            not built
+            or not ninja.exists()
+            or str(SOURCES[0]) not in ninja.read_text()
+            or max(src.stat().st_mtime for src in SOURCES) > built[-1].stat().st_mtime
+        )
+        if stale:
+            log.warning("building dgemma's native CPU kernels (about a minute; cached afterwards) in %s", directory)
     except Exception:  # noqa: BLE001 - a private torch helper; the message is a courtesy
         pass
 
@@ -63,7 +72,7 @@ def extension() -> ModuleType | None:
     if missing:
         log.info("native CPU kernels off: this CPU lacks %s", ", ".join(sorted(missing)))
         return None
-    _announce_first_build("dgemma_native")
+    _announce_build("dgemma_native")
     try:
         from torch.utils.cpp_extension import load
 
