@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 
 @dataclass
@@ -57,11 +58,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-async def one_request(client, url: str, body: dict) -> Sample:
-    start = time.perf_counter()
-    first = None
-    usage: dict = {}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+async def stream_chunks(client, url: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON chunks of one streamed response (until [DONE]); HTTP and in-stream errors raise."""
+    async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')}")
         async for line in r.aiter_lines():
@@ -70,10 +69,18 @@ async def one_request(client, url: str, body: dict) -> Sample:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            elif first is None and chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
-                first = time.perf_counter() - start
+            yield chunk
+
+
+async def one_request(client, url: str, body: dict) -> Sample:
+    start = time.perf_counter()
+    first = None
+    usage: dict = {}
+    async for chunk in stream_chunks(client, url + "/v1/completions", body):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        elif first is None and chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
+            first = time.perf_counter() - start
     latency = time.perf_counter() - start
     return Sample(latency, first if first is not None else latency, usage.get("completion_tokens", 0), usage.get("decoder_passes", 0))
 
@@ -195,26 +202,18 @@ async def one_chat(client, url: str, body: dict) -> ChatTurn:
     first = None
     usage: dict = {}
     parts: list[str] = []
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if not chunk.get("choices"):
-                continue
-            delta = chunk["choices"][0].get("delta") or {}
-            content = delta.get("content")
-            if content is None or ("role" in delta and not content):  # the opening role chunk carries no block
-                continue
-            if first is None:
-                first = time.perf_counter() - start
-            parts.append(content)
+    async for chunk in stream_chunks(client, url + "/v1/chat/completions", body):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if not chunk.get("choices"):
+            continue
+        delta = chunk["choices"][0].get("delta") or {}
+        content = delta.get("content")
+        if content is None or ("role" in delta and not content):  # the opening role chunk carries no block
+            continue
+        if first is None:
+            first = time.perf_counter() - start
+        parts.append(content)
     latency = time.perf_counter() - start
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
