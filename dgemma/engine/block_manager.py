@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..config import GLOBAL, SLIDING
-from .paged_cache import KINDS, SequenceBlocks
+from .paged_cache import KINDS, SequenceBlocks, sliding_blocks_held
 
 
 def block_hash(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> bytes:
@@ -120,7 +120,7 @@ class BlockManager:
     def sliding_peak(self, total_blocks: int) -> int:
         """Sliding blocks a request holds at most at once: those its window sees behind a step's
         encoder span, and the span's own."""
-        return min(total_blocks, (self.window - 1 + self.max_span) // self.block_size + 2)
+        return min(total_blocks, sliding_blocks_held(self.window, self.max_span, self.block_size))
 
     def needs(self, max_length: int, matched_blocks: int = 0) -> dict[str, int]:
         total = self.blocks_for(max_length)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..config import GLOBAL, SLIDING, ModelConfig
-from .paged_cache import KINDS, kv_bytes_per_token
+from .paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held
 
 DEFAULT_PREFILL_CHUNK = 2048
 SIZING_ACTIVE = 8  # requests the sliding pool is sized for when max_active is not set
@@ -104,7 +104,7 @@ def plan_blocks(config: ModelConfig, options: EngineOptions, dtype: torch.dtype)
     b = options.block_size
     per_block = {k: v * b for k, v in kv_bytes_per_token(config, dtype_bytes(dtype)).items()}
     budget = options.kv_cache_memory
-    peak = (config.sliding_window - 1 + options.max_span(config)) // b + 2
+    peak = sliding_blocks_held(config.sliding_window, options.max_span(config), b)
     sliding_cap = 2 * (options.max_active or SIZING_ACTIVE) * peak
     if per_block[SLIDING] == 0 or per_block[GLOBAL] == 0:  # a model with one kind only
         kind = GLOBAL if per_block[GLOBAL] else SLIDING
@@ -116,12 +116,13 @@ def plan_blocks(config: ModelConfig, options: EngineOptions, dtype: torch.dtype)
 
 
 def kv_report(config: ModelConfig, tokens: int, dtype: torch.dtype, block_size: int | None = None) -> dict:
-    """KV bytes of one `tokens`-long request: the paged layout (sliding layers hold their window,
-    in whole blocks) against one preallocated row of every layer (the dense layout)."""
+    """KV bytes of one `tokens`-long request: the paged layout (sliding layers hold their window
+    behind a committed canvas and the partial block before it, in whole blocks) against one
+    preallocated row of every layer (the dense layout)."""
     b = block_size or config.canvas_length
     per_token = kv_bytes_per_token(config, dtype_bytes(dtype))
     global_blocks = math.ceil(tokens / b)
-    sliding_blocks = min(global_blocks, (config.sliding_window - 1 + config.canvas_length + b - 1) // b + 2)
+    sliding_blocks = min(global_blocks, sliding_blocks_held(config.sliding_window, config.canvas_length + b - 1, b))
     paged = {GLOBAL: global_blocks * b * per_token[GLOBAL], SLIDING: sliding_blocks * b * per_token[SLIDING]}
     dense = {kind: tokens * per_token[kind] for kind in KINDS}
     return {

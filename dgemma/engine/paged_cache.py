@@ -211,3 +211,9 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> dict[str, int]:
     for spec in config.layers:
         out[spec.kind] += 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes
     return out
+
+
+def sliding_blocks_held(window: int, span: int, block_size: int) -> int:
+    """Sliding blocks a sequence holds at most while it encodes `span` new positions at once:
+    those its window sees behind them, and theirs (either end may fall inside a block)."""
+    return (window - 1 + span) // block_size + 2

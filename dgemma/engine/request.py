@@ -75,10 +75,7 @@ class Request:
         return len(self.sequence) - self.kv.length
 
     def max_sequence_length(self, canvas_length: int) -> int:
-        """Positions this request may ever encode: its prompt and every block but the last
-        (the last committed block ends the request and is never encoded)."""
-        blocks = math.ceil(self.config.max_new_tokens / canvas_length)
-        return len(self.prompt) + (blocks - 1) * canvas_length
+        return max_sequence_length(len(self.prompt), self.config.max_new_tokens, canvas_length)
 
     def resolve_constraints(self) -> CanvasConstraints | None:
         source = self.constraints
@@ -100,6 +97,12 @@ class Request:
         self.history = None
         self.step = 0
         self.block_passes = 0
+
+
+def max_sequence_length(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:
+    """Positions a request may ever encode: its prompt and every block but the last (the last
+    committed block ends the request and is never encoded)."""
+    return prompt_len + (math.ceil(max_new_tokens / canvas_length) - 1) * canvas_length
 
 
 def validate_prompts(prompts: list[list[int]], vocab_size: int) -> None:

@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from .block_manager import BlockManager, block_hash
 from .events import Block, Draft, Finished, cut_block
 from .options import EngineOptions
-from .request import Request
+from .request import Request, max_sequence_length
 
 
 @dataclass
@@ -79,14 +79,14 @@ class Scheduler:
         """Why a request of this size can never run here (None if it can): past the model's
         positions, or more KV blocks than the pools hold even when empty."""
         cfg, c = self.config, self.config.canvas_length
-        blocks = -(-max_new_tokens // c)
-        last = prompt_len + blocks * c  # end of the last canvas
+        encoded = max_sequence_length(prompt_len, max_new_tokens, c)
+        last = encoded + c  # end of the last canvas
         if last > cfg.max_position_embeddings:
             return (
                 f"prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} (in blocks of {c}) reaches "
                 f"position {last}; the model's max_position_embeddings is {cfg.max_position_embeddings}"
             )
-        fits, need = self.blocks.fits_at_all(prompt_len + (blocks - 1) * c)
+        fits, need = self.blocks.fits_at_all(encoded)
         if not fits:
             have = {k: p.num_blocks for k, p in self.blocks.pools.items()}
             return (
