@@ -239,5 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m dgemma.cli`: run the package's module, whose CliError the subcommands raise
+    from dgemma.cli import main as package_main
+
+    sys.exit(package_main())

@@ -307,6 +307,14 @@ def test_serve_cli_errors_are_one_line(model, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["serve", "--model", str(model.path), "--max-context", "8"]) == 2
     assert "max_context must be between 33" in capsys.readouterr().err
+    assert main(["serve", "--model", str(model.path), "--kv-cache-memory", "1KB"]) == 2
+    assert "holds no KV block" in capsys.readouterr().err
+    for flag, value in (("--block-size", "0"), ("--prefill-chunk", "0")):
+        assert main(["serve", "--model", str(model.path), flag, value]) == 2
+        assert "must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: exit 2 with usage
+        main(["serve", "--model", str(model.path), "--kv-cache-memory", "lots"])
+    assert "is not a size" in capsys.readouterr().err
     busy = bind("127.0.0.1", 0)
     busy.listen()
     try:

@@ -14,8 +14,8 @@ import torch
 
 from ..model.diffusion_gemma import DiffusionGemma
 from .block_manager import BlockManager
-from .options import EngineOptions, plan_blocks
-from .paged_cache import SequenceBlocks
+from .options import EngineOptions, dtype_bytes, plan_blocks
+from .paged_cache import SequenceBlocks, kv_bytes_per_token
 from .prefill import prefill
 from .request import Request
 from .runner import Runner
@@ -28,6 +28,14 @@ class Engine:
     def __init__(self, net: DiffusionGemma, options: EngineOptions | None = None):
         self.options = (options or EngineOptions()).resolve(net.config, net.device, net.dtype)
         num_blocks = plan_blocks(net.config, self.options, net.dtype)
+        per_token = kv_bytes_per_token(net.config, dtype_bytes(net.dtype))
+        empty = [kind for kind, n in num_blocks.items() if n < 1 and per_token[kind]]
+        if empty:
+            block = self.options.block_size * sum(per_token.values())
+            raise ValueError(
+                f"a KV cache of {self.options.kv_cache_memory} bytes holds no KV block of {empty[0]} layers "
+                f"(one block of {self.options.block_size} positions in every layer takes {block} bytes)"
+            )
         blocks = BlockManager(
             num_blocks, self.options.block_size, net.config.sliding_window, self.options.max_span(net.config),
             prefix_cache=self.options.prefix_cache,

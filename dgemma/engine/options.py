@@ -42,7 +42,7 @@ class EngineOptions:
     cuda_graphs: bool | None = None
 
     def resolve(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> "EngineOptions":
-        block = self.block_size or config.canvas_length
+        block = config.canvas_length if self.block_size is None else self.block_size
         if block < 1:
             raise ValueError(f"block_size must be >= 1 (got {block})")
         if self.prefill_chunk < 1:
