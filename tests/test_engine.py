@@ -266,3 +266,31 @@ def test_memory_report_for_the_released_model_at_128k(capsys):
     assert float(rows["sliding_attention"][3]) < 0.4 < 25.0 == float(rows["sliding_attention"][4])  # the window only
     assert 2.5 < float(total[2]) < 3.0 and float(total[3]) == 27.5
     assert main(["memory", "--size", "nope"]) == 2
+
+
+@torch.no_grad()
+def test_several_rows_in_one_pass_equal_each_row_alone(ref_wide):
+    """The padded multi-row passes (batched decoder steps, GPU default) against one row at a time."""
+    model = dgemma.load(ref_wide[0])
+    net, c = model.net, model.config.canvas_length
+    engine = Engine(net, EngineOptions(batch_invariant=False, prefix_cache=False))
+    blocks, cache = engine.scheduler.blocks, engine.runner.cache
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (37, 9, 20)]
+
+    def sequences(owner):
+        kvs = [SequenceBlocks() for _ in prompts]
+        for i, (kv, p) in enumerate(zip(kvs, prompts)):
+            blocks.admit(owner + i, kv, [], len(p))
+            blocks.allocate(owner + i, kv, len(p))
+        return kvs
+
+    together, alone = sequences(0), sequences(10)
+    last_together = prefill(net, cache, together, prompts)  # one ragged encoder pass
+    last_alone = torch.cat([prefill(net, cache, [kv], [p]) for kv, p in zip(alone, prompts)])
+    assert (last_together - last_alone).abs().max() < 1e-5
+    canvas = torch.randint(0, model.config.vocab_size, (3, c), generator=g)
+    batched = net.logits(net.decode(canvas, cache.plan_decoder(c, together), None))
+    for i, kv in enumerate(alone):
+        single = net.logits(net.decode(canvas[i : i + 1], cache.plan_decoder(c, [kv]), None))
+        assert (batched[i] - single[0]).abs().max() < 5e-5
