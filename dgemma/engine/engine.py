@@ -10,12 +10,14 @@ prompts added up front), streams, and the HTTP server (continuous batching).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..model.diffusion_gemma import DiffusionGemma
 from .block_manager import BlockManager
-from .options import EngineOptions, dtype_bytes, plan_blocks
-from .paged_cache import SequenceBlocks, kv_bytes_per_token
+from .options import EngineOptions, plan_blocks
+from .paged_cache import SequenceBlocks
 from .prefill import prefill
 from .request import Request
 from .runner import Runner
@@ -28,14 +30,6 @@ class Engine:
     def __init__(self, net: DiffusionGemma, options: EngineOptions | None = None):
         self.options = (options or EngineOptions()).resolve(net.config, net.device, net.dtype)
         num_blocks = plan_blocks(net.config, self.options, net.dtype)
-        per_token = kv_bytes_per_token(net.config, dtype_bytes(net.dtype))
-        empty = [kind for kind, n in num_blocks.items() if n < 1 and per_token[kind]]
-        if empty:
-            block = self.options.block_size * sum(per_token.values())
-            raise ValueError(
-                f"a KV cache of {self.options.kv_cache_memory} bytes holds no KV block of {empty[0]} layers "
-                f"(one block of {self.options.block_size} positions in every layer takes {block} bytes)"
-            )
         blocks = BlockManager(
             num_blocks, self.options.block_size, net.config.sliding_window, self.options.max_span(net.config),
             prefix_cache=self.options.prefix_cache,
@@ -43,6 +37,7 @@ class Engine:
         self.runner = Runner(net, self.options, num_blocks)
         self.scheduler = Scheduler(net.config, self.options, blocks, net.device)
         self._prefixes: dict[int, int] = {}  # encode_prefix sequences -> their block owner id
+        self._prefix_owners = itertools.count(-1, -1)  # ids no request has
 
     @torch.no_grad()
     def step(self) -> list:
@@ -70,7 +65,7 @@ class Engine:
         """A sequence holding `tokens`' keys/values outside any request, encoded as a prompt is
         (tests and step timings: `runner.cache.plan_decoder(c, [kv])` then decodes after it).
         Its blocks stay taken until `release_prefix(kv)`."""
-        kv, owner = SequenceBlocks(), -1 - len(self._prefixes)
+        kv, owner = SequenceBlocks(), next(self._prefix_owners)
         if self.scheduler.blocks.admit(owner, kv, [], len(tokens)) is None:
             raise RuntimeError(f"no room for a {len(tokens)}-token prefix in the KV cache")
         self.scheduler.blocks.allocate(owner, kv, len(tokens))

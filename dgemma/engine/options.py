@@ -108,11 +108,20 @@ def plan_blocks(config: ModelConfig, options: EngineOptions, dtype: torch.dtype)
     sliding_cap = 2 * (options.max_active or SIZING_ACTIVE) * peak
     if per_block[SLIDING] == 0 or per_block[GLOBAL] == 0:  # a model with one kind only
         kind = GLOBAL if per_block[GLOBAL] else SLIDING
-        return {kind: budget // per_block[kind], (SLIDING if kind == GLOBAL else GLOBAL): 0}
-    equal = budget // (per_block[GLOBAL] + per_block[SLIDING])
-    if equal <= sliding_cap:
-        return {GLOBAL: equal, SLIDING: equal}
-    return {SLIDING: sliding_cap, GLOBAL: (budget - sliding_cap * per_block[SLIDING]) // per_block[GLOBAL]}
+        blocks = {kind: budget // per_block[kind], (SLIDING if kind == GLOBAL else GLOBAL): 0}
+    else:
+        equal = budget // (per_block[GLOBAL] + per_block[SLIDING])
+        if equal <= sliding_cap:
+            blocks = {GLOBAL: equal, SLIDING: equal}
+        else:
+            blocks = {SLIDING: sliding_cap, GLOBAL: (budget - sliding_cap * per_block[SLIDING]) // per_block[GLOBAL]}
+    empty = [kind for kind, n in blocks.items() if n < 1 and per_block[kind]]
+    if empty:
+        raise ValueError(
+            f"a KV cache of {budget} bytes holds no KV block of {empty[0]} layers (one block of {b} "
+            f"positions in every layer takes {sum(per_block.values())} bytes)"
+        )
+    return blocks
 
 
 def kv_report(config: ModelConfig, tokens: int, dtype: torch.dtype, block_size: int | None = None) -> dict:

@@ -107,8 +107,9 @@ class PagedKVCache:
             raise RuntimeError(f"{kind} block released while still in view (positions {lo}..{start})")
         slots = None
         if encoder:
-            pos = range(start, start + count)
-            slots = torch.tensor([table[p // b] * b + p % b for p in pos], dtype=torch.long, device=self.device)
+            pos = torch.arange(start, start + count)
+            owner = torch.tensor(table[start // b : (start + count - 1) // b + 1], dtype=torch.long)
+            slots = (owner[pos // b - start // b] * b + pos % b).to(self.device)
         blocks = torch.tensor(ids, dtype=torch.long, device=self.device)
         return KeyRange(lo, start, first_block * b, blocks, slots)
 
