@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
@@ -16,10 +17,11 @@ from .engine.events import Block, Draft, Finished, GenerationOutput, collect
 from .engine.kv_cache import DenseKVCache
 from .engine.prefill import prefill
 from .engine.reference import reference_events
-from .engine.request import Request, validate_prompts
+from .engine.request import Request, image_spans, validate_prompts
 from .engine.runner import engine_net
 from .model.diffusion_gemma import DiffusionGemma
 from .model.weights import load_weights
+from .media.inputs import ImagePatches, MediaError, ModelInputs
 from .tokenizer import Tokenizer
 
 DTYPES = {
@@ -87,6 +89,7 @@ class Model:
         self.engine_options = EngineOptions()
         self._engine_net: DiffusionGemma | None = None
         self._client: EngineClient | None = None
+        self._processor = None
 
     @property
     def engine_net(self) -> DiffusionGemma:
@@ -129,6 +132,49 @@ class Model:
         return self.net.dtype
 
     # ---------------------------------------------------------------- inputs
+    @property
+    def supports_images(self) -> bool:
+        """The checkpoint holds a vision tower and the processor files to feed it."""
+        return self.net.vision is not None and self.processor is not None
+
+    @property
+    def processor(self):
+        """The Gemma 4 image/video processor of this checkpoint (`media/processor.py`), or None
+        when it has none: `model.processor(text, images=..., videos=...)` gives `ModelInputs`
+        that `generate`, `stream` and `canvas_logits` take as prompts."""
+        if self._processor is None and self.path is not None and self.tokenizer is not None:
+            from .media.processor import Processor
+
+            self._processor = Processor.from_dir(self.path, self.tokenizer) or False
+        return self._processor or None
+
+    def _split_prompts(self, prompts: Sequence) -> tuple[list[list[int]], list[list[ImagePatches]]]:
+        """Token ids and images of each prompt (a string, token ids, or processor `ModelInputs`)."""
+        if isinstance(prompts, ModelInputs):
+            raise TypeError("prompts must be a list of prompts, e.g. [inputs]")
+        images = None
+        if isinstance(prompts, (list, tuple)) and any(isinstance(p, ModelInputs) for p in prompts):
+            images = [list(p.images) if isinstance(p, ModelInputs) else [] for p in prompts]
+            prompts = [p.input_ids if isinstance(p, ModelInputs) else p for p in prompts]
+        ids = self._prompt_ids(prompts)
+        if images and any(images) and self.net.vision is None:
+            raise MediaError("this checkpoint has no vision tower: it cannot take images")
+        return ids, images or [[] for _ in ids]
+
+    def _placed_images(self, ids: list[int], images: list[ImagePatches]) -> list:
+        """Each image's soft tokens placed at its placeholders; the vision tower runs here on the
+        reference's padded batch of the prompt's images (so that it rounds as the reference does)."""
+        spans = image_spans(ids, images, self.config.vision.image_token_id)
+        features: list = [None] * len(images)
+        for size in sorted({im.pixel_values.shape[0] for im in images}):  # one batch per patch budget
+            batch = [k for k, im in enumerate(images) if im.pixel_values.shape[0] == size]
+            pixels = torch.from_numpy(np.stack([images[k].pixel_values for k in batch])).to(self.device)
+            positions = torch.from_numpy(np.stack([images[k].position_ids for k in batch])).to(self.device)
+            stacked = self.net.vision.image_features(pixels, positions)
+            for k, part in zip(batch, stacked.split([images[k].num_soft_tokens for k in batch])):
+                features[k] = part
+        return [(start, f) for (start, _), f in zip(spans, features)]
+
     def _prompt_ids(self, prompts: Sequence) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
@@ -174,20 +220,32 @@ class Model:
         return SamplingRequest(config, sampling, seeds)
 
     def _events(
-        self, prompt_ids: list[list[int]], request: SamplingRequest, drafts: bool, user_seed: bool, constraints=None
+        self,
+        prompt_ids: list[list[int]],
+        request: SamplingRequest,
+        drafts: bool,
+        user_seed: bool,
+        constraints=None,
+        images: list[list[ImagePatches]] | None = None,
     ) -> Iterator[Draft | Block]:
+        images = images or [[] for _ in prompt_ids]
         if request.sampling == "reference":
             if constraints is not None:
                 raise ValueError("sampling='reference' takes no canvas constraints")
+            validate_prompts(prompt_ids, self.config.vocab_size)
+            placed = [self._placed_images(p, im) if im else [] for p, im in zip(prompt_ids, images)]
             if user_seed:
                 torch.manual_seed(request.seeds[0])
-            return reference_events(self.net, prompt_ids, request.config, drafts=drafts)
+            return reference_events(self.net, prompt_ids, request.config, drafts=drafts, images=placed)
         validate_prompts(prompt_ids, self.config.vocab_size)
         if constraints is not None and len(constraints) != len(prompt_ids):
             raise ValueError(f"got {len(constraints)} constraints for {len(prompt_ids)} prompts")
         requests = [
-            Request(list(p), request.config, seed, drafts=drafts, constraints=None if constraints is None else constraints[i])
-            for i, (p, seed) in enumerate(zip(prompt_ids, request.seeds))
+            Request(
+                list(p), request.config, seed, drafts=drafts, images=im,
+                constraints=None if constraints is None else constraints[i],
+            )  # fmt: skip
+            for i, (p, seed, im) in enumerate(zip(prompt_ids, request.seeds, images))
         ]
         return self._engine_events(requests)
 
@@ -235,10 +293,12 @@ class Model:
         `constraints`: one per prompt, a `CanvasConstraints` for every canvas of it, a function
         of the `Request` giving one per decoder pass, or None (see engine/constraints.py).
         """
-        prompt_ids = self._prompt_ids(prompts)
+        prompt_ids, images = self._split_prompts(prompts)
         if mode == "ar":
             from .engine.ar import ar_events
 
+            if any(images):
+                raise ValueError("mode='ar' takes text prompts only (no images)")
             validate_prompts(prompt_ids, self.config.vocab_size)
             request = self.sampling_request(
                 len(prompt_ids), seed=seed, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
@@ -261,16 +321,18 @@ class Model:
             confidence_threshold=confidence_threshold,
             eos_token_ids=eos_token_ids,
         )
-        return collect(self._events(prompt_ids, request, drafts=False, user_seed=seed is not None, constraints=constraints))
+        return collect(
+            self._events(prompt_ids, request, drafts=False, user_seed=seed is not None, constraints=constraints, images=images)
+        )
 
     def stream(
         self, prompt, drafts: bool = False, seed: int | None = None, sampling: str = "default", constraints=None, **knobs
     ):
         """Yield `Block` events as each canvas commits (and `Draft` events per step if `drafts`)."""
-        prompt_ids = self._prompt_ids([prompt])
+        prompt_ids, images = self._split_prompts([prompt])
         request = self.sampling_request(1, seed=seed, sampling=sampling, **knobs)
         listed = None if constraints is None else [constraints]
-        return self._events(prompt_ids, request, drafts=drafts, user_seed=seed is not None, constraints=listed)
+        return self._events(prompt_ids, request, drafts=drafts, user_seed=seed is not None, constraints=listed, images=images)
 
     @torch.no_grad()
     def canvas_logits(
@@ -281,9 +343,10 @@ class Model:
     ) -> torch.Tensor:
         """One decoder pass: float32 logits [B, canvas_len, vocab] for canvases after encoding the prompts.
 
-        Each prompt keeps its own positions (as if run alone); the canvas follows it.
+        Each prompt keeps its own positions (as if run alone); the canvas follows it. Prompts
+        may be processor `ModelInputs` (with images).
         """
-        prompts = self._prompt_ids(prompt_ids)
+        prompts, images = self._split_prompts(prompt_ids)
         validate_prompts(prompts, self.config.vocab_size)
         canvas = torch.as_tensor(canvas_ids, dtype=torch.long, device=self.device)
         if canvas.dim() != 2 or canvas.shape[0] != len(prompts) or canvas.shape[1] == 0:
@@ -292,7 +355,8 @@ class Model:
             raise ValueError("canvas_ids hold ids outside the vocabulary")
         lengths = [len(p) for p in prompts]
         cache = DenseKVCache(self.config, len(prompts), max(lengths) + canvas.shape[1], self.device, self.dtype)
-        prefill(self.net, cache, list(range(len(prompts))), prompts)
+        placed = [self._placed_images(p, im) if im else [] for p, im in zip(prompts, images)]
+        prefill(self.net, cache, list(range(len(prompts))), prompts, images=placed)
         soft = None
         if self_conditioning_logits is not None:
             sc = torch.as_tensor(self_conditioning_logits, device=self.device)

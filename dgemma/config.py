@@ -48,6 +48,35 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The Gemma 4 vision tower (`vision_config`) and the prompt tokens that carry its soft tokens."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    patch_size: int
+    pooling_kernel_size: int
+    position_embedding_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    hidden_activation: str
+    use_clipped_linears: bool
+    standardize: bool
+    output_dims: int  # soft-token width entering embed_vision (`output_proj_dims`, else hidden_size)
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    bidirectional: bool  # text_config.use_bidirectional_attention == "vision": image tokens see each other
+
+    @property
+    def gelu_approximate(self) -> str:
+        return GELU_APPROXIMATION[self.hidden_activation]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -67,6 +96,7 @@ class ModelConfig:
     pad_token_id: int = 0
     bos_token_id: int = 2
     eos_token_ids: tuple[int, ...] = (1,)
+    vision: VisionConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -305,7 +335,45 @@ def parse_model_config(data: dict, where: str = "config.json") -> ModelConfig:
         pad_token_id=int(text.get("pad_token_id") if text.get("pad_token_id") is not None else 0),
         bos_token_id=int(text.get("bos_token_id") if text.get("bos_token_id") is not None else 2),
         eos_token_ids=_as_id_tuple(text.get("eos_token_id", 1), "eos_token_id"),
+        vision=parse_vision_config(data, text, where),
         raw=data,
+    )
+
+
+def parse_vision_config(data: dict, text: dict, where: str = "config.json") -> VisionConfig | None:
+    """The vision tower's geometry, or None when config.json describes none."""
+    v = data.get("vision_config")
+    if not isinstance(v, dict):
+        return None
+    vw = f"{where} vision_config"
+    hidden = _require(v, "hidden_size", vw)
+    heads = _require(v, "num_attention_heads", vw)
+    rope = v.get("rope_parameters") or {}
+    act = v.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in GELU_APPROXIMATION:
+        raise ConfigError(f"{vw}: hidden_activation {act!r} is not supported")
+    if rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(f"{vw}: rope_type {rope.get('rope_type')!r} is not supported (Gemma 4 uses 'axial')")
+    return VisionConfig(
+        hidden_size=hidden,
+        intermediate_size=_require(v, "intermediate_size", vw),
+        num_layers=_require(v, "num_hidden_layers", vw),
+        num_heads=heads,
+        num_kv_heads=int(v.get("num_key_value_heads") or heads),
+        head_dim=int(v.get("head_dim") or hidden // heads),
+        patch_size=int(v.get("patch_size") or 16),
+        pooling_kernel_size=int(v.get("pooling_kernel_size") or 3),
+        position_embedding_size=int(v.get("position_embedding_size") or 10240),
+        rope_theta=float(rope.get("rope_theta", 100.0)),
+        rms_norm_eps=float(v.get("rms_norm_eps") or 1e-6),
+        hidden_activation=act,
+        use_clipped_linears=bool(v.get("use_clipped_linears", False)),
+        standardize=bool(v.get("standardize", False)),
+        output_dims=int(v.get("output_proj_dims") or hidden),
+        image_token_id=int(data.get("image_token_id", 258880)),
+        boi_token_id=int(data.get("boi_token_id", 255999)),
+        eoi_token_id=int(data.get("eoi_token_id", 258882)),
+        bidirectional=text.get("use_bidirectional_attention") == "vision",
     )
 
 

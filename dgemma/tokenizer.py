@@ -19,14 +19,28 @@ from tokenizers import Tokenizer as _HFTokenizer
 from .config import ConfigError
 
 # Gemma 4's turn format: <bos><|turn>user\n...<turn|>\n<|turn>model\n
-DEFAULT_CHAT_TEMPLATE = (
+_TURNS_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "<|turn>{{ role }}\n{{ message['content'] | trim }}<turn|>\n"
+    "<|turn>{{ role }}\n@CONTENT@<turn|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
+DEFAULT_CHAT_TEMPLATE = _TURNS_TEMPLATE.replace("@CONTENT@", "{{ message['content'] | trim }}")
+# The same turns with content as a list of parts too, rendered as Gemma 4's template renders them:
+# text parts trimmed, an image part as <|image|>, a video part as <|video|>, nothing between them.
+GEMMA4_CHAT_TEMPLATE = _TURNS_TEMPLATE.replace(
+    "@CONTENT@",
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'text' %}{{ item['text'] | trim }}"
+    "{% elif item['type'] == 'image' %}<|image|>"
+    "{% elif item['type'] == 'video' %}<|video|>"
+    "{% endif %}{% endfor %}{% endif %}",
+)
+# A media part's placeholder: the template variable that names it (the processor passes them), else Gemma 4's.
+PLACEHOLDERS = {"image": ("image_token", "<|image|>"), "video": ("video_token", "<|video|>")}
 
 
 class ChatTemplateError(ValueError):
@@ -35,6 +49,20 @@ class ChatTemplateError(ValueError):
 
 def _raise(message: str):
     raise ChatTemplateError(message)
+
+
+def _check_content(i: int, content: Any) -> None:
+    """A message's content: a string, or a list of parts each with a string 'type' (text parts
+    with a string 'text'), as OpenAI and transformers write multimodal messages."""
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ChatTemplateError(f"message {i}: 'content' must be a string or a list of parts")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ChatTemplateError(f"message {i}: content part {j} must be an object with a string 'type'")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise ChatTemplateError(f"message {i}: content part {j} is a text part without a string 'text'")
 
 
 class Tokenizer:
@@ -101,16 +129,33 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @staticmethod
+    def flatten_content(content: str | list[dict[str, Any]], **tokens: Any) -> str:
+        """Content parts as the text Gemma 4's template writes for them: text parts trimmed, media
+        parts as their placeholder (`image_token` / `video_token` if given, else Gemma 4's)."""
+        if isinstance(content, str):
+            return content
+        out = []
+        for part in content:
+            if part["type"] == "text":
+                out.append(part["text"].strip())
+            elif part["type"] in PLACEHOLDERS:
+                key, default = PLACEHOLDERS[part["type"]]
+                out.append(tokens.get(key) or default)
+        return "".join(out)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The chat template applied to OpenAI-style messages ({"role", "content"})."""
+        """The chat template applied to OpenAI-style messages ({"role", "content"}); content is a
+        string or a list of parts ({"type": "text", "text": ...}, {"type": "image", ...}, ...)."""
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("messages must be a non-empty list")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ChatTemplateError(f"message {i} must be an object with a string 'role'")
-            if not isinstance(m.get("content"), str):
-                raise ChatTemplateError(f"message {i}: 'content' must be a string")
+            _check_content(i, m.get("content"))
         template = self.chat_template or DEFAULT_CHAT_TEMPLATE
+        if template == DEFAULT_CHAT_TEMPLATE:  # it only takes strings: parts become text with placeholders
+            messages = [dict(m, content=self.flatten_content(m["content"], **kwargs)) for m in messages]
         try:
             return self._env.from_string(template).render(
                 messages=messages,

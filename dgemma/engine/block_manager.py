@@ -40,6 +40,20 @@ def block_hash(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> b
     return h.digest()
 
 
+def extend_hashes(
+    keys: list[bytes], tokens: list[int], block_size: int, media: list[tuple[int, int, bytes]] = ()
+) -> list[bytes]:
+    """Append the keys of `tokens`' full blocks past the len(keys) already known. `media`:
+    (start, end, content key) of each image; a block holding any of an image's tokens has that
+    image's key in its own, since its tokens (all the same placeholder id) do not tell images apart."""
+    b = block_size
+    while len(keys) < len(tokens) // b:
+        j = len(keys)
+        extra = b"".join(key for start, end, key in media if start < (j + 1) * b and end > j * b)
+        keys.append(block_hash(keys[-1] if keys else None, tokens[j * b : (j + 1) * b], extra))
+    return keys
+
+
 class BlockPool:
     """Ids of one pool: free list (lowest id first), reference counts, the prefix-cache index."""
 
@@ -132,20 +146,18 @@ class BlockManager:
         return all(need[k] <= self.pools[k].num_blocks for k in KINDS), need
 
     # ---------------------------------------------------------------- prefix matching
-    def prompt_hashes(self, prompt: list[int]) -> list[bytes]:
-        b, keys, parent = self.block_size, [], None
-        for i in range(len(prompt) // b):
-            parent = block_hash(parent, prompt[i * b : (i + 1) * b])
-            keys.append(parent)
-        return keys
+    def prompt_hashes(self, prompt: list[int], media: list[tuple[int, int, bytes]] = ()) -> list[bytes]:
+        return extend_hashes([], prompt, self.block_size, media)
 
     def _window_blocks(self, end_block: int) -> range:
         """Sliding blocks the window needs to continue after `end_block` full blocks."""
         end = end_block * self.block_size
         return range(max(0, end - (self.window - 1)) // self.block_size, end_block)
 
-    def match(self, keys: list[bytes]) -> tuple[int, dict[str, list[int | None]]]:
-        """Longest cached prefix (in blocks) that both pools can continue from, and its block ids."""
+    def match(self, keys: list[bytes], split_ends: set[int] = frozenset()) -> tuple[int, dict[str, list[int | None]]]:
+        """Longest cached prefix (in blocks) that both pools can continue from, and its block ids.
+        A prefix of m blocks with m in `split_ends` would end inside an image: never matched, so a
+        warm run's passes fall where a cold run's do (see prefill)."""
         if not self.prefix_cache:
             return 0, {}
         full = []
@@ -156,6 +168,8 @@ class BlockManager:
             full.append(block)
         sliding = self.pools[SLIDING]
         for m in range(len(full), 0, -1):
+            if m in split_ends:
+                continue
             window = {j: sliding.lookup(keys[j]) for j in self._window_blocks(m)}
             if all(b is not None for b in window.values()):
                 tables = {GLOBAL: full[:m], SLIDING: [window.get(j, -1) for j in range(m)]}
@@ -163,10 +177,12 @@ class BlockManager:
         return 0, {}
 
     # ---------------------------------------------------------------- per request
-    def admit(self, request_id: int, kv: SequenceBlocks, keys: list[bytes], max_length: int) -> int | None:
+    def admit(
+        self, request_id: int, kv: SequenceBlocks, keys: list[bytes], max_length: int, split_ends: set[int] = frozenset()
+    ) -> int | None:
         """Attach the cached prefix and reserve the rest; returns the cached token count, or None
         if the pools cannot take the request now (nothing is changed then)."""
-        m, tables = self.match(keys)
+        m, tables = self.match(keys, split_ends)
         need = self.needs(max_length, m)
         for kind in KINDS:
             pool = self.pools[kind]

@@ -34,8 +34,8 @@ class Engine:
             num_blocks, self.options.block_size, net.config.sliding_window, self.options.max_span(net.config),
             prefix_cache=self.options.prefix_cache,
         )  # fmt: skip
-        self.runner = Runner(net, self.options, num_blocks)
         self.scheduler = Scheduler(net.config, self.options, blocks, net.device)
+        self.runner = Runner(net, self.options, num_blocks, self.scheduler.stats)
         self._prefixes: dict[int, int] = {}  # encode_prefix sequences -> their block owner id
         self._prefix_owners = itertools.count(-1, -1)  # ids no request has
 
@@ -47,7 +47,10 @@ class Engine:
         return self.scheduler.update(plan, out)
 
     def add(self, request: Request) -> int:
-        """Queue a request; returns its id. ValueError if it can never fit (the server bounds its queue itself)."""
+        """Queue a request; returns its id. ValueError if it can never fit, or brings images to a
+        checkpoint without a vision tower (the server bounds its queue itself)."""
+        if request.images and self.runner.net.vision is None:
+            raise ValueError("this checkpoint has no vision tower: it cannot take images")
         return self.scheduler.add(request)
 
     def cancel(self, request_id: int) -> None:

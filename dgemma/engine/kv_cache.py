@@ -23,11 +23,11 @@ so that autograd can backpropagate through keys/values that a later pass overwri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..model.attention import decoder_mask, encoder_mask
+from ..model.attention import decoder_mask, encoder_mask, within_images
 from ..config import ModelConfig
 
 
@@ -59,6 +59,15 @@ class CachePass:
         plan = self.sliding if sliding else self.full
         keys, values = self.cache.store_and_view(layer, k, v, self, plan)
         return keys, values, plan.mask, plan.is_causal
+
+    def see_within_images(self, groups: torch.Tensor) -> None:
+        """Let each image's tokens in this encoder pass attend to each other (attention.within_images)."""
+        starts = self.positions[:, 0].tolist()  # each row's first new storage index
+        for name in ("sliding", "full"):
+            plan = getattr(self, name)
+            offsets = [s - plan.lo for s in starts]
+            mask = within_images(plan.mask, plan.is_causal, groups, offsets, plan.hi - plan.lo)
+            setattr(self, name, replace(plan, mask=mask, is_causal=False))
 
 
 class DenseKVCache:

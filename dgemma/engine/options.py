@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ..media.inputs import MAX_SOFT_TOKENS
+
 from ..config import GLOBAL, SLIDING, ModelConfig
 from .paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held
 
@@ -62,10 +64,12 @@ class EngineOptions:
                        batch_invariant=invariant, cuda_graphs=graphs)  # fmt: skip
 
     def max_span(self, config: ModelConfig) -> int:
-        """Most positions a request encodes in one step: a prefill chunk, or a committed canvas
-        (plus the re-encoded partial block before it, with batch-invariant passes)."""
+        """Most positions a request encodes in one step: a prefill chunk, a committed canvas
+        (plus the re-encoded partial block before it, with batch-invariant passes), or an image
+        (a chunk that starts at an image takes all of it: see media.inputs.image_safe_end)."""
         commit = config.canvas_length + (self.block_size - 1 if self.batch_invariant else 0)
-        return max(self.prefill_chunk, commit)
+        image = MAX_SOFT_TOKENS if config.vision is not None else 0
+        return max(self.prefill_chunk, commit, image)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GLOBAL, SLIDING, ModelConfig
-from ..model.attention import encoder_mask
+from ..model.attention import encoder_mask, within_images
 
 KINDS = (SLIDING, GLOBAL)
 
@@ -65,6 +65,14 @@ class PagedPass:
 
     def attend(self, layer: int, sliding: bool, k: torch.Tensor, v: torch.Tensor):
         return self.cache.attend(self, layer, SLIDING if sliding else GLOBAL, k, v)
+
+    def see_within_images(self, groups: torch.Tensor) -> None:
+        """Let each image's tokens in this encoder pass attend to each other (attention.within_images)."""
+        for kind in KINDS:
+            offsets = [r.start - r.lo for r in self.ranges[kind]]
+            keys = max(o + c for o, c in zip(offsets, self.counts)) if self.masks[kind] is None else self.masks[kind].shape[-1]
+            self.masks[kind] = within_images(self.masks[kind], self.causal[kind], groups, offsets, keys)
+            self.causal[kind] = False
 
 
 class PagedKVCache:

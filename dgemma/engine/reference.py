@@ -24,7 +24,7 @@ from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
 from .events import Block, Draft, GenerationOutput, cut_block
 from .kv_cache import DenseKVCache
-from .prefill import prefill
+from .prefill import PlacedImage, prefill
 from .request import validate_prompts
 
 
@@ -47,9 +47,14 @@ def _finish(results: list[_RowResult]) -> GenerationOutput:
 
 @torch.no_grad()
 def reference_events(
-    model: DiffusionGemma, prompts: list[list[int]], gen: GenerationConfig, drafts: bool = False
+    model: DiffusionGemma,
+    prompts: list[list[int]],
+    gen: GenerationConfig,
+    drafts: bool = False,
+    images: list[list[PlacedImage]] | None = None,
 ) -> Iterator[Draft | Block]:
-    """The reference sampler, random numbers from the global RNG in the reference's order."""
+    """The reference sampler, random numbers from the global RNG in the reference's order.
+    `images[r]`: prompt r's image soft tokens placed in it (see prefill)."""
     cfg = model.config
     validate_prompts(prompts, cfg.vocab_size)
     device, batch, canvas_len, vocab = model.device, len(prompts), cfg.canvas_length, cfg.vocab_size
@@ -71,8 +76,10 @@ def reference_events(
     results = [_RowResult() for _ in range(batch)]
     block_input = ids
     rows = list(range(batch))
+    # left padding shifts each prompt's images as it shifts its tokens
+    placed = [[(s + max_len - len(p), f) for s, f in row] for p, row in zip(prompts, images)] if images else None
     for block in range(num_blocks):
-        prefill(model, cache, rows, block_input.tolist())  # one pass per block, as the reference
+        prefill(model, cache, rows, block_input.tolist(), images=placed if block == 0 else None)  # one pass per block
 
         decode_pass = cache.plan_decoder(canvas_len)
         canvas = torch.randint(0, vocab, (batch, canvas_len), device=device)

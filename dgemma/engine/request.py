@@ -16,6 +16,7 @@ from typing import Callable, Union
 import torch
 
 from ..config import GenerationConfig
+from ..media.inputs import ImagePatches, image_token_runs
 from .constraints import CanvasConstraints
 from .paged_cache import SequenceBlocks
 
@@ -31,6 +32,8 @@ class Request:
     # Canvas constraints: fixed tokens and allowed-token masks (see constraints.py), or a function
     # of the request called before every decoder pass (grammars update them as positions settle).
     constraints: ConstraintSource = None
+    # Images of the prompt, in order: images[i] stands behind the i-th run of image tokens.
+    images: list[ImagePatches] = field(default_factory=list)
     request_id: int = -1
 
     # --- sequence and cache
@@ -40,6 +43,8 @@ class Request:
     registered_blocks: int = 0  # leading full blocks already in the prefix cache
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     encoded_tokens: int = 0  # tokens this request ran through the encoder (re-encodes included)
+    image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each image's tokens
+    image_features: list[torch.Tensor | None] = field(default_factory=list)  # soft tokens, once computed
 
     # --- output
     tokens: list[int] = field(default_factory=list)  # emitted tokens (cut at EOS and max_new_tokens)
@@ -103,6 +108,17 @@ def max_sequence_length(prompt_len: int, max_new_tokens: int, canvas_length: int
     """Positions a request may ever encode: its prompt and every block but the last (the last
     committed block ends the request and is never encoded)."""
     return prompt_len + (math.ceil(max_new_tokens / canvas_length) - 1) * canvas_length
+
+
+def image_spans(prompt: list[int], images: list[ImagePatches], image_token_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each image's placeholder run in `prompt`, checked against the images."""
+    spans = image_token_runs(prompt, image_token_id)
+    if len(spans) != len(images):
+        raise ValueError(f"the prompt holds {len(spans)} runs of image tokens for {len(images)} images")
+    for k, ((a, b), image) in enumerate(zip(spans, images)):
+        if b - a != image.num_soft_tokens:
+            raise ValueError(f"image {k} has {image.num_soft_tokens} soft tokens, but its placeholder run holds {b - a}")
+    return spans
 
 
 def validate_prompts(prompts: list[list[int]], vocab_size: int) -> None:

@@ -30,9 +30,10 @@ from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
 from .options import EngineOptions
 from .paged_cache import PagedKVCache, PagedPass
-from .prefill import prefill
+from .prefill import PlacedImage, prefill
 from .request import Request
-from .scheduler import DecodeResult, StepPlan
+from .scheduler import DecodeResult, EncodeWork, EngineStats, StepPlan
+from .vision_cache import VisionCache
 
 log = logging.getLogger("dgemma")
 
@@ -45,8 +46,10 @@ def engine_net(net: DiffusionGemma) -> DiffusionGemma:
 
 
 class Runner:
-    def __init__(self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int]):
+    def __init__(self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int], stats: EngineStats | None = None):
         self.net, self.config, self.options = net, net.config, options
+        self.stats = stats if stats is not None else EngineStats()
+        self.vision_cache = VisionCache()
         self.cache = PagedKVCache(net.config, num_blocks, options.block_size, net.device, net.dtype)
         cpu = net.device.type == "cpu"
         self.pass_tokens = options.block_size if options.batch_invariant else None
@@ -61,11 +64,41 @@ class Runner:
     def run(self, plan: StepPlan) -> list[DecodeResult]:
         for work in plan.encode:
             req = work.request
-            prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens)
+            images = [self._images_in(work)] if req.images else None
+            prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images)
         results = []
         for group in self._groups(plan.decode):
             results += self._advance(group, *self._denoise(group))
         return results
+
+    # ---------------------------------------------------------------- images
+    def _images_in(self, work: EncodeWork) -> list[PlacedImage]:
+        """Soft tokens of the images (or their parts) inside the work's range, placed relative to
+        its start; the vision tower runs for an image the first time any request needs it."""
+        req, placed = work.request, []
+        for k, (a, b) in enumerate(req.image_spans):
+            if a >= work.end or b <= work.start:
+                continue
+            if req.image_features[k] is None:
+                req.image_features[k] = self.image_features(req.images[k])
+            lo = max(a, work.start)
+            placed.append((lo - work.start, req.image_features[k][lo - a : min(b, work.end) - a]))
+        return placed
+
+    def image_features(self, image) -> torch.Tensor:
+        """One image's soft tokens [num_soft_tokens, hidden], from the vision cache or the tower."""
+        features, hit = self.vision_cache.get(image, self._encode_image)
+        if hit:
+            self.stats.vision_cache_hits += 1
+        else:
+            self.stats.vision_encodes += 1
+        return features
+
+    def _encode_image(self, image) -> torch.Tensor:
+        n, device = image.num_patches, self.net.device
+        pixels = torch.from_numpy(image.pixel_values[None, :n]).to(device)
+        positions = torch.from_numpy(image.position_ids[None, :n]).to(device)
+        return self.net.vision.image_features(pixels, positions)
 
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
         if self.options.batch_invariant:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from .block_manager import BlockManager, block_hash
+from ..media.inputs import image_safe_end
+from .block_manager import BlockManager, extend_hashes
 from .events import Block, Draft, Finished, cut_block
 from .options import EngineOptions
-from .request import Request, max_sequence_length
+from .request import Request, image_spans, max_sequence_length
 
 
 @dataclass
@@ -60,6 +61,9 @@ class EngineStats:
     cached_tokens: int = 0  # of those, found in the prefix cache
     encoded_tokens: int = 0  # every token run through the encoder (prefill, commits, re-encodes)
     decoder_passes: int = 0  # one per canvas per step
+    image_tokens: int = 0  # image soft tokens in admitted prompts
+    vision_encodes: int = 0  # images run through the vision tower
+    vision_cache_hits: int = 0  # images whose soft tokens came from the vision cache
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -100,10 +104,13 @@ class Scheduler:
         why = self.refusal(len(request.prompt), request.config.max_new_tokens)
         if why is not None:
             raise ValueError(why)
+        if request.images:
+            request.image_spans = image_spans(request.prompt, request.images, self.config.vision.image_token_id)
+            request.image_features = [None] * len(request.images)
         request.request_id = next(self._ids)
         request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
         if self.blocks.prefix_cache:
-            request.block_hashes = self.blocks.prompt_hashes(request.prompt)
+            request.block_hashes = self.blocks.prompt_hashes(request.prompt, self._media(request))
         self.waiting.append(request)
         return request.request_id
 
@@ -153,6 +160,7 @@ class Scheduler:
         end = min(total, start + budget)
         if invariant and end < total:
             end = end // b * b  # whole blocks only, so passes fall where a cold run's do
+        end = image_safe_end(start, end, req.image_spans)
         if end <= start:
             return None, budget
         return EncodeWork(req, start, end), budget - (end - start)
@@ -161,8 +169,10 @@ class Scheduler:
         limit = self.options.max_active
         while self.waiting and (limit is None or len(self.running) < limit):
             req = self.waiting[0]
+            b = self.options.block_size
+            inside_images = {m for m in range(len(req.block_hashes) + 1) if image_safe_end(0, m * b, req.image_spans) != m * b}
             cached = self.blocks.admit(
-                req.request_id, req.kv, req.block_hashes, req.max_sequence_length(self.config.canvas_length)
+                req.request_id, req.kv, req.block_hashes, req.max_sequence_length(self.config.canvas_length), inside_images
             )
             if cached is None:
                 return  # wait for blocks: no overtaking, so a long request is not starved
@@ -172,6 +182,7 @@ class Scheduler:
             self.running.append(req)
             self.stats.prompt_tokens += len(req.prompt)
             self.stats.cached_tokens += cached
+            self.stats.image_tokens += sum(e - s for s, e in req.image_spans)
 
     # ---------------------------------------------------------------- after the step
     def update(self, plan: StepPlan, decoded: list[DecodeResult]) -> list:
@@ -209,10 +220,11 @@ class Scheduler:
         self.blocks.release_behind_window(req.request_id, req.kv, rewind - (self.config.sliding_window - 1))
 
     def _extend_hashes(self, req: Request) -> None:
-        b, keys = self.options.block_size, req.block_hashes
-        while len(keys) < len(req.sequence) // b:
-            j = len(keys)
-            keys.append(block_hash(keys[-1] if keys else None, req.sequence[j * b : (j + 1) * b]))
+        extend_hashes(req.block_hashes, req.sequence, self.options.block_size, self._media(req))
+
+    @staticmethod
+    def _media(req: Request) -> list[tuple[int, int, bytes]]:
+        return [(s, e, image.key) for (s, e), image in zip(req.image_spans, req.images)]
 
     def _commit(self, req: Request, events: list) -> None:
         """The converged canvas's argmax becomes the request's next block."""

@@ -40,6 +40,27 @@ def decoder_mask(key_lo: int, key_hi: int, key_valid: torch.Tensor, num_queries:
     return valid.expand(-1, 1, num_queries, -1)
 
 
+def within_images(
+    mask: torch.Tensor | None, is_causal: bool, groups: torch.Tensor, offsets: list[int], num_keys: int
+) -> torch.Tensor:
+    """An encoder pass's mask with each image's tokens seeing each other (`use_bidirectional_attention
+    = "vision"`): query q and the pass's own token j (key index offsets[row] + j) attend when
+    groups[row, q] == groups[row, j] >= 0, on top of what `mask` allows (the reference ORs this
+    overlay into its causal and sliding masks). `mask` None means SDPA's causal flag (`is_causal`)
+    or no mask, over keys that are all the pass's own; groups [B, T] is -1 at text tokens."""
+    n, t = groups.shape
+    if mask is None:
+        k = torch.arange(num_keys, device=groups.device)
+        q = torch.arange(t, device=groups.device) + (num_keys - t)
+        base = k[None, :] <= q[:, None] if is_causal else torch.ones(t, num_keys, dtype=torch.bool, device=groups.device)
+        mask = base.expand(n, 1, t, num_keys)
+    mask = mask.clone()
+    same = (groups[:, :, None] == groups[:, None, :]) & (groups[:, :, None] >= 0)
+    for row, offset in enumerate(offsets):
+        mask[row, 0, :, offset : offset + t] |= same[row]
+    return mask
+
+
 def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,

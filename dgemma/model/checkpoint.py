@@ -76,7 +76,9 @@ def make_config(
         "eos_token_id": 1,
         "bos_token_id": 2,
     }
-    return parse_model_config({"model_type": "diffusion_gemma", "text_config": text, "canvas_length": canvas_length})
+    # the vision_config config_json writes: text-only models describe a minimal tower they do not hold
+    data = {"model_type": "diffusion_gemma", "text_config": text, "canvas_length": canvas_length}
+    return parse_model_config(dict(data, vision_config=MINIMAL_VISION_CONFIG))
 
 
 def config_json(config: ModelConfig) -> dict:

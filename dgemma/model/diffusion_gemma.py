@@ -217,7 +217,7 @@ class SelfConditioning(nn.Module):
 
 
 class DiffusionGemma(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, vision: bool = False):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -230,6 +230,14 @@ class DiffusionGemma(nn.Module):
         # One spec per layer kind, for RoPE tables. Frequencies are rebuilt per pass in float32
         # (cheap) rather than kept as buffers that a dtype cast would round.
         self.rope_specs = {spec.kind: spec for spec in config.layers}
+        # The vision tower (model.encoder.vision_tower / embed_vision), when the checkpoint holds it.
+        self.vision = None
+        if vision:
+            if config.vision is None:
+                raise ValueError("a vision tower needs a vision_config")
+            from .vision import Vision
+
+            self.vision = Vision(config.vision, config.hidden_size)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -271,9 +279,11 @@ class DiffusionGemma(nn.Module):
             h = layer(h, cos, sin, i, cache_pass, encoder)
         return self.norm(h)
 
-    def encode(self, ids: torch.Tensor, cache_pass) -> torch.Tensor:
-        """Causal pass over ids [B, T]; writes the cache (commit it afterwards). Returns final hidden states."""
-        return self._run_layers(self.embed(ids), cache_pass, encoder=True)
+    def encode(self, ids: torch.Tensor, cache_pass, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal pass over ids [B, T]; writes the cache (commit it afterwards). Returns final hidden states.
+
+        `embeds` [B, T, H] replaces `embed(ids)` (prefill passes it with image soft tokens written in)."""
+        return self._run_layers(self.embed(ids) if embeds is None else embeds, cache_pass, encoder=True)
 
     def decode(self, canvas: torch.Tensor, cache_pass, soft_embeds: torch.Tensor | None) -> torch.Tensor:
         """Bidirectional pass over canvas [B, C] given self-conditioning soft embeddings [B, C, H] (or None)."""

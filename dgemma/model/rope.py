@@ -3,6 +3,7 @@
 Sliding layers rotate every pair of the head ("default" RoPE, theta 1e4). Global layers use
 "proportional" RoPE: only the first `partial_rotary_factor` of the pairs rotate (theta 1e6), with
 frequencies computed against the full head_dim; the remaining pairs get frequency 0 (identity).
+The vision tower uses 2D "axial" RoPE over patch (x, y) positions.
 """
 
 from __future__ import annotations
@@ -44,3 +45,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x [B, T, heads, head_dim] by tables [B, T, head_dim]."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def axial_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """2D RoPE tables [..., P, head_dim] for patch positions [..., P, 2]: the first half of each head
+    rotates with x, the second with y, each half with the same head_dim / 4 frequencies."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float, device=positions.device) / half))
+    freqs = positions[..., None].float() * inv_freq  # [..., P, 2, head_dim / 4]
+    fx, fy = freqs[..., 0, :], freqs[..., 1, :]
+    angles = torch.cat([fx, fx, fy, fy], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., P, heads, D]: ordinary rotate-half RoPE applied to each half of the head separately."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    parts = [
+        x[..., s] * cos[..., s] + rotate_half(x[..., s]) * sin[..., s] for s in (slice(0, half), slice(half, None))
+    ]
+    return torch.cat(parts, dim=-1)

@@ -6,7 +6,7 @@ model in RAM. Names on disk are the `transformers` ones:
 
     model.decoder.{embed_tokens,layers.N.*,norm,self_conditioning.*}   the shared text stack
     model.encoder.language_model.layers.N.layer_scalar                 the encoder's own scalars
-    model.encoder.vision_tower.*, model.encoder.embed_vision.*          vision (skipped: text-only)
+    model.encoder.vision_tower.*, model.encoder.embed_vision.*          the vision tower (`net.vision`), if present
 
 There is no lm_head on disk (tied to embed_tokens).
 """
@@ -28,7 +28,7 @@ log = logging.getLogger("dgemma")
 
 DECODER = "model.decoder."
 ENCODER_SCALAR = "model.encoder.language_model.layers.{}.layer_scalar"
-SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 TIED_NAMES = ("lm_head.weight",)
 
 
@@ -41,6 +41,8 @@ def checkpoint_name(param_name: str) -> str:
     if param_name.endswith(".encoder_layer_scalar"):
         layer = param_name.split(".")[1]
         return ENCODER_SCALAR.format(layer)
+    if param_name.startswith("vision."):
+        return "model.encoder." + param_name[len("vision.") :]
     return DECODER + param_name
 
 
@@ -82,8 +84,11 @@ def load_weights(
     """Build the model and fill it from the checkpoint at `path`."""
     path = Path(path)
     files = _weight_files(path)
+    # A config.json may describe a vision tower the weights leave out (text-only checkpoints,
+    # dgemma-tiny among them): those run text only and refuse images.
+    vision = config.vision is not None and any(n.startswith(VISION_PREFIXES) for n in files)
     with torch.device("meta"):
-        model = DiffusionGemma(config)
+        model = DiffusionGemma(config, vision=vision)
     expected = dict(model.named_parameters())
     expected.update(model.named_buffers())
 
@@ -115,10 +120,7 @@ def load_weights(
         handles.clear()
 
     known = {checkpoint_name(n) for n in expected}
-    skipped = [n for n in files if n.startswith(SKIPPED_PREFIXES)]
-    if skipped:
-        log.info("skipped %d vision-tower tensors: dgemma runs the text model only", len(skipped))
-    extra = [n for n in files if n not in known and not n.startswith(SKIPPED_PREFIXES) and n not in TIED_NAMES]
+    extra = [n for n in files if n not in known and n not in TIED_NAMES]
     extra = [n for n in extra if not n.startswith("model.encoder.language_model.")]  # tied copies, if saved
     if extra:
         log.warning("ignored %d unexpected tensors, e.g. %s", len(extra), extra[0])
