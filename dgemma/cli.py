@@ -88,6 +88,37 @@ def load_model(args):
     return dgemma.load(args.model, device=args.device, dtype=args.dtype)
 
 
+def chat_messages(args, content) -> list[dict]:
+    """`dgemma run --chat`'s conversation: the --system prompt, then the user's content."""
+    return ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": content}]
+
+
+def media_prompt(model, args):
+    """The prompt of `dgemma run --image/--video` as the processor builds it (ModelInputs). With
+    --chat the media parts come first in the user turn, in command-line order; without, the prompt
+    gets one placeholder per image/video prepended (and a newline), unless it holds placeholders."""
+    from .serve.media import check_soft_tokens
+
+    if args.mode == "ar":
+        raise CliError("--image and --video work in diffusion mode only, not with --mode ar")
+    if not model.supports_images:
+        raise CliError(f"--image/--video: {model.path or 'the model'} has no vision tower (or no processor config)")
+    budgets = {name: check_soft_tokens(getattr(args, name), "--" + name.replace("_", "-"))
+               for name in ("max_soft_tokens", "video_max_soft_tokens")}  # fmt: skip
+    budgets = {k: v for k, v in budgets.items() if v is not None}
+    processor = model.processor
+    if args.chat:
+        content = [{"type": kind, kind: path} for kind, path in args.media] + [{"type": "text", "text": args.prompt}]
+        return processor.apply_chat_template(chat_messages(args, content), add_generation_prompt=True, **budgets)
+    placeholders = {"image": processor.image_token, "video": processor.video_token}
+    text = args.prompt
+    if not any(token in text for token in placeholders.values()):
+        text = "".join(placeholders[kind] for kind, _ in args.media) + "\n" + text
+    images = [path for kind, path in args.media if kind == "image"]
+    videos = [path for kind, path in args.media if kind == "video"]
+    return processor(text, images=images, videos=videos, **budgets)
+
+
 def cmd_run(args) -> int:
     from .engine.events import Block, Draft
 
@@ -96,19 +127,18 @@ def cmd_run(args) -> int:
     tok = model.tokenizer
     if tok is None:
         raise CliError(f"{model.path} has no tokenizer.json: `dgemma run` needs one")
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}
-        ]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    if args.media:
+        prompt = media_prompt(model, args)  # token ids and image patches
+    elif args.chat:
+        prompt = tok.apply_chat_template(chat_messages(args, args.prompt), add_generation_prompt=True)
     else:
-        ids = tok.encode(args.prompt)
+        prompt = tok.encode(args.prompt)
     if args.mode == "ar":
         from .engine.ar import ar_stream
 
-        events = ar_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+        events = ar_stream(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     else:
-        events = model.stream(ids, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, **sampler_knobs(args))
+        events = model.stream(prompt, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, **sampler_knobs(args))
     tokens: list[int] = []
     printed = ""
     if args.show_canvas:
@@ -180,6 +210,18 @@ def cmd_memory(args) -> int:
     return 0
 
 
+def add_media_flags(p: argparse.ArgumentParser) -> None:
+    """`dgemma run`'s images and videos (a checkpoint with a vision tower); see docs/media.md."""
+    p.add_argument("--image", dest="media", action="append", type=lambda path: ("image", path), default=[],
+                   metavar="PATH", help="an image file (PNG, JPEG, WebP, GIF) for the prompt; repeatable")  # fmt: skip
+    p.add_argument("--video", dest="media", action="append", type=lambda path: ("video", path), default=[],
+                   metavar="PATH", help="a video file for the prompt (its sampled frames); repeatable")  # fmt: skip
+    p.add_argument("--max-soft-tokens", type=int, default=None,
+                   help="soft tokens per image: 70, 140, 280, 560 or 1120 (default: the processor config)")  # fmt: skip
+    p.add_argument("--video-max-soft-tokens", type=int, default=None,
+                   help="soft tokens per video frame: 70 .. 1120 as above (default: the processor config)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma.")
     parser.add_argument("--verbose", "-v", action="store_true", help="log loading details")
@@ -196,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sampling", choices=["default", "reference"], default="default")
     run.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion", help="ar: autoregressive decoding")
     run.add_argument("--temperature", type=float, default=0.0, help="AR mode temperature (0 = greedy)")
+    add_media_flags(run)
     add_engine_flags(run)
     run.set_defaults(func=cmd_run)
 

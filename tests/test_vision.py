@@ -61,9 +61,9 @@ def test_image_features_match_reference(vision_ref):
     assert padded.shape == want.shape == (sum(im.num_soft_tokens for im in IMAGES), model.config.hidden_size)
     assert torch.equal(padded, want)  # the reference's padded batch rounds as the reference
     start = 0
-    for im in IMAGES:  # the engine's way: one image, real patches only
+    for im in IMAGES:  # the engine's way: one image, real patches only, packed CPU linears
         n = im.num_patches
-        one = model.net.vision.image_features(torch.from_numpy(im.pixel_values[None, :n]), torch.from_numpy(im.position_ids[None, :n]))
+        one = model.engine_net.vision.image_features(torch.from_numpy(im.pixel_values[None, :n]), torch.from_numpy(im.position_ids[None, :n]))
         assert (one - want[start : start + im.num_soft_tokens]).abs().max() < 1e-4 * want.abs().max()
         start += im.num_soft_tokens
 
@@ -228,3 +228,19 @@ def test_processor_to_logits_matches_reference(tmp_path):
     canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(0))
     expected = _reference_logits(ref, inputs, canvas)
     assert (model.canvas_logits([inputs], canvas) - expected).abs().max().item() < 1e-4
+
+
+def test_video_frames_run_as_images(tmp_path):
+    """A clip through the processor gives one image per sampled frame behind its timestamp, and the
+    engine generates from it; the tower runs once per distinct frame."""
+    from test_video import make_clip
+
+    write_vision_checkpoint(tmp_path, generation={"eos_token_id": [1], "pad_token_id": 0})
+    model = dgemma.load(tmp_path)
+    inputs = model.processor("<|video|> what happens?", videos=[make_clip()])
+    assert len(inputs.images) == 30  # a 30-frame clip: every frame (fewer than the 32 the video config samples)
+    text = model.tokenizer.decode(inputs.input_ids, skip_special_tokens=False)
+    assert text.count("00:00 <|image>") == 10 and "00:02 <|image>" in text
+    out = model.generate([inputs], max_new_tokens=8, seed=0)
+    assert len(out.sequences[0]) == 8
+    assert model.engine.stats.vision_encodes == 30 and model.engine.stats.image_tokens == inputs.num_image_tokens

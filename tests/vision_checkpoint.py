@@ -40,7 +40,7 @@ def write_vision_checkpoint(
             "image_token_id": proc.image_token_id,
         }
     spec = SHAPES["gqa"]
-    text = dict(spec["text"], initializer_range=0.5, max_position_embeddings=2048)
+    text = dict(spec["text"], initializer_range=0.5, max_position_embeddings=4096)
     if processor:  # room for the test tokenizer's byte symbols (a multiple of 16, as the native kernels like)
         text["vocab_size"] = -(-len(tok) // 16) * 16
     if bidirectional:

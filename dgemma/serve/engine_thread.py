@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 from ..config import GenerationConfig
 from ..engine.engine import Engine, Request
 from ..engine.events import Block, Draft, Finished
+from ..media.inputs import ImagePatches
 from .metrics import Metrics
 from .text import TextStream
 
@@ -44,6 +45,7 @@ class Job:
     seed: int
     drafts: bool
     loop: asyncio.AbstractEventLoop
+    images: list[ImagePatches] = field(default_factory=list)  # in the order of their placeholders in prompt
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: int | None = None  # the engine's id, once added
     cancelled: bool = False
@@ -71,6 +73,7 @@ class EngineThread:
         self._jobs: dict[int, Job] = {}  # engine request id -> job (engine thread only)
         self._lock = threading.Lock()
         self._in_flight = 0  # submitted and not yet finished
+        self._vision_seen = (0, 0)  # this engine's vision encodes and cache hits already counted
         self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
 
     # ---------------------------------------------------------------- event-loop side
@@ -92,15 +95,18 @@ class EngineThread:
         with self._lock:
             return self._in_flight
 
-    def submit(self, prompt: list[int], config: GenerationConfig, seed: int, drafts: bool = False) -> Job:
-        """Queue a request; raises QueueFull when every slot and every queue place is taken."""
+    def submit(
+        self, prompt: list[int], config: GenerationConfig, seed: int, drafts: bool = False, images: list[ImagePatches] = ()
+    ) -> Job:
+        """Queue a request (with the patches of the images its prompt holds placeholders for);
+        raises QueueFull when every slot and every queue place is taken."""
         with self._lock:
             if self._in_flight >= self.max_active + self.max_queue:
                 raise QueueFull(
                     f"server busy: {self.max_active} canvases active and {self.max_queue} requests queued; retry later"
                 )
             self._in_flight += 1
-        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop())
+        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop(), list(images))
         self._inbox.put(("add", job))
         self._wake.set()
         return job
@@ -135,6 +141,7 @@ class EngineThread:
                 if self.engine.stats.decoder_passes > passes:
                     self.metrics.step_canvases.observe(self.engine.stats.decoder_passes - passes)
                 self.metrics.steps.inc()
+                self._publish_vision()  # before the events: a client that has its answer sees the counts
             self._route(events)
             self._publish_gauges()
         self._fail_all(EngineFailure("server shutting down"))
@@ -154,7 +161,8 @@ class EngineThread:
                     self._done(job, Finished(-1, "cancelled", [], 0, 0.0))
                     continue
                 try:
-                    job.request_id = self.engine.add(Request(job.prompt, job.config, job.seed, drafts=job.drafts))
+                    request = Request(job.prompt, job.config, job.seed, drafts=job.drafts, images=job.images)
+                    job.request_id = self.engine.add(request)
                 except Exception as e:  # validated by the server first; reported, never raised here
                     self._done(job, EngineFailure(f"the engine refused the request: {e}"))
                     continue
@@ -196,7 +204,10 @@ class EngineThread:
             if op == "add":
                 self._done(job, EngineFailure(str(error) or type(error).__name__))
         if not self._stop.is_set():
+            with self.metrics.lock:
+                self._publish_vision()  # what the failed engine did, before its counts are gone
             self.engine = self.new_engine()
+            self._vision_seen = (0, 0)
 
     def _publish_gauges(self) -> None:
         scheduler, usage = self.engine.scheduler, self.engine.kv_usage()
@@ -207,6 +218,15 @@ class EngineThread:
                 for state in ("used", "cached", "free"):
                     self.metrics.kv_blocks.set(counts[state], kind=kind, state=state)
             self.metrics.prefix_hit_rate.set(self.engine.stats.prefix_hit_rate)
+
+    def _publish_vision(self) -> None:
+        """Add the engine's vision encodes and cache hits since the last look to the counters
+        (the engine's own counts start again at 0 when a fresh engine takes over). The caller holds metrics.lock."""
+        stats = self.engine.stats
+        now = (stats.vision_encodes, stats.vision_cache_hits)
+        self.metrics.vision_encodes.inc(now[0] - self._vision_seen[0])
+        self.metrics.vision_cache_hits.inc(now[1] - self._vision_seen[1])
+        self._vision_seen = now
 
 
 # ------------------------------------------------------------------------------------ one request

@@ -101,6 +101,10 @@ class Metrics:
         self.active = Gauge("dgemma_active_canvases", "Requests admitted (prefilling or denoising)")
         self.cached_tokens = Counter("dgemma_prefix_cache_hit_tokens_total", "Prompt tokens of ended requests found in the prefix cache")
         self.prefix_hit_rate = Gauge("dgemma_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted, since start")
+        self.vision_encodes = Counter("dgemma_vision_encodes_total", "Images (video frames included) run through the vision tower")
+        self.vision_cache_hits = Counter(
+            "dgemma_vision_cache_hits_total", "Images whose vision features came from the engine's vision cache (same content hash)"
+        )
         self.kv_blocks = Gauge(
             "dgemma_kv_blocks", "KV cache blocks by pool (sliding, global) and state: used by requests, cached (evictable prefix blocks), free",
             ("kind", "state"),
@@ -109,6 +113,7 @@ class Metrics:
             self.requests, self.http, self.prompt_tokens, self.generation_tokens, self.decoder_passes, self.steps,
             self.tokens_per_forward, self.step_seconds, self.step_canvases, self.request_seconds, self.first_block_seconds,
             self.queue_depth, self.active, self.cached_tokens, self.prefix_hit_rate, self.kv_blocks,
+            self.vision_encodes, self.vision_cache_hits,
         ]  # fmt: skip
 
     def render(self) -> str:

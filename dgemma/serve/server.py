@@ -3,7 +3,9 @@
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`,
 `GET /metrics` (Prometheus text). Request bodies are parsed and validated here, strictly, so that
 anything a client sends gets a 4xx with an OpenAI-style error body naming the problem; the engine
-only ever sees requests that fit. See docs/server.md for the fields and the streaming extension.
+only ever sees requests that fit. Chat messages may carry images and video (media.py: where they
+may come from; the checkpoint's processor: what they become). See docs/server.md for the fields
+and the streaming extension, docs/media.md for media.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -28,7 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from ..engine.engine import Engine, EngineOptions
+from ..media.inputs import MediaError, ModelInputs
+from . import media
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
+from .media import MediaPolicy, MediaRef, PartError
 from .metrics import Metrics
 from .text import TextStream
 from ..tokenizer import ChatTemplateError
@@ -152,6 +158,10 @@ class ChatParams(_Params):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    # dgemma extensions: soft tokens per image and per video frame (70, 140, 280, 560 or 1120;
+    # default: the checkpoint's processor config)
+    max_soft_tokens: int | None = None
+    video_max_soft_tokens: int | None = None
 
 
 def _unsupported(params: _Params) -> None:
@@ -194,32 +204,45 @@ def parse_stop(stop: Any) -> list[str]:
     return stops
 
 
-def message_text(i: int, content: Any) -> str:
-    """A message's content as text: a string, or a list of {"type": "text", "text": ...} parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(
-                    400,
-                    f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported",
-                    f"messages[{i}].content",
-                    "invalid_value",
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(
-        400, f"messages[{i}].content must be a string or a list of text parts (got {_short(content)})",
-        f"messages[{i}].content", "invalid_value",
-    )  # fmt: skip
+def soft_token_budgets(params: "ChatParams") -> dict:
+    """The request's soft-token budgets per image and per video frame, checked (400 naming the field)."""
+    out = {}
+    for name in ("max_soft_tokens", "video_max_soft_tokens"):
+        try:
+            value = media.check_soft_tokens(getattr(params, name), name)
+        except MediaError as e:
+            raise ApiError(400, str(e), name, "invalid_value") from None
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def media_error(e: MediaError) -> ApiError:
+    """A media problem as a 400 naming the content part it came from (or the messages, when the
+    processor cannot tell which)."""
+    param = e.param if isinstance(e, PartError) else "messages"
+    message = str(e) if isinstance(e, PartError) else f"messages: {e}"
+    return ApiError(400, message, param, "invalid_media")
 
 
 # ------------------------------------------------------------------------------------ the service
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _processor_content(content: list, loaded) -> str | list[dict]:
+    """A message's content for the processor: text pieces and the next loaded media parts in
+    order; a message without media stays a string."""
+    if all(isinstance(p, str) for p in content):
+        return "".join(content)
+    return [{"type": "text", "text": p} if isinstance(p, str) else next(loaded) for p in content]
+
+
+def _chat_role(i: int, m: ChatMessage) -> str:
+    """The role the chat template sees (developer is rendered as system)."""
+    if m.role not in CHAT_ROLES:
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (got {_short(m.role)})",
+                       f"messages[{i}].role", "invalid_value")  # fmt: skip
+    return "system" if m.role == "developer" else m.role
 
 
 class Service:
@@ -233,10 +256,12 @@ class Service:
         max_queue: int,
         max_context: int,
         options: EngineOptions | None = None,
+        media_policy: MediaPolicy | None = None,
     ):
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
         self.model, self.tokenizer, self.name = model, model.tokenizer, served_model_name
+        self.media = media_policy or MediaPolicy()
         self.canvas = model.config.canvas_length
         self.context = max_context
         self.created = int(time.time())
@@ -279,30 +304,59 @@ class Service:
             "prompt", "invalid_value",
         )  # fmt: skip
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
-        rendered = []
-        for i, m in enumerate(messages):
-            if m.role not in CHAT_ROLES:
-                raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (got {_short(m.role)})",
-                               f"messages[{i}].role", "invalid_value")  # fmt: skip
-            role = "system" if m.role == "developer" else m.role
-            rendered.append({"role": role, "content": message_text(i, m.content)})
+    def chat_prompt(self, messages: list[ChatMessage], soft_tokens: dict | None = None) -> ModelInputs:
+        """The chat rendered and tokenized; with media parts, through the checkpoint's processor
+        with `soft_tokens` (its max_soft_tokens, video_max_soft_tokens). Blocking: media is
+        fetched and decoded here, so callers run it off the event loop."""
+        soft_tokens = soft_tokens or {}
         try:
-            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+            turns = [(_chat_role(i, m), media.parse_content(i, m.content)) for i, m in enumerate(messages)]
+            refs = [p for _, content in turns for p in content if isinstance(p, MediaRef)]
+            if refs:
+                self._check_media(refs)
+            processor = self.model.processor if refs else None
+            loaded = iter([media.processor_part(ref, self.media, processor) for ref in refs])
+            rendered = [{"role": r, "content": _processor_content(c, loaded)} for r, c in turns]
+            if processor is None:
+                return ModelInputs(self._render(self.tokenizer, rendered))
+            return self._render(processor, rendered, **soft_tokens)
+        except MediaError as e:
+            raise media_error(e) from None
+
+    def _check_media(self, refs: list[MediaRef]) -> None:
+        """Refuse media the checkpoint or the limits cannot take, before fetching any of it."""
+        if not self.model.supports_images:
+            raise ApiError(400, f"{refs[0].param}: this model has no vision tower (or no processor config), so only "
+                                f"text parts are accepted (got {refs[0].kind} parts)", refs[0].param, "invalid_media")  # fmt: skip
+        if len(refs) > self.media.max_items:
+            raise ApiError(400, f"messages: {len(refs)} images and videos in one request; this server takes at most "
+                                f"{self.media.max_items} (--max-images-per-request)", "messages", "invalid_media")  # fmt: skip
+
+    @staticmethod
+    def _render(template_owner, rendered: list[dict], **kwargs):
+        """`apply_chat_template` of the tokenizer (text: ids) or the processor (media: ModelInputs),
+        its failures as 400s; MediaError passes through, to be tied to its part."""
+        try:
+            return template_owner.apply_chat_template(rendered, add_generation_prompt=True, **kwargs)
         except ChatTemplateError as e:
             raise ApiError(400, f"messages: {e}", "messages", "invalid_value") from None
+        except MediaError:
+            raise
         except Exception as e:  # text the tokenizer rejects (lone surrogates)
             raise ApiError(400, f"messages could not be tokenized: {e}", "messages", "invalid_value") from None
 
-    def generation_config(self, params: _Params, prompt_len: int, max_tokens: int | None):
-        """The per-request GenerationConfig: checkpoint defaults, the client's knobs, and what fits the context."""
-        c = self.canvas
+    def generation_config(self, params: _Params, prompt: ModelInputs, max_tokens: int | None):
+        """The per-request GenerationConfig: checkpoint defaults, the client's knobs, and what fits
+        the context (image soft tokens take positions like any prompt token)."""
+        c, prompt_len = self.canvas, len(prompt.input_ids)
         room = (self.context - prompt_len) // c * c
         if room < 1:
+            images = f" ({prompt.num_image_tokens} of them image tokens; a smaller max_soft_tokens makes fewer)"
             raise ApiError(
                 400,
-                f"prompt is too long: {prompt_len} tokens; the context is {self.context} positions per request and "
-                f"output comes in blocks of {c}, so a prompt may hold at most {self.context - c} tokens",
+                f"prompt is too long: {prompt_len} tokens{images if prompt.images else ''}; the context is "
+                f"{self.context} positions per request and output comes in blocks of {c}, so a prompt may hold at "
+                f"most {self.context - c} tokens",
                 "prompt" if isinstance(params, CompletionParams) else "messages",
                 "context_length_exceeded",
             )
@@ -335,26 +389,26 @@ class Service:
             raise ApiError(400, str(e), None, "invalid_value") from None
 
     # ---------------------------------------------------------------- running
-    def start(self, params: _Params, prompt: list[int], max_tokens: int | None) -> Generation:
+    def start(self, params: _Params, prompt: ModelInputs, max_tokens: int | None) -> Generation:
         stops = parse_stop(params.stop)
-        config = self.generation_config(params, len(prompt), max_tokens)
+        config = self.generation_config(params, prompt, max_tokens)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_LIMIT)
         if not self.engine_thread.alive:
             raise ApiError(503, "the engine is not running", code="engine_stopped")
         try:
-            job = self.engine_thread.submit(prompt, config, seed, drafts=params.stream_drafts)
+            job = self.engine_thread.submit(prompt.input_ids, config, seed, drafts=params.stream_drafts, images=prompt.images)
         except QueueFull as e:
             raise ApiError(429, str(e), None, "queue_full") from None
         text = TextStream(self.tokenizer.decode, stops, config.eos_token_ids, config.max_new_tokens)
         return Generation(self.engine_thread, job, text)
 
-    def usage(self, prompt_len: int, gen: Generation) -> dict:
-        done = gen.completion_tokens
+    def usage(self, prompt: ModelInputs, gen: Generation) -> dict:
+        done, prompt_len = gen.completion_tokens, len(prompt.input_ids)
         return {
             "prompt_tokens": prompt_len,
             "completion_tokens": done,
             "total_tokens": prompt_len + done,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens, "image_tokens": prompt.num_image_tokens},
             "decoder_passes": gen.decoder_passes,
             "tokens_per_forward": round(gen.tokens_per_forward, 3),
         }
@@ -411,8 +465,8 @@ def _sse(obj: Any) -> bytes:
 class _Responder:
     """Shapes one request's updates as a completion or chat completion, whole or streamed."""
 
-    def __init__(self, service: Service, chat: bool, prompt_len: int, gen: Generation, params: _Params):
-        self.service, self.chat, self.prompt_len, self.gen, self.params = service, chat, prompt_len, gen, params
+    def __init__(self, service: Service, chat: bool, prompt: ModelInputs, gen: Generation, params: _Params):
+        self.service, self.chat, self.prompt, self.gen, self.params = service, chat, prompt, gen, params
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -448,7 +502,7 @@ class _Responder:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         body = self._envelope([choice], "chat.completion" if self.chat else "text_completion")
-        body["usage"] = self.service.usage(self.prompt_len, self.gen)
+        body["usage"] = self.service.usage(self.prompt, self.gen)
         return json_response(body)
 
     async def stream(self, request: Request) -> AsyncIterator[bytes]:
@@ -468,7 +522,7 @@ class _Responder:
             yield _sse(self._chunk(None, finish_reason=reason))
             if self.params.stream_options and self.params.stream_options.include_usage:
                 usage = self._envelope([], "chat.completion.chunk" if self.chat else "text_completion")
-                usage["usage"] = self.service.usage(self.prompt_len, self.gen)
+                usage["usage"] = self.service.usage(self.prompt, self.gen)
                 yield _sse(usage)
             yield b"data: [DONE]\n\n"
         except EngineFailure as e:
@@ -509,11 +563,13 @@ def create_app(
     max_queue: int = 64,
     max_context: int | None = None,
     options: EngineOptions | None = None,
+    media_policy: MediaPolicy | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up.
 
     `max_context` caps prompt plus output per request (default: the model's
-    max_position_embeddings; the KV cache's size decides what fits at once)."""
+    max_position_embeddings; the KV cache's size decides what fits at once). `media_policy`:
+    where images and video may come from and how large (default: data URLs only)."""
     if max_active < 1 or max_queue < 0:
         raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
     context = model.config.max_position_embeddings if max_context is None else max_context
@@ -523,7 +579,7 @@ def create_app(
             f"max_context must be between {canvas + 1} (one block of {canvas} plus a prompt token) and "
             f"{model.config.max_position_embeddings} (the model's max_position_embeddings); got {context}"
         )
-    service = Service(model, served_model_name, max_active, max_queue, context, options)
+    service = Service(model, served_model_name, max_active, max_queue, context, options, media_policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -580,15 +636,16 @@ def create_app(
             raise validation_error(e) from None
         service.check_model(params.model)
         _unsupported(params)
-        # tokenizing a long prompt takes a while: off the event loop, so streams keep flowing
+        # tokenizing a long prompt, fetching and decoding media take a while: off the event loop,
+        # so streams keep flowing
         if chat:
-            prompt = await asyncio.to_thread(service.chat_prompt, params.messages)
+            prompt = await asyncio.to_thread(service.chat_prompt, params.messages, soft_token_budgets(params))
             max_tokens = params.max_completion_tokens or params.max_tokens
         else:
-            prompt = await asyncio.to_thread(service.completion_prompt, params.prompt)
+            prompt = ModelInputs(await asyncio.to_thread(service.completion_prompt, params.prompt))
             max_tokens = params.max_tokens
         gen = service.start(params, prompt, max_tokens)
-        responder = _Responder(service, chat, len(prompt), gen, params)
+        responder = _Responder(service, chat, prompt, gen, params)
         if params.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(responder.stream(request), media_type="text/event-stream", headers=headers)
@@ -664,9 +721,43 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="prompt plus output positions per request (default: the model's max_position_embeddings)")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the checkpoint directory name)")
     add_engine_flags(p)
+    add_media_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
+
+
+def add_media_flags(p: argparse.ArgumentParser) -> None:
+    """Where chat images and video may come from, and how much of them (see docs/media.md)."""
+    from ..cli import parse_size
+
+    d = MediaPolicy()
+    p.add_argument("--allowed-media-dir", type=Path, default=None,
+                   help="serve file:// image/video URLs from below this directory (default: file URLs are off)")  # fmt: skip
+    p.add_argument("--allow-remote-media", action="store_true",
+                   help="fetch http(s):// image/video URLs (the server then requests any URL a client names)")  # fmt: skip
+    p.add_argument("--max-media-bytes", type=parse_size, default=d.max_bytes,
+                   help=f"bytes per image or video, e.g. 20MB (default: {d.max_bytes})")  # fmt: skip
+    p.add_argument("--media-timeout", type=float, default=d.timeout,
+                   help=f"seconds one remote fetch may take (default: {d.timeout:g})")  # fmt: skip
+    p.add_argument("--max-images-per-request", type=int, default=d.max_items,
+                   help=f"images plus videos in one request; a video counts once (default: {d.max_items})")  # fmt: skip
+
+
+def media_policy(args) -> MediaPolicy:
+    return MediaPolicy(
+        allowed_dir=args.allowed_media_dir, allow_remote=args.allow_remote_media, max_bytes=args.max_media_bytes,
+        timeout=args.media_timeout, max_items=args.max_images_per_request,
+    )  # fmt: skip
+
+
+def media_summary(model, policy: MediaPolicy) -> str:
+    """What the startup line says of media: off without a vision tower, else where it may come from."""
+    if not model.supports_images:
+        return "images off (no vision tower)"
+    sources = ["data URLs"] + ([f"files below {policy.allowed_dir}"] if policy.allowed_dir else [])
+    sources += ["http(s) URLs"] if policy.allow_remote else []
+    return f"images and video from {', '.join(sources)}"
 
 
 def cmd_serve(args) -> int:
@@ -679,7 +770,8 @@ def cmd_serve(args) -> int:
     model = load_model(args)
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
     try:
-        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args))
+        policy = media_policy(args)
+        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy)
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
@@ -693,7 +785,7 @@ def cmd_serve(args) -> int:
     print(
         f"dgemma: serving '{name}' on http://{host}:{port} (max-active {args.max_active}, max-queue {args.max_queue}, "
         f"context {app.state.service.context}, KV blocks of {engine.options.block_size}: {kv}; "
-        f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; device {model.device})",
+        f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; {media_summary(model, policy)}; device {model.device})",
         flush=True,
     )
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5)
