@@ -368,9 +368,16 @@ class Model:
 
 
 def load(
-    path: str | Path | None = None, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+    path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    quantization: str | None = None,
+    group_size: int | None = None,
 ) -> Model:
-    """Load a checkpoint directory (config.json, safetensors, tokenizer). No path: the shipped dgemma-tiny."""
+    """Load a checkpoint directory (config.json, safetensors, tokenizer). No path: the shipped dgemma-tiny.
+
+    `quantization` ("fp8", "int8", "int4", "nvfp4"; `group_size` for int4) quantises the text
+    layers' linears and experts while loading, a layer at a time (see docs/quantization.md)."""
     if path is None:
         path = default_model_dir()
         if not (path / "config.json").exists():
@@ -380,6 +387,6 @@ def load(
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     config = load_model_config(path)
     generation_config = load_generation_config(path, config)
-    net = load_weights(config, path, resolve_device(device), resolve_dtype(dtype))
+    net = load_weights(config, path, resolve_device(device), resolve_dtype(dtype), quantization, group_size)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Model(net, generation_config, tokenizer, path)

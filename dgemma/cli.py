@@ -28,6 +28,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="checkpoint directory (default: the shipped dgemma-tiny)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
+                   help="quantise the text layers' linears and experts while loading (docs/quantization.md)")
+    p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
 
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -85,7 +88,9 @@ def load_model(args):
 
     if args.model is None and not (dgemma.default_model_dir() / "config.json").exists():
         raise CliError("no --model given and the shipped model is missing; create one with `dgemma make-tiny DIR`")
-    return dgemma.load(args.model, device=args.device, dtype=args.dtype)
+    return dgemma.load(
+        args.model, device=args.device, dtype=args.dtype, quantization=args.quantization, group_size=args.group_size
+    )
 
 
 def chat_messages(args, content) -> list[dict]:

@@ -183,8 +183,8 @@ def _gated_mlp(mlp: nn.Module) -> nn.Module:
 
 def _fast_module(module: nn.Module) -> nn.Module | None:
     """The engine's replacement for a module, or None to keep it (and look inside it)."""
-    if isinstance(module, DenseMLP):
-        return _gated_mlp(module)
+    if isinstance(module, DenseMLP):  # (quantised projections stay as they are: look inside)
+        return _gated_mlp(module) if isinstance(module.gate_proj, nn.Linear) else None
     if isinstance(module, SelfConditioning):
         return LeanSelfConditioning(module)
     if isinstance(module, nn.Linear):

@@ -231,6 +231,7 @@ class DiffusionGemma(nn.Module):
         # (cheap) rather than kept as buffers that a dtype cast would round.
         self.rope_specs = {spec.kind: spec for spec in config.layers}
         # The vision tower (model.encoder.vision_tower / embed_vision), when the checkpoint holds it.
+        self.quantization: tuple[str, int | None] | None = None  # (scheme, group size) once quantised
         self.vision = None
         if vision:
             if config.vision is None:

@@ -79,9 +79,16 @@ def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def load_weights(
-    config: ModelConfig, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    config: ModelConfig,
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantization: str | None = None,
+    group_size: int | None = None,
 ) -> DiffusionGemma:
-    """Build the model and fill it from the checkpoint at `path`."""
+    """Build the model and fill it from the checkpoint at `path`. With `quantization` (a scheme of
+    quant/formats.py), each text layer is quantised as soon as its tensors are read, so the
+    full-precision model is never held in memory (one layer at most)."""
     path = Path(path)
     files = _weight_files(path)
     # A config.json may describe a vision tower the weights leave out (text-only checkpoints,
@@ -92,9 +99,25 @@ def load_weights(
     expected = dict(model.named_parameters())
     expected.update(model.named_buffers())
 
+    if quantization is not None:
+        from ..quant.formats import DEFAULT_GROUP_SIZE, check_scheme
+        from ..quant.modules import quantize_layer
+
+        group_size = group_size or DEFAULT_GROUP_SIZE
+        check_scheme(quantization, group_size if quantization == "int4" else None)
+    pending_layer = None  # the layer whose tensors are being read, quantised once the next starts
+
+    def finish_layer(index: int | None) -> None:
+        if quantization is not None and index is not None:
+            quantize_layer(model.layers[index], quantization, group_size)
+
     handles: dict[Path, object] = {}
     try:
         for name, meta in expected.items():
+            layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+            if layer != pending_layer:
+                finish_layer(pending_layer)
+                pending_layer = layer
             disk = checkpoint_name(name)
             if disk not in files:
                 raise WeightsError(f"missing tensor {disk} in {path}")
@@ -116,8 +139,11 @@ def load_weights(
             # kernels choose code paths by alignment, so copying would change float32 rounding.
             _set_tensor(model, name, tensor.to(device=device, dtype=dtype))
             del tensor
+        finish_layer(pending_layer)
     finally:
         handles.clear()
+    if quantization is not None:
+        model.quantization = (quantization, group_size)
 
     known = {checkpoint_name(n) for n in expected}
     extra = [n for n in files if n not in known and n not in TIED_NAMES]

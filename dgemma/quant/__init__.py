@@ -1,0 +1,1 @@
+"""Quantised weights: formats (pure maths), modules that compute with them, checkpoints."""
