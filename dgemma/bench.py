@@ -225,6 +225,34 @@ def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
     return save_checkpoint(model, directory / size, tokenizer=byte_tokenizer())
 
 
+def quantized_synthetic_model(size: str, scheme: str, group_size: int | None, dtype: torch.dtype):
+    """Random weights of a named size built directly quantised (no full-precision copy, no file)."""
+    from .api import Model
+    from .config import GenerationConfig
+    from .model.checkpoint import make_config
+    from .quant.formats import DEFAULT_GROUP_SIZE
+    from .quant.modules import random_quantized_model
+
+    config = make_config(**PRESETS[size])
+    net = random_quantized_model(config, scheme, group_size or DEFAULT_GROUP_SIZE, dtype)
+    return Model(net, GenerationConfig(eos_token_ids=(1,), pad_token_id=0))
+
+
+def memory_report(model) -> str:
+    """Weight bytes by part, KV pool bytes and the process's peak resident memory."""
+    import resource
+
+    from .quant.modules import weight_bytes
+
+    parts = weight_bytes(model.engine_net)
+    kv = sum(t.numel() * t.element_size() for t in model.engine.runner.cache.keys + model.engine.runner.cache.values)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    by_part = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+    return (f"weights: {gib(sum(parts.values()))} ({by_part}); KV pool reserved {gib(kv)} (untouched pages are not resident); "
+            f"peak RSS {gib(peak)}")
+
+
 def summarize(results: list[RunResult]) -> list[dict]:
     rows = []
     for peer in dict.fromkeys(r.peer for r in results):
@@ -273,12 +301,18 @@ def cmd_bench(args) -> int:
     torch.manual_seed(0)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.model) if args.model else synthetic_checkpoint(args.size, Path(tmp))
-        model = load(path, device=device, dtype=dtype)
         peers = [p.strip() for p in args.peers.split(",") if p.strip()]
         unknown = set(peers) - {"default", "ar", "reference"}
         if unknown:
             raise ValueError(f"unknown peers {sorted(unknown)}; choose from default, ar, reference")
+        if args.quantization is not None and "reference" in peers:
+            print("transformers runs full-precision weights only: skipping the reference peer with --quantization")
+            peers.remove("reference")
+        if args.quantization is not None and not args.model:
+            path, model = None, quantized_synthetic_model(args.size, args.quantization, args.group_size, dtype)
+        else:
+            path = Path(args.model) if args.model else synthetic_checkpoint(args.size, Path(tmp))
+            model = load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size)
         ref = load_reference(path, device, dtype) if "reference" in peers else None
         if "reference" in peers and ref is None:
             print("transformers is not installed: skipping the reference peer")
@@ -303,6 +337,7 @@ def cmd_bench(args) -> int:
                     results.append(once(peer))
                     bar.update()
     rows = summarize(results)
+    print(memory_report(model))
     header = (
         f"{args.model or args.size} | {device} {args.dtype} | batch {args.batch} | prompt {args.prompt_len} | "
         f"{args.new_tokens} new | {'adaptive' if args.adaptive else f'{args.steps} fixed'} steps | "
@@ -322,6 +357,9 @@ def add_cli(sub) -> None:
     p.add_argument("--size", choices=list(PRESETS), default="tiny", help="synthetic model size (random weights)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
+                   help="quantised weights (random --size models are built directly quantised)")
+    p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=768)
     p.add_argument("--batch", type=int, default=1)

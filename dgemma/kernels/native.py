@@ -172,4 +172,6 @@ def describe(net: nn.Module) -> str:
         return f"torch ({net.device.type})"
     amx = any(isinstance(m, (AMXExperts, AMXGatedMLP, AMXLinear)) for m in net.modules())
     fused = extension() is not None
-    return ("AMX GEMMs" if amx else "oneDNN GEMMs") + (", native statistics + RMSNorm" if fused else ", torch statistics + RMSNorm")
+    quant = getattr(net, "quantization", None)
+    quantised = f"{quant[0]} weights dequantised per tile (torch) + " if quant else ""
+    return quantised + ("AMX GEMMs" if amx else "oneDNN GEMMs") + (", native statistics + RMSNorm" if fused else ", torch statistics + RMSNorm")

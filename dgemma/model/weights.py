@@ -99,6 +99,13 @@ def load_weights(
     expected = dict(model.named_parameters())
     expected.update(model.named_buffers())
 
+    stored = None  # a quantised checkpoint's weights (compressed-tensors or ModelOpt layouts)
+    if isinstance(config.raw.get("quantization_config"), dict):
+        from ..quant.checkpoint import read_quantized
+
+        if quantization is not None:
+            raise WeightsError(f"{path} is already quantised: load it without a quantization scheme")
+        info, stored = read_quantized(path)
     if quantization is not None:
         from ..quant.formats import DEFAULT_GROUP_SIZE, check_scheme
         from ..quant.modules import quantize_layer
@@ -118,6 +125,9 @@ def load_weights(
             if layer != pending_layer:
                 finish_layer(pending_layer)
                 pending_layer = layer
+            if stored is not None and name in stored:
+                _install_quantized(model, name, stored, dtype, device)
+                continue
             disk = checkpoint_name(name)
             if disk not in files:
                 raise WeightsError(f"missing tensor {disk} in {path}")
@@ -144,6 +154,10 @@ def load_weights(
         handles.clear()
     if quantization is not None:
         model.quantization = (quantization, group_size)
+    if stored is not None:
+        model.quantization = (info.scheme, info.group_size)
+        files = {n: f for n, f in files.items() if n not in stored.disk_names}
+        stored.close()
 
     known = {checkpoint_name(n) for n in expected}
     extra = [n for n in files if n not in known and n not in TIED_NAMES]
@@ -152,6 +166,31 @@ def load_weights(
         log.warning("ignored %d unexpected tensors, e.g. %s", len(extra), extra[0])
     model.eval()
     return model
+
+
+def _install_quantized(model: DiffusionGemma, name: str, stored, dtype: torch.dtype, device) -> None:
+    """Put a stored quantised weight in place of the full-precision parameter `name`."""
+    from ..quant.formats import dequantize
+    from ..quant.modules import QuantExperts, QuantLinear
+
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, QuantExperts):
+        return  # both expert weights were installed with the first
+    if attr in ("gate_up_proj", "down_proj") and module_name.endswith(".experts"):
+        parent_name, _, child = module_name.rpartition(".")
+        gate_up, down = stored[f"{module_name}.gate_up_proj"], stored[f"{module_name}.down_proj"]
+        model.get_submodule(parent_name)._modules[child] = QuantExperts(_to(gate_up, device), _to(down, device), module.approximate)
+    elif isinstance(module, torch.nn.Linear) and attr == "weight" and name.startswith("layers."):
+        parent_name, _, child = module_name.rpartition(".")
+        model.get_submodule(parent_name)._modules[child] = QuantLinear(_to(stored[name], device))
+    else:  # e.g. quantised embeddings: dgemma computes with them in the model dtype
+        _set_tensor(model, name, dequantize(stored[name], dtype).to(device))
+
+
+def _to(q, device):
+    q.parts = {k: v.to(device) for k, v in q.parts.items()}
+    return q
 
 
 def state_dict_for_disk(model: DiffusionGemma) -> dict[str, torch.Tensor]:

@@ -60,6 +60,8 @@ class QTensor:
     def rows(self, start: int, end: int) -> "QTensor":
         """Output channels [start, end) of a 2D weight (a tile of a matmul)."""
         parts = {k: (v[start:end] if k not in ("weight_global_scale", "weight_shape") else v) for k, v in self.parts.items()}
+        if "weight_shape" in parts:
+            parts["weight_shape"] = torch.tensor((end - start, self.shape[-1]), dtype=torch.int32)
         return QTensor(self.scheme, (end - start, self.shape[-1]), parts, self.group_size)
 
 
@@ -75,8 +77,12 @@ def _grouped_absmax(w: torch.Tensor, group: int) -> torch.Tensor:
     return w.float().unflatten(-1, (-1, group)).abs().amax(dim=-1)
 
 
-def quantize(w: torch.Tensor, scheme: str, group_size: int | None = DEFAULT_GROUP_SIZE) -> QTensor:
-    """Quantise a weight [..., out, in] (any float dtype; computed in float32)."""
+def quantize(
+    w: torch.Tensor, scheme: str, group_size: int | None = DEFAULT_GROUP_SIZE, scale_dtype: torch.dtype = torch.float32
+) -> QTensor:
+    """Quantise a weight [..., out, in] (any float dtype; computed in float32). int4's group scales
+    are stored in `scale_dtype` (the model's dtype, as compressed-tensors stores them: bf16 halves
+    their bytes) and the codes are computed against the stored scales."""
     check_scheme(scheme, group_size if scheme == "int4" else None)
     shape, inputs = tuple(w.shape), w.shape[-1]
     wf = w.float()
@@ -90,8 +96,8 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = DEFAULT_GROU
     if inputs % group:
         raise QuantError(f"{scheme} needs the input size ({inputs}) to be a multiple of its group size {group}")
     if scheme == "int4":
-        scale = (_grouped_absmax(wf, group) / 7.0).clamp(min=torch.finfo(torch.float32).tiny)
-        q = (wf.unflatten(-1, (-1, group)) / scale[..., None]).round().clamp(-8, 7).flatten(-2).to(torch.int8)
+        scale = (_grouped_absmax(wf, group) / 7.0).clamp(min=torch.finfo(scale_dtype).tiny).to(scale_dtype)
+        q = (wf.unflatten(-1, (-1, group)) / scale.float()[..., None]).round().clamp(-8, 7).flatten(-2).to(torch.int8)
         parts = {"weight_packed": pack_int4(q), "weight_scale": scale, "weight_shape": torch.tensor(shape[-2:], dtype=torch.int32)}
         return QTensor(scheme, shape, parts, group)
     # nvfp4: a float32 global scale per 2D weight (per expert of a fused one) puts its largest

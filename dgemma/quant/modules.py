@@ -95,16 +95,17 @@ LINEAR_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
 def quantize_layer(layer: nn.Module, scheme: str, group_size: int | None) -> None:
     """Replace one text layer's linears and experts by quantised ones, in place (each weight is
     quantised and its full-precision tensor dropped before the next)."""
+    dtype = layer.input_layernorm.weight.dtype
     for path in LINEAR_TARGETS:
         parent_name, _, child = path.rpartition(".")
         parent = layer.get_submodule(parent_name)
         linear = getattr(parent, child)
         if isinstance(linear, nn.Linear):
-            parent._modules[child] = QuantLinear(quantize(linear.weight.detach(), scheme, group_size))
+            parent._modules[child] = QuantLinear(quantize(linear.weight.detach(), scheme, group_size, dtype))
     experts = layer.experts
     if not isinstance(experts, QuantExperts):
-        gate_up = quantize(experts.gate_up_proj.detach(), scheme, group_size)
-        down = quantize(experts.down_proj.detach(), scheme, group_size)
+        gate_up = quantize_stacked(lambda e: experts.gate_up_proj[e].detach(), experts.num_experts, scheme, group_size, dtype)
+        down = quantize_stacked(lambda e: experts.down_proj[e].detach(), experts.num_experts, scheme, group_size, dtype)
         layer._modules["experts"] = QuantExperts(gate_up, down, experts.approximate)
 
 
@@ -125,3 +126,58 @@ def weight_bytes(net: nn.Module) -> dict[str, int]:
                 else "dense" if ".mlp." in name else "embeddings" if name.startswith("embed_tokens") else "other")  # fmt: skip
         out[kind] += size
     return out
+
+
+def quantize_stacked(
+    matrix, count: int, scheme: str, group_size: int | None, scale_dtype: torch.dtype = torch.float32
+) -> QTensor:
+    """Quantise `count` matrices (`matrix(i)`, e.g. one expert each) into one QTensor with a leading
+    dim, written into tensors allocated once: one full-precision matrix exists at a time, and no
+    list of parts is stacked (which would hold the quantised experts twice)."""
+    first = quantize(matrix(0), scheme, group_size, scale_dtype)
+    parts = {k: v.new_empty((count, *v.shape)) for k, v in first.parts.items() if k != "weight_shape"}
+    for i in range(count):
+        q = first if i == 0 else quantize(matrix(i), scheme, group_size, scale_dtype)
+        for k, dest in parts.items():
+            dest[i] = q.parts[k]
+    if "weight_shape" in first.parts:
+        parts["weight_shape"] = first.parts["weight_shape"]
+    return QTensor(scheme, (count, *first.shape), parts, first.group_size)
+
+
+@torch.no_grad()
+def random_quantized_model(config, scheme: str, group_size: int | None, dtype: torch.dtype, seed: int = 0, std: float = 0.02):
+    """A DiffusionGemma with random weights built directly quantised: each matrix (each expert) is
+    drawn, quantised and dropped before the next, so memory holds the quantised model plus one
+    matrix; the parts that stay unquantised are drawn in `dtype` (benchmarks of the real size)."""
+    from ..model.diffusion_gemma import DiffusionGemma
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    with torch.device("meta"):
+        net = DiffusionGemma(config)
+    for name, p in list(net.named_parameters()):
+        if name.startswith("layers.") and (".experts." in name or any(f".{t}." in name for t in LINEAR_TARGETS)):
+            continue  # drawn quantised below
+        value = (draw(*p.shape) if p.dim() >= 2 else torch.ones(p.shape)).to(dtype)
+        module_name, _, attr = name.rpartition(".")
+        net.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    for name, b in list(net.named_buffers()):
+        module_name, _, attr = name.rpartition(".")
+        net.get_submodule(module_name)._buffers[attr] = torch.ones(b.shape, dtype=dtype)
+    for layer in net.layers:
+        for path in LINEAR_TARGETS:
+            parent_name, _, child = path.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            linear = getattr(parent, child)
+            if linear is not None:
+                parent._modules[child] = QuantLinear(quantize(draw(*linear.weight.shape), scheme, group_size, dtype))
+        e, two_i, h = layer.experts.gate_up_proj.shape
+        gate_up = quantize_stacked(lambda _: draw(two_i, h), e, scheme, group_size, dtype)
+        down = quantize_stacked(lambda _: draw(h, two_i // 2), e, scheme, group_size, dtype)
+        layer._modules["experts"] = QuantExperts(gate_up, down, layer.experts.approximate)
+    net.quantization = (scheme, group_size)
+    return net.eval()
