@@ -337,7 +337,7 @@ def cmd_bench(args) -> int:
                     results.append(once(peer))
                     bar.update()
     rows = summarize(results)
-    print(memory_report(model))
+    memory = memory_report(model)
     header = (
         f"{args.model or args.size} | {device} {args.dtype} | batch {args.batch} | prompt {args.prompt_len} | "
         f"{args.new_tokens} new | {'adaptive' if args.adaptive else f'{args.steps} fixed'} steps | "
@@ -345,8 +345,9 @@ def cmd_bench(args) -> int:
         f"kernels: {native.describe(model.engine_net)}"
     )
     if args.json:
-        print(json.dumps({"setup": header, "rows": rows, "runs": [asdict(r) for r in results]}, indent=2))
+        print(json.dumps({"setup": header, "memory": memory, "rows": rows, "runs": [asdict(r) for r in results]}, indent=2))
     else:
+        print(memory)
         print_table(rows, header)
     return 0
 

@@ -88,9 +88,8 @@ def load_model(args):
 
     if args.model is None and not (dgemma.default_model_dir() / "config.json").exists():
         raise CliError("no --model given and the shipped model is missing; create one with `dgemma make-tiny DIR`")
-    return dgemma.load(
-        args.model, device=args.device, dtype=args.dtype, quantization=args.quantization, group_size=args.group_size
-    )
+    quantization, group_size = getattr(args, "quantization", None), getattr(args, "group_size", None)
+    return dgemma.load(args.model, device=args.device, dtype=args.dtype, quantization=quantization, group_size=group_size)
 
 
 def chat_messages(args, content) -> list[dict]:
