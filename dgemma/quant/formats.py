@@ -144,10 +144,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """The nearest e2m1 code (sign bit 8, magnitude index 0..7) of each value (float32), uint8."""
+    """The nearest e2m1 code (sign bit 8, magnitude index 0..7) of each value (float32), uint8; a
+    value half-way between two codes takes the smaller magnitude. (A search among the midpoints:
+    one pass, where comparing with all 8 values made writing the released model's experts slow.)"""
     grid = torch.tensor(E2M1_VALUES, device=x.device)
-    mag = x.abs().clamp(max=E2M1_MAX)
-    index = (mag[..., None] - grid).abs().argmin(dim=-1).to(torch.uint8)
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    index = torch.bucketize(x.abs().clamp(max=E2M1_MAX), midpoints).to(torch.uint8)
     return index | (torch.signbit(x).to(torch.uint8) << 3)
 
 
