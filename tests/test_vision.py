@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
 import dgemma
-from dgemma.media.inputs import ImagePatches, MediaError, ModelInputs
+from dgemma.media.inputs import ImagePatches, MediaError, ModelInputs, image_token_runs, splits_image
 from vision_checkpoint import TOKEN_IDS, write_vision_checkpoint
 
 BOI, EOI, IMAGE = TOKEN_IDS["boi_token_id"], TOKEN_IDS["eoi_token_id"], TOKEN_IDS["image_token_id"]
@@ -133,7 +133,8 @@ def test_prefix_cache_keys_hold_image_content(vision_ref):
     warm = model.generate([follow], max_new_tokens=16, seed=4)
     cached = stats.cached_tokens
     b = model.engine.options.block_size
-    assert cached == len(first.input_ids) // b * b - (b if _splits_image(first, len(first.input_ids) // b * b) else 0)
+    full = len(first.input_ids) // b * b
+    assert cached == full - (b if splits_image(full, image_token_runs(first.input_ids, IMAGE)) else 0)
     assert cached > IMAGES[0].num_soft_tokens
     assert stats.vision_encodes == 2 and stats.vision_cache_hits == 0  # the cached KV blocks hold both images
     model.configure_engine(prefix_cache=False)
@@ -147,16 +148,6 @@ def test_prefix_cache_keys_hold_image_content(vision_ref):
     model.generate([swapped], max_new_tokens=8, seed=3)
     first_image = first.input_ids.index(IMAGE)
     assert model.engine.stats.cached_tokens - before == first_image // b * b
-
-
-def _splits_image(inputs: ModelInputs, position: int) -> bool:
-    runs = [(i, i + im.num_soft_tokens) for i, im in zip(_run_starts(inputs), inputs.images)]
-    return any(a < position < e for a, e in runs)
-
-
-def _run_starts(inputs: ModelInputs) -> list[int]:
-    ids = inputs.input_ids
-    return [i for i, t in enumerate(ids) if t == IMAGE and (i == 0 or ids[i - 1] != IMAGE)]
 
 
 def test_vision_cache_runs_the_tower_once_per_image(vision_ref):

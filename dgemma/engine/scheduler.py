@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from ..media.inputs import image_safe_end
+from ..media.inputs import image_safe_end, splits_image
 from .block_manager import BlockManager, extend_hashes
 from .events import Block, Draft, Finished, cut_block
 from .options import EngineOptions
@@ -170,7 +170,7 @@ class Scheduler:
         while self.waiting and (limit is None or len(self.running) < limit):
             req = self.waiting[0]
             b = self.options.block_size
-            inside_images = {m for m in range(len(req.block_hashes) + 1) if image_safe_end(0, m * b, req.image_spans) != m * b}
+            inside_images = {m for m in range(len(req.block_hashes) + 1) if splits_image(m * b, req.image_spans)}
             cached = self.blocks.admit(
                 req.request_id, req.kv, req.block_hashes, req.max_sequence_length(self.config.canvas_length), inside_images
             )

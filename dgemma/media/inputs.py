@@ -82,6 +82,11 @@ def image_token_runs(ids: list[int], image_token_id: int) -> list[tuple[int, int
     return runs
 
 
+def splits_image(position: int, spans: list[tuple[int, int]]) -> bool:
+    """Whether a cut at `position` falls strictly inside an image's tokens."""
+    return any(a < position < b for a, b in spans)
+
+
 def image_safe_end(start: int, end: int, spans: list[tuple[int, int]]) -> int:
     """Where a pass (or a prefill chunk) from `start` that would end at `end` ends instead, so that
     it never splits an image: image tokens attend to each other, so one pass holds all of an

@@ -180,15 +180,16 @@ def _install_quantized(model: DiffusionGemma, name: str, stored, dtype: torch.dt
     if attr in ("gate_up_proj", "down_proj") and module_name.endswith(".experts"):
         parent_name, _, child = module_name.rpartition(".")
         gate_up, down = stored[f"{module_name}.gate_up_proj"], stored[f"{module_name}.down_proj"]
-        model.get_submodule(parent_name)._modules[child] = QuantExperts(_to(gate_up, device), _to(down, device), module.approximate)
+        model.get_submodule(parent_name)._modules[child] = QuantExperts(_on_device(gate_up, device), _on_device(down, device), module.approximate)
     elif isinstance(module, torch.nn.Linear) and attr == "weight" and name.startswith("layers."):
         parent_name, _, child = module_name.rpartition(".")
-        model.get_submodule(parent_name)._modules[child] = QuantLinear(_to(stored[name], device))
+        model.get_submodule(parent_name)._modules[child] = QuantLinear(_on_device(stored[name], device))
     else:  # e.g. quantised embeddings: dgemma computes with them in the model dtype
         _set_tensor(model, name, dequantize(stored[name], dtype).to(device))
 
 
-def _to(q, device):
+def _on_device(q, device):
+    """The QTensor with its parts on `device`."""
     q.parts = {k: v.to(device) for k, v in q.parts.items()}
     return q
 
