@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -37,9 +38,10 @@ class ImagePatches:
         """Patches that are not padding."""
         return int((self.position_ids[:, 0] >= 0).sum())
 
-    @property
+    @cached_property
     def key(self) -> bytes:
-        """Content hash of the image as the model sees it (the vision cache's and prefix cache's key)."""
+        """Content hash of the image as the model sees it (the vision cache's and prefix cache's key;
+        computed once: the scheduler asks for it at every committed block)."""
         n = self.num_patches
         h = hashlib.blake2b(digest_size=16)
         h.update(np.ascontiguousarray(self.pixel_values[:n], dtype=np.float32).tobytes())
