@@ -296,7 +296,7 @@ def cmd_bench(args) -> int:
     from tqdm import tqdm
 
     from .api import load, resolve_device, resolve_dtype
-    from .kernels import native
+    from .kernels import cpu as cpu_kernels
 
     torch.manual_seed(0)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
@@ -342,7 +342,7 @@ def cmd_bench(args) -> int:
         f"{args.model or args.size} | {device} {args.dtype} | batch {args.batch} | prompt {args.prompt_len} | "
         f"{args.new_tokens} new | {'adaptive' if args.adaptive else f'{args.steps} fixed'} steps | "
         f"canvas {model.config.canvas_length} | threads {torch.get_num_threads()} | "
-        f"kernels: {native.describe(model.engine_net)}"
+        f"kernels: {cpu_kernels.describe(model.engine_net)}"
     )
     if args.json:
         print(json.dumps({"setup": header, "memory": memory, "rows": rows, "runs": [asdict(r) for r in results]}, indent=2))

@@ -1,5 +1,10 @@
+import os
 import sys
 from pathlib import Path
+
+# Triton runs its kernels on the CPU when this is set before triton is first imported (by
+# tests/test_triton_quant.py, or by compressed-tensors, which imports triton itself).
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch

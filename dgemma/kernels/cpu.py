@@ -17,11 +17,12 @@ import copy
 import ctypes
 import itertools
 import logging
+import os
 
 import torch
 from torch import nn
 
-from . import native
+from . import native, widened
 from ..model.diffusion_gemma import DenseMLP, DiffusionGemma, Experts, RMSNorm, SelfConditioning, grouped_matmul
 
 log = logging.getLogger("dgemma")
@@ -202,12 +203,13 @@ def _has_hooks(module: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def _swap_in_fast_modules(module: nn.Module) -> None:
-    """Replace children in place; a replaced module's own children are not visited (nor packed twice)."""
+def _swap_in(module: nn.Module, replacement=_fast_module) -> None:
+    """Replace children in place by `replacement(child)` where it gives one; a replaced module's
+    own children are not visited (nor packed twice)."""
     for name, child in module._modules.items():
-        fast = None if _has_hooks(child) else _fast_module(child)
+        fast = None if _has_hooks(child) else replacement(child)
         if fast is None:
-            _swap_in_fast_modules(child)
+            _swap_in(child, replacement)
         else:
             module._modules[name] = fast
 
@@ -216,13 +218,69 @@ def _swap_in_fast_modules(module: nn.Module) -> None:
 def packed_modules(module: nn.Module) -> nn.Module:
     """A copy of a module tree with packed linears, MLPs, experts and norms (sharing the weights)."""
     fast = _tree_copy(module)
-    _swap_in_fast_modules(fast)
+    _swap_in(fast)
     return fast
 
 
+def native_bf16() -> bool:
+    """This CPU multiplies bf16 natively (AVX-512 BF16 or AMX). `DGEMMA_CPU_BF16=0` says it does
+    not, to run (and measure) the widened path on a machine that has it."""
+    if os.environ.get("DGEMMA_CPU_BF16", "1") == "0":
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & native._cpu_flags())
+
+
+def _widened_module(module: nn.Module) -> nn.Module | None:
+    """The widened path's replacement for a module of a bf16 model, or None to look inside it
+    (dense and self-conditioning MLPs get widened linears inside; quantised modules stay: they
+    dequantise to the activations' dtype, float32 here)."""
+    if isinstance(module, nn.Linear):
+        return widened.WidenedLinear(module.weight)
+    if isinstance(module, Experts):
+        return widened.WidenedExperts(module)
+    if isinstance(module, RMSNorm):
+        return LeanRMSNorm(module)
+    return None
+
+
+def widened_copy(net: DiffusionGemma) -> DiffusionGemma:
+    """A bf16 model run in float32 with its weights left in bf16 (kernels/widened.py): what a CPU
+    without native bf16 runs instead of torch's slow bf16 GEMMs or a float32 copy of the model."""
+    fast = _tree_copy(net)
+    _swap_in(fast, _widened_module)
+    fast.embed_tokens = widened.WidenedEmbedding(net.embed_tokens)
+    fast.lm_head_kernel = widened.WidenedLinear(net.embed_tokens.weight)
+    fast.soft_embed_kernel = widened.WidenedSoftEmbed(net.embed_tokens.weight)
+    fast.compute_dtype = torch.float32
+    return fast
+
+
+def describe(net: nn.Module) -> str:
+    """Which kernels an engine net runs on, for benchmark reports (a ratio means little without it)."""
+    if net.device.type != "cpu":
+        return f"torch ({net.device.type})"
+    from .dequant import extension as dequant_kernel
+
+    tiles = "native AVX2" if dequant_kernel() is not None else "torch"
+    quant = getattr(net, "quantization", None)
+    parts = [f"{quant[0]} weights dequantised per tile ({tiles})"] if quant else []
+    if getattr(net, "compute_dtype", None) == torch.float32 and any(isinstance(m, widened.WidenedLinear) for m in net.modules()):
+        parts.append(f"bf16 weights widened per tile to float32 ({tiles}; this CPU has no native bf16)")
+    amx = any(isinstance(m, (native.AMXExperts, native.AMXGatedMLP, native.AMXLinear)) for m in net.modules())
+    parts.append("AMX GEMMs" if amx else "oneDNN GEMMs")
+    stats = "native statistics + RMSNorm" if native.extension() is not None else "torch statistics + RMSNorm"
+    return " + ".join(parts) + ", " + stats
+
+
 def packed_copy(net: DiffusionGemma) -> DiffusionGemma:
-    """The model with packed linears, experts, LM head and self-conditioning matmul (CPU only)."""
-    if net.device.type != "cpu" or not supported(net.dtype):
+    """The engine's CPU copy of the model (CPU only; every tensor shared): packed linears, experts,
+    LM head and self-conditioning matmul; for a bf16 model on a CPU without native bf16, the
+    widened float32 path instead."""
+    if net.device.type != "cpu":
+        return net
+    if net.dtype == torch.bfloat16 and not native_bf16():
+        return widened_copy(net)
+    if not supported(net.dtype):
         return net
     fast = packed_modules(net)
     if getattr(net, "quantization", None):  # quantised to save memory: no packed copies of the embeddings
@@ -236,4 +294,4 @@ def packed_copy(net: DiffusionGemma) -> DiffusionGemma:
     return fast
 
 
-__all__ = ["keep_freed_memory", "packed_copy", "packed_modules", "supported", "PackedLinear", "PackedExperts", "grouped_matmul"]
+__all__ = ["describe", "keep_freed_memory", "native_bf16", "packed_copy", "packed_modules", "supported", "widened_copy", "PackedLinear", "PackedExperts", "grouped_matmul"]

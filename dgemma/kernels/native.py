@@ -41,7 +41,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _announce_build(name: str) -> None:
+def _announce_build(name: str, sources: list[Path] = SOURCES, what: str = "native CPU kernels (about a minute") -> None:
     """Say so before a build that will take a minute, so a `dgemma run` does not look hung: when
     no build is cached, when the cached one was made from sources elsewhere (another checkout)
     or when a source changed since (torch then rebuilds)."""
@@ -54,11 +54,11 @@ def _announce_build(name: str) -> None:
         stale = (
             not built
             or not ninja.exists()
-            or str(SOURCES[0]) not in ninja.read_text()
-            or max(src.stat().st_mtime for src in SOURCES) > built[-1].stat().st_mtime
+            or str(sources[0]) not in ninja.read_text()
+            or max(src.stat().st_mtime for src in sources) > built[-1].stat().st_mtime
         )
         if stale:
-            log.warning("building dgemma's native CPU kernels (about a minute; cached afterwards) in %s", directory)
+            log.warning("building dgemma's %s; cached afterwards) in %s", what, directory)
     except Exception:  # noqa: BLE001 - a private torch helper; the message is a courtesy
         pass
 
@@ -164,14 +164,3 @@ class AMXExperts(nn.Module):
         return self.kernel.moe_forward(
             x.contiguous(), top_k_index, top_k_weights.float(), self.gate_up, self.down, self.exact_gelu
         )
-
-
-def describe(net: nn.Module) -> str:
-    """Which kernels an engine net runs on, for benchmark reports (a ratio means little without it)."""
-    if net.device.type != "cpu":
-        return f"torch ({net.device.type})"
-    amx = any(isinstance(m, (AMXExperts, AMXGatedMLP, AMXLinear)) for m in net.modules())
-    fused = extension() is not None
-    quant = getattr(net, "quantization", None)
-    quantised = f"{quant[0]} weights dequantised per tile (torch) + " if quant else ""
-    return quantised + ("AMX GEMMs" if amx else "oneDNN GEMMs") + (", native statistics + RMSNorm" if fused else ", torch statistics + RMSNorm")

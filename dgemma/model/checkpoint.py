@@ -222,16 +222,27 @@ def save_checkpoint(
     if dtype is not None:
         cfg["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_side_files(path, model.config, generation, tokenizer, chat_template)
+    save_weights(model, path, dtype=dtype)
+    return path
+
+
+def save_side_files(
+    path: Path,
+    config: ModelConfig,
+    generation: GenerationConfig | None = None,
+    tokenizer: HFTokenizer | Tokenizer | None = None,
+    chat_template: str = DEFAULT_CHAT_TEMPLATE,
+) -> None:
+    """generation_config.json and the tokenizer files of a checkpoint directory (all but weights and config.json)."""
     generation = generation or GenerationConfig(eos_token_ids=(1, 6), pad_token_id=0)
     (path / "generation_config.json").write_text(json.dumps(generation_config_json(generation), indent=2) + "\n")
     if tokenizer is not None:
         raw = tokenizer._tok if isinstance(tokenizer, Tokenizer) else tokenizer
         raw.save(str(path / "tokenizer.json"))
         (path / "tokenizer_config.json").write_text(
-            json.dumps(tokenizer_config_json(chat_template, model.config.max_position_embeddings), indent=2) + "\n"
+            json.dumps(tokenizer_config_json(chat_template, config.max_position_embeddings), indent=2) + "\n"
         )
-    save_weights(model, path, dtype=dtype)
-    return path
 
 
 def make_tiny_random(path: str | Path, seed: int = 0) -> Path:

@@ -227,6 +227,8 @@ class DiffusionGemma(nn.Module):
         # Optional replacements for the two vocab-sized matmuls (see kernels/cpu.py); None: plain torch.
         self.lm_head_kernel = None
         self.soft_embed_kernel = None
+        # float32 where the engine's copy multiplies bf16 weights in float32 (kernels/widened.py)
+        self.compute_dtype: torch.dtype | None = None
         # One spec per layer kind, for RoPE tables. Frequencies are rebuilt per pass in float32
         # (cheap) rather than kept as buffers that a dtype cast would round.
         self.rope_specs = {spec.kind: spec for spec in config.layers}
@@ -242,7 +244,8 @@ class DiffusionGemma(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype: the weights' unless a kernel choice computes wider (`compute_dtype`)."""
+        return self.compute_dtype or self.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
@@ -261,7 +264,7 @@ class DiffusionGemma(nn.Module):
         w = self.embed_tokens.weight
         scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
         kernel = self.soft_embed_kernel
-        soft = kernel(probs.to(w.dtype)) if kernel is not None else torch.matmul(probs.to(w.dtype), w)
+        soft = kernel(probs.to(self.dtype)) if kernel is not None else torch.matmul(probs.to(w.dtype), w)
         if total is not None:
             soft = soft / total.to(soft.dtype)[..., None]
         return soft * scale

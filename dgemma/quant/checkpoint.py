@@ -25,6 +25,7 @@ ratio is a power of two, else within half an fp8 step (2^-4 relative) of each gr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -335,8 +336,25 @@ def check_output_dir(out: Path) -> None:
         raise QuantError(f"output directory {out} exists and is not empty")
 
 
-def write_quantized(
-    model_dir_in: str | Path,
+def write_quantized(model_dir_in: str | Path, out_dir: str | Path, scheme: str, group_size: int | None = None, **options) -> Path:
+    """Stream a full-precision checkpoint to `out_dir`, quantising attention, the dense MLP and the
+    experts (one expert projection at a time); embeddings, routers, norms, scalars, the
+    self-conditioning MLP and the vision tower stay as they are (cast to `dtype` if given).
+    `quantize_embeddings` ("int8" or "fp8") quantises the tied embedding table per row too;
+    `shard_bytes` bounds each output file (the options of `write_quantized_from`)."""
+    src = Path(model_dir_in)
+    if not (src / "config.json").is_file():
+        raise QuantError(f"no config.json in {src}: not a checkpoint directory")
+    config = json.loads((src / "config.json").read_text())
+    if "quantization_config" in config:
+        raise QuantError(f"{src} is already quantised (its config.json has a quantization_config)")
+    return write_quantized_from(TensorReader(src), config, out_dir, scheme, group_size,
+                                side_files=lambda out: copy_side_files(src, out), **options)  # fmt: skip
+
+
+def write_quantized_from(
+    reader: "TensorReader | RandomTensors",
+    config: dict,
     out_dir: str | Path,
     scheme: str,
     group_size: int | None = None,
@@ -344,22 +362,16 @@ def write_quantized(
     dtype: torch.dtype | None = None,
     quantize_embeddings: str | None = None,
     shard_bytes: int = SHARD_BYTES,
+    side_files=None,
 ) -> Path:
-    """Stream a full-precision checkpoint to `out_dir`, quantising attention, the dense MLP and the
-    experts (one expert projection at a time); embeddings, routers, norms, scalars, the
-    self-conditioning MLP and the vision tower stay as they are (cast to `dtype` if given).
-    `quantize_embeddings` ("int8" or "fp8") quantises the tied embedding table per row too."""
-    src, out = Path(model_dir_in), Path(out_dir)
+    """`write_quantized` from any source of full-precision tensors (a checkpoint's files, or random
+    ones drawn on demand): config.json (`config`, gaining its quantization_config) and the shards;
+    `side_files(out)` writes the rest (tokenizer, generation config)."""
+    out = Path(out_dir)
     group_size = check_group_size(scheme, group_size)
     if quantize_embeddings not in (None, "int8", "fp8"):
         raise QuantError(f"embeddings can be quantised to int8 or fp8, not {quantize_embeddings!r}")
-    if not (src / "config.json").is_file():
-        raise QuantError(f"no config.json in {src}: not a checkpoint directory")
-    config = json.loads((src / "config.json").read_text())
-    if "quantization_config" in config:
-        raise QuantError(f"{src} is already quantised (its config.json has a quantization_config)")
     check_output_dir(out)
-    reader = TensorReader(src)
     names = sorted(reader.files, key=natural_key)
     plan = _plan_linears(names)
     _check_input_sizes(reader, [n for n in names if n in plan or _is_experts(n)], scheme, group_size)
@@ -368,11 +380,12 @@ def write_quantized(
     shards = ShardWriter(out, shard_bytes)
     try:
         ignore = _write_tensors(reader, names, plan, shards, scheme, group_size, dtype, quantize_embeddings)
-        config["quantization_config"] = quantization_config(scheme, group_size, ignore + ["lm_head"], quantize_embeddings)
+        config = dict(config, quantization_config=quantization_config(scheme, group_size, ignore + ["lm_head"], quantize_embeddings))
         if dtype is not None:
             config["dtype"] = str(dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copy_side_files(src, out)
+        if side_files is not None:
+            side_files(out)
     except BaseException:  # leave no half-written checkpoint behind (the directory was new or empty)
         _remove_output(out, created)
         raise
@@ -380,6 +393,43 @@ def write_quantized(
         reader.close()
     log.info("wrote %d shard(s), %.1f MB, to %s", len(shards.shards), shards.total / 1e6, out)
     return out
+
+
+class RandomTensors:
+    """A full-precision checkpoint that is not on disk: each tensor (each expert) is drawn when it
+    is read, normal(0, std) for matrices and ones for vectors, the same for the same name and
+    seed. `dgemma quantize --size real` streams the released model's size through the quantiser
+    with it, without its ~52 GB of weights. The interface is TensorReader's."""
+
+    def __init__(self, config, dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02):
+        from ..model.diffusion_gemma import DiffusionGemma
+        from ..model.weights import checkpoint_name
+
+        with torch.device("meta"):
+            net = DiffusionGemma(config)
+        tensors = list(net.named_parameters()) + list(net.named_buffers())
+        self.shapes = {checkpoint_name(name): tuple(t.shape) for name, t in tensors}
+        self.files = dict.fromkeys(self.shapes)  # the names, as TensorReader.files has them
+        self.dtype, self.seed, self.std = dtype, seed, std
+
+    def _draw(self, name: str, shape: tuple[int, ...], index: int | None = None) -> torch.Tensor:
+        if len(self.shapes[name]) < 2:
+            return torch.ones(shape, dtype=self.dtype)
+        key = f"{self.seed}:{name}:{index}".encode()
+        gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+        return (torch.randn(shape, generator=gen) * self.std).to(self.dtype)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._draw(name, self.shapes[name])
+
+    def get_index(self, name: str, index: int) -> torch.Tensor:
+        return self._draw(name, self.shapes[name][1:], index)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def close(self) -> None:
+        pass
 
 
 def _is_experts(name: str) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..model.presets import PRESETS
+
 from .formats import DEFAULT_GROUP_SIZE, SCHEMES, QuantError
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -24,19 +26,44 @@ def cmd_quantize(args) -> int:
         shard_bytes = parse_size(args.shard_size)
     except argparse.ArgumentTypeError as e:
         raise QuantError(f"--shard-size: {e}") from None
-    if not Path(args.model).is_dir():
+    if (args.model is None) == (args.size is None):
+        raise QuantError("give --model DIR (a checkpoint) or --size NAME (random weights of a named size), not both")
+    if args.model is not None and not Path(args.model).is_dir():
         raise QuantError(f"--model {args.model}: no such directory")
     check_output_dir(Path(args.out))
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    out = write_quantized(args.model, args.out, args.scheme, args.group_size, dtype=dtype,
-                          quantize_embeddings=args.quantize_embeddings, shard_bytes=shard_bytes)  # fmt: skip
+    options = dict(dtype=dtype, quantize_embeddings=args.quantize_embeddings, shard_bytes=shard_bytes)
+    if args.model is not None:
+        out = write_quantized(args.model, args.out, args.scheme, args.group_size, **options)
+    else:
+        out = write_random_quantized(args.size, args.out, args.scheme, args.group_size, **options)
     print(f"wrote a {args.scheme} checkpoint (compressed-tensors) to {out}")
     return 0
 
 
+def write_random_quantized(size: str, out: str, scheme: str, group_size: int | None, dtype=None, **options) -> Path:
+    """Random weights of a named size (bf16 unless `dtype`), drawn tensor by tensor and quantised
+    as they stream to disk: the released model's size is written without its weights."""
+    import torch
+
+    from ..model.checkpoint import byte_tokenizer, config_json, make_config, save_side_files
+    from ..model.presets import PRESETS
+    from .checkpoint import RandomTensors, write_quantized_from
+
+    config = make_config(**PRESETS[size])
+    dtype = dtype or torch.bfloat16
+    config_dict = dict(config_json(config), dtype=str(dtype).removeprefix("torch."))
+
+    return write_quantized_from(RandomTensors(config, dtype), config_dict, out, scheme, group_size, dtype=dtype,
+                                side_files=lambda d: save_side_files(d, config, tokenizer=byte_tokenizer()), **options)  # fmt: skip
+
+
 def add_cli(sub) -> None:
     p = sub.add_parser("quantize", help="write a quantised checkpoint (compressed-tensors format; docs/quantization.md)")
-    p.add_argument("--model", "-m", required=True, help="full-precision checkpoint directory")
+    p.add_argument("--model", "-m", default=None, help="full-precision checkpoint directory")
+    p.add_argument("--size", choices=sorted(PRESETS), default=None,
+                   help="instead of --model: random weights of a named size (bf16), drawn as they are written "
+                   "(`--size real` writes the released model's size without its weights; docs/quantization.md)")  # fmt: skip
     p.add_argument("--scheme", required=True, help=f"one of {', '.join(SCHEMES)}")
     p.add_argument("--out", "-o", required=True, help="output directory (new or empty)")
     p.add_argument("--group-size", type=int, default=None, help=f"inputs per int4 scale (default: {DEFAULT_GROUP_SIZE})")

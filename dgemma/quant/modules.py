@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .formats import QTensor, dequantize, quantize
-
-TILE_ELEMENTS = 1 << 21  # weights dequantised at once by a linear (8 MB in float32)
+from ..kernels.dequant import dequantize_into
+from ..kernels.widened import buffered_rows, sorted_experts, tiled_linear
+from .formats import QTensor, quantize
 
 
 class QuantWeight(nn.Module):
@@ -41,24 +41,38 @@ class QuantWeight(nn.Module):
         return f"{self.scheme}, shape={self.shape}, group_size={self.group_size}"
 
 
+def dequantized_rows(q: QTensor, dtype: torch.dtype):
+    """`weight_tile` for a quantised 2D weight: rows dequantised into one buffer (natively where
+    the kernel runs: kernels/dequant.py)."""
+    return buffered_rows(q.shape, dtype, lambda start, end, into: dequantize_into(q.rows(start, end), into))
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    """The GPU kernels (kernels/triton_quant.py) run for x: CUDA with triton installed."""
+    if x.device.type != "cuda":
+        return False
+    from ..kernels import triton_quant
+
+    return triton_quant.available(x.device)
+
+
 class QuantLinear(QuantWeight):
-    """x @ W.T for a quantised W [out, in], a tile of output channels at a time."""
+    """x @ W.T for a quantised W [out, in]: on a GPU the Triton / FP8 kernels, which dequantise
+    inside the GEMM; elsewhere a tile of output channels at a time (kernels/widened.tiled_linear)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, (out_features, in_features) = self.qtensor, self.shape
-        rows = max(1, min(out_features, TILE_ELEMENTS // in_features))
-        if rows >= out_features:
-            return F.linear(x, dequantize(q, x.dtype))
-        out = x.new_empty(*x.shape[:-1], out_features)
-        for start in range(0, out_features, rows):
-            end = min(out_features, start + rows)
-            out[..., start:end] = F.linear(x, dequantize(q.rows(start, end), x.dtype))
-        return out
+        q = self.qtensor
+        if _on_gpu(x):
+            from ..kernels.triton_quant import quant_linear
+
+            return quant_linear(x, q)
+        return tiled_linear(x, self.shape[0], dequantized_rows(q, x.dtype))
 
 
 class QuantExperts(nn.Module):
     """The MoE experts with quantised gate_up [E, 2I, H] and down [E, H, I]: tokens sorted by
-    expert, each expert's weights dequantised once for all of its tokens."""
+    expert; on a GPU one grouped kernel launch per projection, elsewhere each expert's weights
+    dequantised tile by tile for all of its tokens."""
 
     def __init__(self, gate_up: QTensor, down: QTensor, approximate: str):
         super().__init__()
@@ -68,24 +82,24 @@ class QuantExperts(nn.Module):
         self.down_proj = QuantWeight(down)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.gate_up_proj.qtensor, self.down_proj.qtensor
+        if _on_gpu(x):
+            return self._grouped(x, top_k_index, top_k_weights, gate_up, down)
+        return sorted_experts(x, top_k_index, top_k_weights, self.num_experts, self.approximate,
+                              lambda e: (gate_up.shape[1], dequantized_rows(gate_up.select(e), x.dtype)),
+                              lambda e: (down.shape[1], dequantized_rows(down.select(e), x.dtype)))  # fmt: skip
+
+    def _grouped(self, x, top_k_index, top_k_weights, gate_up: QTensor, down: QTensor) -> torch.Tensor:
+        from ..kernels.triton_quant import quant_grouped_linear
+
         num_tokens, top_k = top_k_index.shape
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-        routed = x[perm // top_k]
-        weights = top_k_weights.reshape(-1)[perm]
-        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
-        gate_up, down = self.gate_up_proj.qtensor, self.down_proj.qtensor
-        out = torch.empty(routed.shape[0], self.down_proj.shape[1], dtype=x.dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = routed[start : start + n]
-                gate, up = F.linear(rows, dequantize(gate_up.select(e), x.dtype)).chunk(2, dim=-1)
-                out[start : start + n] = F.linear(F.gelu(gate, approximate=self.approximate) * up, dequantize(down.select(e), x.dtype))
-            start += n
-        out = out * weights.unsqueeze(-1).to(out.dtype)
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-        return out[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+        token = perm // top_k
+        offsets = torch.cumsum(torch.bincount(expert_ids, minlength=self.num_experts), 0).to(torch.int32)
+        gate, up = quant_grouped_linear(x.index_select(0, token), gate_up, offsets).chunk(2, dim=-1)
+        out = quant_grouped_linear(F.gelu(gate, approximate=self.approximate) * up, down, offsets)
+        out = out * top_k_weights.reshape(-1)[perm].to(out.dtype)[:, None]
+        return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
 
 
 LINEAR_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -1,0 +1,132 @@
+"""Native dequantisation of weight tiles (`csrc/dequant.cpp`): quantised or bf16 rows into float32
+or bfloat16, so that a CPU matmul on a quantised / bf16 weight spends little time outside the GEMM.
+
+A separate extension from `native.py`'s (`dgemma_dequant`), built with AVX2 + FMA + F16C only,
+so it runs on AVX2-only CPUs (AMD Zen 2/3) as well as on AVX-512 ones. Where the CPU lacks one of
+those, no compiler is found, the build fails or `DGEMMA_NATIVE=0`, `extension()` is None (reason
+logged once) and `dequantize_into` / `widen_into` use torch (`formats.dequantize`, `copy_`), with
+the same values: the kernel equals `formats.dequantize` bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ..quant import formats
+from ..quant.formats import QTensor
+from .native import _announce_build, _cpu_flags, log
+
+NAME = "dgemma_dequant"
+SOURCES = [Path(__file__).with_name("csrc") / "dequant.cpp"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+CPU_FLAGS = {"avx2", "fma", "f16c"}
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The built kernels, or None where they cannot run here (reason logged once)."""
+    if os.environ.get("DGEMMA_NATIVE", "1") == "0":
+        return None
+    missing = CPU_FLAGS - _cpu_flags()
+    if missing:
+        log.info("native dequantisation off: this CPU lacks %s", ", ".join(sorted(missing)))
+        return None
+    _announce_build(NAME, SOURCES, "native dequantisation kernels (under a minute")
+    try:
+        from torch.utils.cpp_extension import load
+
+        # -fopenmp: at::parallel_for is inlined here and runs on torch's (same libgomp) threads
+        return load(NAME, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+    except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
+        lines = str(e).strip().splitlines() or ["?"]
+        first_error = next((line for line in lines if "error" in line), lines[-1])
+        log.warning("native dequantisation off: the build failed (%s)", first_error.strip())
+        return None
+
+
+def _native_target(out: torch.Tensor) -> bool:
+    return out.device.type == "cpu" and out.dtype in OUT_DTYPES
+
+
+def _dequantize_2d(kernel: ModuleType, q: QTensor, out: torch.Tensor) -> None:
+    """One 2D weight into a contiguous `out` (kept lean: a small tile's call is a few us)."""
+    p, scheme = q.parts, q.scheme
+    if scheme == "int4":
+        scale = p["weight_scale"]
+        # the group as the reference reads it: the inputs per scale column
+        groups, k = scale.shape[-1], out.shape[-1]
+        group = k // groups if groups and k % groups == 0 else (q.group_size or 0)
+        kernel.dequant_int4(p["weight_packed"].contiguous(), scale.contiguous(), group, out)
+    elif scheme == "nvfp4":
+        global_scale = p["weight_global_scale"]
+        if global_scale.numel() != 1:
+            raise RuntimeError(f"dequantize_into: a 2D nvfp4 weight has one global scale, got {tuple(global_scale.shape)}")
+        scale = p["weight_scale"].contiguous().view(torch.uint8)
+        kernel.dequant_nvfp4(p["weight_packed"].contiguous(), scale, global_scale.item(), out)
+    elif scheme == "fp8":
+        kernel.dequant_fp8(p["weight"].contiguous().view(torch.uint8), p["weight_scale"].contiguous(), out)
+    elif scheme == "int8":
+        kernel.dequant_int8(p["weight"].contiguous(), p["weight_scale"].contiguous(), out)
+    else:
+        raise formats.QuantError(f"unknown quantization scheme {scheme!r}")
+
+
+_MAIN_PART = {"fp8": "weight", "int8": "weight", "int4": "weight_packed", "nvfp4": "weight_packed"}
+_SCALE_DTYPES = {
+    "fp8": (torch.float32, torch.bfloat16, torch.float16),
+    "int8": (torch.float32, torch.bfloat16, torch.float16),
+    "int4": (torch.float32, torch.bfloat16, torch.float16),
+    "nvfp4": (torch.float8_e4m3fn, torch.uint8),
+}
+
+
+def _native_parts(q: QTensor) -> bool:
+    """Parts the kernel takes: on the CPU, scales in a dtype it reads (others: torch's path)."""
+    main, scale = q.parts.get(_MAIN_PART.get(q.scheme, "")), q.parts.get("weight_scale")
+    return main is not None and scale is not None and main.device.type == "cpu" and scale.dtype in _SCALE_DTYPES[q.scheme]
+
+
+def dequantize_into(q: QTensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the weight `q` stands for ([N, K], any scheme) into `out` (float32 or bfloat16; its
+    dtype chooses) and return `out`: `formats.dequantize(q, out.dtype)`, natively where it can.
+    A QTensor with leading dims ([E, N, K]) is done one 2D weight at a time."""
+    if out.shape != q.shape:
+        raise RuntimeError(f"dequantize_into: out has shape {tuple(out.shape)}, the weight {tuple(q.shape)}")
+    kernel = extension()
+    if kernel is None or not _native_target(out) or out.dim() < 2 or not _native_parts(q):
+        return out.copy_(formats.dequantize(q, out.dtype))
+    if out.dim() > 2:
+        for i in range(q.shape[0]):
+            dequantize_into(q.select(i), out[i])
+        return out
+    if out.is_contiguous():
+        _dequantize_2d(kernel, q, out)
+    else:
+        target = torch.empty(out.shape, dtype=out.dtype)
+        _dequantize_2d(kernel, q, target)
+        out.copy_(target)
+    return out
+
+
+def widen_into(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Copy a bf16 weight into `out` (float32: widened exactly, or bfloat16) and return `out`."""
+    kernel = extension()
+    if (
+        kernel is None
+        or w.dtype != torch.bfloat16
+        or not _native_target(out)
+        or w.device.type != "cpu"
+        or w.shape != out.shape
+        or w.dim() == 0
+        or not out.is_contiguous()
+    ):
+        return out.copy_(w)
+    k = w.shape[-1]
+    kernel.widen_bf16(w.contiguous().view(-1, k), out.view(-1, k))
+    return out

@@ -1,0 +1,158 @@
+"""CPU without native bf16: bf16 weights kept in bf16, multiplied in float32 a tile at a time.
+
+On a CPU without AVX-512 BF16 or AMX (AMD Zen 2/3, most laptops) torch's bf16 GEMM falls back to
+a slow path: a bf16 checkpoint ran ~27x slower than the same weights in float32 on such a
+machine. Casting the model to float32 doubles its memory. Instead the engine runs the network in
+float32 (activations, KV cache, norms, attention) and leaves every weight in bf16: a matmul
+widens a tile of weight rows (~1 MB in float32, so it stays in cache) and multiplies it with
+the float32 GEMM, so no full-precision copy of a weight outlives its tile. Results are the
+float32 computation on the bf16 weights (closer to a float64 oracle than bf16 compute).
+
+`tiled_linear` is the one tiling loop: quantised weights (`quant/modules.py`) use it too, with
+a tile dequantised instead of widened.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model.diffusion_gemma import Experts
+from .dequant import widen_into
+
+TILE_ELEMENTS = 1 << 18  # weight elements widened at once: 1 MB in float32 (L2-sized on current CPUs)
+
+
+def tile_rows(in_features: int, tile_elements: int = TILE_ELEMENTS) -> int:
+    """Output channels per tile: a multiple of 8 (whole SIMD rows), at least 8."""
+    return max(8, tile_elements // max(1, in_features) // 8 * 8)
+
+
+def tiled_linear(
+    x: torch.Tensor, out_features: int, weight_tile: Callable[[int, int], torch.Tensor], tile_elements: int = TILE_ELEMENTS
+) -> torch.Tensor:
+    """x [..., in] @ W.T -> [..., out], W read a tile of rows at a time: `weight_tile(start, end)`
+    returns rows [start, end) of W in x's dtype (widened or dequantised; it may reuse a buffer).
+
+    Each tile's product goes to rows of the transposed output ([out, tokens], contiguous), which
+    measured faster here than writing column slices of [tokens, out]; one transpose at the end."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = tile_rows(x.shape[-1], tile_elements)
+    if rows >= out_features:
+        return F.linear(x, weight_tile(0, out_features))
+    out_t = flat.new_empty(out_features, flat.shape[0])
+    flat_t = flat.t()
+    for start in range(0, out_features, rows):
+        end = min(out_features, start + rows)
+        torch.mm(weight_tile(start, end), flat_t, out=out_t[start:end])
+    return out_t.t().reshape(*x.shape[:-1], out_features)
+
+
+def buffered_rows(shape: tuple[int, ...], dtype: torch.dtype, fill: Callable[[int, int, torch.Tensor], torch.Tensor]):
+    """`weight_tile` for a weight [out, in] whose rows `fill(start, end, into)` writes (widened or
+    dequantised): every tile goes into one buffer, made at the first tile's size."""
+    buffer: list[torch.Tensor] = []
+
+    def tile(start: int, end: int) -> torch.Tensor:
+        if not buffer:
+            buffer.append(torch.empty(min(shape[0], end - start), shape[1], dtype=dtype))
+        return fill(start, end, buffer[0][: end - start])
+
+    return tile
+
+
+def widened_rows(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> Callable[[int, int], torch.Tensor]:
+    """`weight_tile` for a bf16 weight [out, in]: rows widened (natively where the kernel runs)."""
+    return buffered_rows(weight.shape, dtype, lambda start, end, into: widen_into(weight[start:end], into))
+
+
+def sorted_experts(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    approximate: str,
+    gate_up: Callable[[int], tuple[int, Callable]],
+    down: Callable[[int], tuple[int, Callable]],
+) -> torch.Tensor:
+    """The MoE experts on tokens sorted by expert, each expert's weights read tile by tile for all
+    of its tokens: `gate_up(e)` / `down(e)` give (output features, weight_tile) of expert e.
+    Computed in x's dtype; one gather, one gelu * up and one scatter-add around the GEMMs."""
+    num_tokens, top_k = top_k_index.shape
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    token = perm // top_k
+    routed = x.index_select(0, token)
+    counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
+    spans = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, itertools.accumulate(counts))) if n]
+    projected = torch.cat([tiled_linear(routed[a:b], *gate_up(e)) for e, a, b in spans])
+    gate, up = projected.chunk(2, dim=-1)
+    act = F.gelu(gate, approximate=approximate).mul_(up)
+    out = torch.cat([tiled_linear(act[a:b], *down(e)) for e, a, b in spans])
+    out.mul_(top_k_weights.reshape(-1)[perm].to(out.dtype)[:, None])
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class WidenedLinear(nn.Module):
+    """x @ W.T with W [out, in] kept in bf16 and x, the result, in float32."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight.detach()  # shared with the model (a plain attribute, not a parameter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_linear(x.float(), self.weight.shape[0], widened_rows(self.weight))
+
+
+class WidenedSoftEmbed(nn.Module):
+    """probs [.., vocab] @ E [vocab, hidden] with E (the embedding table) kept in bf16: a tile of
+    vocabulary rows at a time, summed into the float32 result."""
+
+    def __init__(self, embedding: torch.Tensor):
+        super().__init__()
+        self.embedding = embedding.detach()
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        flat = probs.reshape(-1, probs.shape[-1]).float()
+        vocab, hidden = self.embedding.shape
+        rows = tile_rows(hidden)
+        tile = widened_rows(self.embedding)
+        out = flat.new_zeros(flat.shape[0], hidden)
+        for start in range(0, vocab, rows):
+            end = min(vocab, start + rows)
+            out.addmm_(flat[:, start:end], tile(start, end))
+        return out.reshape(*probs.shape[:-1], hidden)
+
+
+class WidenedEmbedding(nn.Module):
+    """The token embedding lookup, rows widened to float32 (the table stays bf16)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.weight = embedding.weight  # shared; the model reads its dtype, shape and rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight).float()
+
+
+class WidenedExperts(nn.Module):
+    """`Experts` with bf16 gate_up [E, 2I, H] and down [E, H, I]: tokens sorted by expert, each
+    expert's weights widened tile by tile for all of its tokens, float32 compute."""
+
+    def __init__(self, experts: Experts):
+        super().__init__()
+        self.num_experts, self.approximate = experts.num_experts, experts.approximate
+        self.gate_up, self.down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        two_i, hidden = self.gate_up.shape[1], self.down.shape[1]
+        return sorted_experts(x.float(), top_k_index, top_k_weights, self.num_experts, self.approximate,
+                              lambda e: (two_i, widened_rows(self.gate_up[e])),
+                              lambda e: (hidden, widened_rows(self.down[e])))  # fmt: skip
+
+
+__all__ = ["TILE_ELEMENTS", "buffered_rows", "sorted_experts", "tile_rows", "tiled_linear", "widened_rows", "WidenedLinear", "WidenedSoftEmbed",
+           "WidenedEmbedding", "WidenedExperts"]  # fmt: skip
