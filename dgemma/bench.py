@@ -244,13 +244,44 @@ def memory_report(model) -> str:
 
     from .quant.modules import weight_bytes
 
-    parts = weight_bytes(model.engine_net)
+    parts = weight_bytes(model.net)
+    parts["packed copies"] = engine_copies_bytes(model.net, model.engine_net)
     kv = sum(t.numel() * t.element_size() for t in model.engine.runner.cache.keys + model.engine.runner.cache.values)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     by_part = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+    now = resident_bytes()
+    # the peak includes building --size's random weights (in float32) where there was no --model
     return (f"weights: {gib(sum(parts.values()))} ({by_part}); KV pool reserved {gib(kv)} (untouched pages are not resident); "
-            f"peak RSS {gib(peak)}")
+            f"peak RSS {gib(peak)}" + (f"; RSS after the runs {gib(now)}" if now is not None else ""))
+
+
+def engine_copies_bytes(net, engine_net) -> int:
+    """Bytes of the tensors the engine's copy of the network holds beside the model's own weights
+    (oneDNN-packed or AMX-repacked weights; 0 where it only shares them: quantised, widened)."""
+    def key(t: torch.Tensor) -> int:
+        try:
+            return t.data_ptr()
+        except RuntimeError:  # oneDNN's opaque packed tensors have no plain storage
+            return id(t)
+
+    seen = {key(t) for t in list(net.parameters()) + list(net.buffers())}
+    total = 0
+    for module in engine_net.modules():
+        for value in vars(module).values():
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor) and key(t) not in seen:
+                    seen.add(key(t))
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def resident_bytes() -> int | None:
+    """The process's resident memory now (Linux), or None where /proc does not say."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def summarize(results: list[RunResult]) -> list[dict]:

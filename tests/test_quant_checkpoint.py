@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import dgemma
 from dgemma.cli import main
 from dgemma.config import ConfigError
 from dgemma.model.checkpoint import make_tiny_random
@@ -20,6 +21,7 @@ from dgemma.quant.checkpoint import (
     quantization_config, read_quantized, split_rows, to_qtensor,
 )  # fmt: skip
 from dgemma.quant.formats import SCHEMES, QuantError, dequantize, quantize
+from dgemma.quant.modules import QuantExperts
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor, ModelCompressor  # noqa: E402
@@ -465,3 +467,19 @@ def test_quantize_cli_errors_are_one_line_and_exit_2(capsys, tiny, written, tmp_
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
     assert not out.exists()  # nothing half-written left behind
+
+
+def test_quantize_random_weights_of_a_named_size(tmp_path):
+    """`dgemma quantize --size NAME` streams random weights of that size through the same writer
+    (how the released size is written without its weights): the file loads, holds the scheme's
+    parts and generates; --model and --size together are refused."""
+    out = tmp_path / "micro-int4"
+    assert main(["quantize", "--size", "micro", "--scheme", "int4", "--group-size", "32", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "pack-quantized" and config["dtype"] == "bfloat16"
+    model = dgemma.load(out, dtype="bfloat16")
+    assert model.net.quantization == ("int4", 32)
+    assert isinstance(model.net.layers[0].experts, QuantExperts)
+    assert model.net.layers[0].experts.gate_up_proj.weight_scale.dtype == torch.bfloat16
+    assert len(model.generate([[2, 5, 6]], max_new_tokens=8, seed=0).sequences[0]) == 8
+    assert main(["quantize", "--size", "micro", "--model", str(out), "--scheme", "int4", "--out", str(tmp_path / "x")]) == 2

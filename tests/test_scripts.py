@@ -43,6 +43,9 @@ def test_dgemma_bench_reports_every_peer_with_ratios(capsys):
         assert r["x_vs_transformers"] == pytest.approx(r["output_tok_s"] / rows["transformers"]["output_tok_s"])
     assert all(r["output_tok_s"] > 0 and r["ms_per_step"] > 0 for r in rows.values())
     assert "kernels: " in report["setup"] and "GEMMs" in report["setup"]  # which kernels the figures are for
+    # weights by part, the engine's packed copies of them (float32 on oneDNN: one per weight), RSS
+    packed = float(report["memory"].split("packed copies ")[1].split(" GiB")[0])
+    assert packed > 0 and "RSS after the runs" in report["memory"]
 
 
 def test_dgemma_bench_refuses_a_size_that_does_not_fit(monkeypatch, capsys):

@@ -238,3 +238,25 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     if done.returncode == 3:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("scheme", ["int4", "nvfp4", "int8"])
+@torch.no_grad()
+def test_quantised_experts_gpu_path_equals_their_cpu_path(scheme, monkeypatch):
+    """QuantExperts' grouped-kernel path (what a GPU runs) and QuantLinear's dispatch to the
+    kernels give what their CPU tile-by-tile path gives, on routed tokens with an idle expert."""
+    from dgemma.quant import modules
+
+    e, hidden, inter = 4, 32, 16
+    gate_up = quantize_stacked(lambda i: weight(2 * inter, hidden, seed=i), e, scheme, 16)
+    down = quantize_stacked(lambda i: weight(hidden, inter, seed=10 + i), e, scheme, 16)
+    experts = modules.QuantExperts(gate_up, down, "tanh")
+    x = acts(9, hidden)
+    index = torch.tensor([[0, 1], [1, 3], [3, 0]] * 3)  # expert 2 gets no token
+    weights = torch.rand(9, 2, generator=torch.Generator().manual_seed(4))
+    want = experts(x, index, weights)  # CPU: tile by tile
+    close(experts._grouped(x, index, weights, gate_up, down), want)
+    linear = modules.QuantLinear(quantize(weight(20, hidden), scheme, 16))
+    want = linear(x)
+    monkeypatch.setattr(modules, "_on_gpu", lambda x: True)  # as on CUDA with triton
+    close(linear(x), want)

@@ -16,7 +16,7 @@ def test_tiled_linear_equals_a_float32_matmul_on_the_widened_weight(tokens, k, n
     g = torch.Generator().manual_seed(tokens)
     x, w = torch.randn(2, tokens, k, generator=g), torch.randn(n, k, generator=g).bfloat16()
     got = widened.tiled_linear(x, n, widened.widened_rows(w), tile_elements=tile)
-    assert got.shape == (2, tokens, n) and got.dtype == torch.float32
+    assert got.shape == (2, tokens, n) and got.dtype == torch.float32 and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
 
 
@@ -56,6 +56,7 @@ def test_bf16_engine_without_native_bf16_computes_float32_on_bf16_weights(tmp_pa
     from oracle import build_reference
 
     monkeypatch.setenv("DGEMMA_CPU_BF16", "0")
+    monkeypatch.setattr(widened, "TILE_ELEMENTS", 16 * 64)  # several tiles per weight, LM head included
     build_reference(tmp_path, "gqa")
     truth, half = dgemma.load(tmp_path), dgemma.load(tmp_path, dtype="bfloat16")
     for p in list(truth.net.parameters()) + list(truth.net.buffers()):
@@ -86,6 +87,7 @@ def test_quantised_bf16_model_without_native_bf16_generates_in_float32(tmp_path,
     from oracle import build_reference
 
     monkeypatch.setenv("DGEMMA_CPU_BF16", "0")
+    monkeypatch.setattr(widened, "TILE_ELEMENTS", 16 * 64)
     build_reference(tmp_path, "gqa")
     model = dgemma.load(tmp_path, dtype="bfloat16", quantization="int4", group_size=16)
     assert model.engine_net.dtype == torch.float32

@@ -27,29 +27,31 @@ from .dequant import widen_into
 TILE_ELEMENTS = 1 << 18  # weight elements widened at once: 1 MB in float32 (L2-sized on current CPUs)
 
 
-def tile_rows(in_features: int, tile_elements: int = TILE_ELEMENTS) -> int:
-    """Output channels per tile: a multiple of 8 (whole SIMD rows), at least 8."""
-    return max(8, tile_elements // max(1, in_features) // 8 * 8)
+def tile_rows(in_features: int, tile_elements: int | None = None) -> int:
+    """Output channels per tile (TILE_ELEMENTS weights unless given): a multiple of 8 (whole SIMD
+    rows), at least 8."""
+    return max(8, (tile_elements or TILE_ELEMENTS) // max(1, in_features) // 8 * 8)
 
 
 def tiled_linear(
-    x: torch.Tensor, out_features: int, weight_tile: Callable[[int, int], torch.Tensor], tile_elements: int = TILE_ELEMENTS
+    x: torch.Tensor, out_features: int, weight_tile: Callable[[int, int], torch.Tensor], tile_elements: int | None = None
 ) -> torch.Tensor:
     """x [..., in] @ W.T -> [..., out], W read a tile of rows at a time: `weight_tile(start, end)`
     returns rows [start, end) of W in x's dtype (widened or dequantised; it may reuse a buffer).
 
     Each tile's product goes to rows of the transposed output ([out, tokens], contiguous), which
-    measured faster here than writing column slices of [tokens, out]; one transpose at the end."""
+    measured faster here than writing column slices of [tokens, out]; one transposing copy at the
+    end (the result is contiguous, as F.linear's: the native statistics kernel needs it)."""
     flat = x.reshape(-1, x.shape[-1])
     rows = tile_rows(x.shape[-1], tile_elements)
     if rows >= out_features:
         return F.linear(x, weight_tile(0, out_features))
     out_t = flat.new_empty(out_features, flat.shape[0])
-    flat_t = flat.t()
+    flat_t = flat.t().contiguous()  # (a contiguous [in, tokens] operand: ~15% faster GEMMs here)
     for start in range(0, out_features, rows):
         end = min(out_features, start + rows)
         torch.mm(weight_tile(start, end), flat_t, out=out_t[start:end])
-    return out_t.t().reshape(*x.shape[:-1], out_features)
+    return out_t.t().contiguous().view(*x.shape[:-1], out_features)
 
 
 def buffered_rows(shape: tuple[int, ...], dtype: torch.dtype, fill: Callable[[int, int, torch.Tensor], torch.Tensor]):
