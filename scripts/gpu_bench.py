@@ -13,6 +13,9 @@ dgemma sources on PYTHONPATH (the script adds the repo root). It prints:
    at batch 1, 4, 8 after a 4096-token prompt, eager and (where it works) CUDA-graph captured;
 3. decode tokens/s at 16 fixed denoising steps (batch 1), through the engine.
 
+`--quantization int4|nvfp4|fp8|int8` builds the weights directly quantised on the GPU (the
+Triton / FP8 kernels of dgemma/kernels/triton_quant.py then run every quantised matmul).
+
 `--device cpu --size tiny --prompt-len 64 --quick` runs the same code on the CPU in seconds (no
 CUDA graphs): a test does, so the script cannot rot between the rare sessions with a GPU.
 """
@@ -76,7 +79,7 @@ def build(size: str, device: str, dtype=torch.bfloat16) -> DiffusionGemma:
 
 
 def weight_bytes(net: DiffusionGemma) -> int:
-    return sum(p.numel() * p.element_size() for p in net.parameters())
+    return sum(t.numel() * t.element_size() for t in list(net.parameters()) + list(net.buffers()))
 
 
 @torch.no_grad()
@@ -126,6 +129,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--quick", action="store_true", help="batch 1 only, fewer iterations")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")
+    parser.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
+                        help="weights built directly quantised (int4: group 64)")
     args = parser.parse_args()
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -134,9 +139,17 @@ def main() -> None:
     print(f"torch {torch.__version__}, {name}, size={args.size}", flush=True)
     bw = copy_bandwidth(device, gb=4.0 if device == "cuda" else 0.25)
     t0 = time.perf_counter()
-    net = build(args.size, device)
+    if args.quantization:
+        from dgemma.quant.formats import DEFAULT_GROUP_SIZE
+        from dgemma.quant.modules import random_quantized_model
+
+        config = make_config(**PRESETS[args.size])
+        net = random_quantized_model(config, args.quantization, DEFAULT_GROUP_SIZE, torch.bfloat16, device=device)
+    else:
+        net = build(args.size, device)
     nbytes = weight_bytes(net)
-    print(f"built {nbytes / 1e9:.1f} GB of bf16 weights in {time.perf_counter() - t0:.0f} s", flush=True)
+    what = f"{args.quantization} (+ bf16)" if args.quantization else "bf16"
+    print(f"built {nbytes / 1e9:.1f} GB of {what} weights in {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s -> weight-read floor {1000 * nbytes / bw:.2f} ms per decoder step")
     print(f"{'batch':>5} {'eager ms/step':>14} {'graph ms/step':>14} {'floor ms':>9}")
     for batch in [1] if args.quick else [1, 4, 8]:

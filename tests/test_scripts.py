@@ -22,6 +22,14 @@ def test_gpu_bench_smoke_run_on_cpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_bench_quantised_smoke_run_on_cpu():
+    cmd = [sys.executable, "scripts/gpu_bench.py", "--device", "cpu", "--size", "tiny", "--prompt-len", "64", "--quick",
+           "--quantization", "int4"]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "of int4 (+ bf16) weights" in run.stdout and "output tok/s" in run.stdout
+
+
 def test_gpu_bench_without_a_gpu_says_so():
     run = subprocess.run([sys.executable, "scripts/gpu_bench.py", "--size", "tiny"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr

@@ -160,28 +160,31 @@ def quantize_stacked(
 
 
 @torch.no_grad()
-def random_quantized_model(config, scheme: str, group_size: int | None, dtype: torch.dtype, seed: int = 0, std: float = 0.02):
+def random_quantized_model(
+    config, scheme: str, group_size: int | None, dtype: torch.dtype, seed: int = 0, std: float = 0.02, device="cpu"
+):
     """A DiffusionGemma with random weights built directly quantised: each matrix (each expert) is
     drawn, quantised and dropped before the next, so memory holds the quantised model plus one
-    matrix; the parts that stay unquantised are drawn in `dtype` (benchmarks of the real size)."""
+    matrix; the parts that stay unquantised are drawn in `dtype` (benchmarks of the real size).
+    Built on `device` (a GPU draws and quantises the released size in seconds)."""
     from ..model.diffusion_gemma import DiffusionGemma
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen, device=device) * std
 
     with torch.device("meta"):
         net = DiffusionGemma(config)
     for name, p in list(net.named_parameters()):
         if name.startswith("layers.") and (".experts." in name or any(f".{t}." in name for t in LINEAR_TARGETS)):
             continue  # drawn quantised below
-        value = (draw(*p.shape) if p.dim() >= 2 else torch.ones(p.shape)).to(dtype)
+        value = (draw(*p.shape) if p.dim() >= 2 else torch.ones(p.shape, device=device)).to(dtype)
         module_name, _, attr = name.rpartition(".")
         net.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=False)
     for name, b in list(net.named_buffers()):
         module_name, _, attr = name.rpartition(".")
-        net.get_submodule(module_name)._buffers[attr] = torch.ones(b.shape, dtype=dtype)
+        net.get_submodule(module_name)._buffers[attr] = torch.ones(b.shape, dtype=dtype, device=device)
     for layer in net.layers:
         for path in LINEAR_TARGETS:
             parent_name, _, child = path.rpartition(".")
