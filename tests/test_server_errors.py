@@ -88,7 +88,7 @@ BAD = [
     ("chat: content a number", "POST", CH, chat(messages=[{"role": "user", "content": 5}]), 400, "content"),
     ("chat: image part", "POST", CH, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "text parts"),
     ("chat: unknown message key", "POST", CH, chat(messages=[{"role": "user", "content": "hi", "mood": "sad"}]), 400, "mood"),
-    ("chat: tools", "POST", CH, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool"),
+    ("chat: tools with a bad function name", "POST", CH, chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), 400, "tool"),
     ("chat: max_completion_tokens negative", "POST", CH, chat(max_completion_tokens=-1), 400, "max_completion_tokens"),
     ("GET on a POST route", "GET", C, None, 405, "not allowed"),
     ("unknown route", "POST", "/v1/embeddings", completion(), 404, "no route"),

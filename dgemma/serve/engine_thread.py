@@ -297,3 +297,11 @@ class Generation:
 
     def cancel(self) -> None:
         self.engine_thread.cancel(self.job)
+
+    def stop(self) -> None:
+        """End the request as a stop ("stop"), as a stop string does: the caller has the whole
+        answer (a tool call, when parallel calls are off). Nothing more is yielded; the updates
+        end with the engine's `Finished`, a step later."""
+        if self.finish_reason is None:
+            self.finish_reason = "stop"
+        self.engine_thread.cancel(self.job)

@@ -5,7 +5,8 @@ Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 anything a client sends gets a 4xx with an OpenAI-style error body naming the problem; the engine
 only ever sees requests that fit. Chat messages may carry images and video (media.py: where they
 may come from; the checkpoint's processor: what they become). See docs/server.md for the fields
-and the streaming extension, docs/media.md for media.
+and the streaming extension, docs/media.md for media. Tool calling (tools.py: Gemma 4's format,
+checks, rendering, parsing) is wired in here: see docs/server.md, "Tool calling".
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
 from .media import MediaPolicy, MediaRef, PartError
 from .metrics import Metrics
 from .text import TextStream
+from .tools import ToolCallParser, ToolError, ToolSpec, check_messages, keeping_decoder, render_chat, tool_spec
 from ..tokenizer import ChatTemplateError
 
 log = logging.getLogger("dgemma.serve")
@@ -107,6 +109,8 @@ class ChatMessage(_Strict):
     role: str
     content: Any = None
     name: str | None = None
+    tool_calls: Any = None  # assistant messages (checked by tools.check_messages)
+    tool_call_id: Any = None  # role "tool" messages
 
 
 def _num(lo: float | None = None, hi: float | None = None, gt: float | None = None) -> Any:
@@ -154,7 +158,7 @@ class ChatParams(_Params):
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = None
+    tools: Any = None  # checked by tools.tool_spec, for messages that name the problem
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
@@ -176,8 +180,6 @@ def _unsupported(params: _Params) -> None:
         ("echo", bool(getattr(params, "echo", None)), "echo is not supported"),
         ("best_of", getattr(params, "best_of", None) not in (None, 1), "best_of is not supported"),
         ("suffix", bool(getattr(params, "suffix", None)), "suffix (insertion) is not supported"),
-        ("tools", bool(getattr(params, "tools", None)), "tool calling is not supported"),
-        ("tool_choice", getattr(params, "tool_choice", None) not in (None, "none"), "tool calling is not supported"),
         (
             "response_format",
             (getattr(params, "response_format", None) or {"type": "text"}).get("type") != "text",
@@ -215,6 +217,14 @@ def soft_token_budgets(params: "ChatParams") -> dict:
         if value is not None:
             out[name] = value
     return out
+
+
+def request_tools(params: "ChatParams") -> ToolSpec:
+    """The request's tools, tool_choice and parallel_tool_calls, checked (400 naming the field)."""
+    try:
+        return tool_spec(params.tools, params.tool_choice, params.parallel_tool_calls)
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param, "invalid_value") from None
 
 
 def media_error(e: MediaError) -> ApiError:
@@ -261,6 +271,7 @@ class Service:
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
         self.model, self.tokenizer, self.name = model, model.tokenizer, served_model_name
+        self.tool_decode = keeping_decoder(self.tokenizer)
         self.media = media_policy or MediaPolicy()
         self.canvas = model.config.canvas_length
         self.context = max_context
@@ -304,24 +315,46 @@ class Service:
             "prompt", "invalid_value",
         )  # fmt: skip
 
-    def chat_prompt(self, messages: list[ChatMessage], soft_tokens: dict | None = None) -> ModelInputs:
+    def chat_prompt(
+        self, messages: list[ChatMessage], soft_tokens: dict | None = None, spec: ToolSpec | None = None
+    ) -> ModelInputs:
         """The chat rendered and tokenized; with media parts, through the checkpoint's processor
-        with `soft_tokens` (its max_soft_tokens, video_max_soft_tokens). Blocking: media is
-        fetched and decoded here, so callers run it off the event loop."""
+        with `soft_tokens` (its max_soft_tokens, video_max_soft_tokens); with `spec`'s tools
+        declared and tool calls / results rendered in Gemma 4's format (tools.render_chat), then
+        the text the answer must start with (tool_choice) after the generation prompt. Blocking:
+        media is fetched and decoded here, so callers run it off the event loop."""
         soft_tokens = soft_tokens or {}
         try:
             turns = [(_chat_role(i, m), media.parse_content(i, m.content)) for i, m in enumerate(messages)]
+            try:
+                extras = check_messages([
+                    {"role": r, "content": m.content, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
+                    for (r, _), m in zip(turns, messages)
+                ])  # fmt: skip
+            except ToolError as e:
+                raise ApiError(400, str(e), e.param, "invalid_value") from None
             refs = [p for _, content in turns for p in content if isinstance(p, MediaRef)]
             if refs:
                 self._check_media(refs)
             processor = self.model.processor if refs else None
             loaded = iter([media.processor_part(ref, self.media, processor) for ref in refs])
             rendered = [{"role": r, "content": _processor_content(c, loaded)} for r, c in turns]
+            chat = render_chat(rendered, extras, spec, self.tokenizer.chat_template)
             if processor is None:
-                return ModelInputs(self._render(self.tokenizer, rendered))
-            return self._render(processor, rendered, **soft_tokens)
+                inputs = ModelInputs(self._render(self.tokenizer, chat.messages, **chat.kwargs))
+            else:
+                inputs = self._render(processor, chat.messages, **chat.kwargs, **soft_tokens)
+            if chat.suffix:  # text only (calls, results, a call's opening): after the generation prompt
+                inputs.input_ids = inputs.input_ids + self._encode_text(chat.suffix)
+            return inputs
         except MediaError as e:
             raise media_error(e) from None
+
+    def _encode_text(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        except Exception as e:  # lone surrogates
+            raise ApiError(400, f"messages could not be tokenized: {e}", "messages", "invalid_value") from None
 
     def _check_media(self, refs: list[MediaRef]) -> None:
         """Refuse media the checkpoint or the limits cannot take, before fetching any of it."""
@@ -389,7 +422,8 @@ class Service:
             raise ApiError(400, str(e), None, "invalid_value") from None
 
     # ---------------------------------------------------------------- running
-    def start(self, params: _Params, prompt: ModelInputs, max_tokens: int | None) -> Generation:
+    def start(self, params: _Params, prompt: ModelInputs, max_tokens: int | None, tools: bool = False) -> Generation:
+        """Submit the request; with `tools`, its text keeps the tool-call tokens (for the parser)."""
         stops = parse_stop(params.stop)
         config = self.generation_config(params, prompt, max_tokens)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_LIMIT)
@@ -399,7 +433,8 @@ class Service:
             job = self.engine_thread.submit(prompt.input_ids, config, seed, drafts=params.stream_drafts, images=prompt.images)
         except QueueFull as e:
             raise ApiError(429, str(e), None, "queue_full") from None
-        text = TextStream(self.tokenizer.decode, stops, config.eos_token_ids, config.max_new_tokens)
+        decode = self.tool_decode if tools else self.tokenizer.decode
+        text = TextStream(decode, stops, config.eos_token_ids, config.max_new_tokens)
         return Generation(self.engine_thread, job, text)
 
     def usage(self, prompt: ModelInputs, gen: Generation) -> dict:
@@ -463,19 +498,29 @@ def _sse(obj: Any) -> bytes:
 
 
 class _Responder:
-    """Shapes one request's updates as a completion or chat completion, whole or streamed."""
+    """Shapes one request's updates as a completion or chat completion, whole or streamed.
 
-    def __init__(self, service: Service, chat: bool, prompt: ModelInputs, gen: Generation, params: _Params):
+    With tools active, committed text goes through a ToolCallParser: content as it is decided,
+    each call as one `tool_calls` delta once it has closed and parsed, and finish_reason
+    "tool_calls" when the answer holds calls (and stopped on its own, not at max_tokens)."""
+
+    def __init__(self, service: Service, chat: bool, prompt: ModelInputs, gen: Generation, params: _Params,
+                 spec: ToolSpec | None = None):  # fmt: skip
         self.service, self.chat, self.prompt, self.gen, self.params = service, chat, prompt, gen, params
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.parser = ToolCallParser(spec.names, spec.parallel, spec.prefill) if spec is not None and spec.active else None
 
     def _envelope(self, choices: list, object_: str) -> dict:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.service.name, "choices": choices}
 
-    def _chunk(self, text: str | None, finish_reason: str | None = None, draft: dict | None = None, role: bool = False) -> dict:
+    def _chunk(self, text: str | None, finish_reason: str | None = None, draft: dict | None = None, role: bool = False,
+               tool_call: dict | None = None) -> dict:  # fmt: skip
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if tool_call is not None:  # its index: its place among the answer's calls
+                index = next(k for k, c in enumerate(self.parser.calls) if c is tool_call)
+                delta = {"tool_calls": [{"index": index, **tool_call}]}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
@@ -483,22 +528,43 @@ class _Responder:
             choice["draft"] = draft
         return self._envelope([choice], "chat.completion.chunk" if self.chat else "text_completion")
 
+    def _parse(self, text: str, final: bool = False) -> list:
+        """Content strings and calls from newly committed text; stops the request once the answer
+        is complete (one call without parallel_tool_calls, or a <|tool_response>)."""
+        items = self.parser.feed(text, final)
+        if self.parser.done and not final:
+            self.gen.stop()
+        return items
+
+    def _reason(self) -> str:
+        reason = self.gen.finish_reason or "cancelled"
+        return "tool_calls" if self.parser is not None and self.parser.calls and reason == "stop" else reason
+
     async def whole(self, request: Request) -> Response:
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request, self.gen))
-        parts = []
+        parts, items = [], []
         try:
             async for update in self.gen.updates():
                 parts.append(update.text)
+                if self.parser is not None:
+                    items += self._parse(update.text)
         except EngineFailure as e:
             self.service.record(self.gen, "error")
             return error_response(ApiError(500, f"generation failed: {e}", code="engine_error"))
         finally:
             watcher.cancel()
-        reason = self.gen.finish_reason or "cancelled"
+        reason = self._reason()
         self.service.record(self.gen, reason)
         text = "".join(parts)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+            message = {"role": "assistant", "content": text}
+            if self.parser is not None:
+                items += self.parser.feed("", final=True)
+                content = "".join(i for i in items if isinstance(i, str))
+                message["content"] = (content or None) if self.parser.calls else content
+                if self.parser.calls:
+                    message["tool_calls"] = self.parser.calls
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         body = self._envelope([choice], "chat.completion" if self.chat else "text_completion")
@@ -514,9 +580,15 @@ class _Responder:
             async for update in self.gen.updates():
                 if update.kind == "draft":
                     yield _sse(self._chunk(None, draft={"block": update.block, "step": update.step, "text": update.text}))
-                else:
+                elif self.parser is None:
                     yield _sse(self._chunk(update.text))
-            reason = self.gen.finish_reason or "cancelled"
+                else:
+                    for item in self._parse(update.text):
+                        yield _sse(self._item(item))
+            if self.parser is not None:
+                for item in self.parser.feed("", final=True):
+                    yield _sse(self._item(item))
+            reason = self._reason()
             finished = True
             self.service.record(self.gen, reason)
             yield _sse(self._chunk(None, finish_reason=reason))
@@ -534,6 +606,9 @@ class _Responder:
             if not finished:  # the client went away mid-stream
                 self.gen.cancel()
                 self.service.record(self.gen, "cancelled")
+
+    def _item(self, item: str | dict) -> dict:
+        return self._chunk(item) if isinstance(item, str) else self._chunk(None, tool_call=item)
 
 
 # ------------------------------------------------------------------------------------ the app
@@ -638,14 +713,15 @@ def create_app(
         _unsupported(params)
         # tokenizing a long prompt, fetching and decoding media take a while: off the event loop,
         # so streams keep flowing
+        spec = request_tools(params) if chat else None
         if chat:
-            prompt = await asyncio.to_thread(service.chat_prompt, params.messages, soft_token_budgets(params))
+            prompt = await asyncio.to_thread(service.chat_prompt, params.messages, soft_token_budgets(params), spec)
             max_tokens = params.max_completion_tokens or params.max_tokens
         else:
             prompt = ModelInputs(await asyncio.to_thread(service.completion_prompt, params.prompt))
             max_tokens = params.max_tokens
-        gen = service.start(params, prompt, max_tokens)
-        responder = _Responder(service, chat, prompt, gen, params)
+        gen = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active)
+        responder = _Responder(service, chat, prompt, gen, params, spec)
         if params.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(responder.stream(request), media_type="text/event-stream", headers=headers)

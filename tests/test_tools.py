@@ -1,0 +1,450 @@
+"""Tool calling on /v1/chat/completions: Gemma 4's format rendered into the prompt, calls parsed
+out of the answer, and the OpenAI shapes (tool_calls, finish_reason, streamed deltas), driven by
+the official `openai` client. A random model never writes a call, so `FakeEngine` stands in for
+the engine where a test needs one: it answers every request with fixed text, in blocks of 32
+tokens, and keeps the prompts it was given."""
+
+import asyncio
+import json
+import random
+
+import openai
+import pytest
+
+from dgemma.engine.events import Block, Finished
+from dgemma.model.checkpoint import byte_tokenizer
+from dgemma.serve.engine_thread import Job
+from dgemma.serve.tools import (
+    QUOTE,
+    ToolCallParser,
+    ToolSpec,
+    check_messages,
+    format_call,
+    keeping_decoder,
+    parse_tool_calls,
+    render_chat,
+    tool_spec,
+)
+from dgemma.tokenizer import Tokenizer
+from test_server import MODEL, client, model, server  # noqa: F401  (the tiny random model's server fixtures)
+
+Q = QUOTE
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
+TOOLS = [WEATHER, TIME]
+NAMES = {"get_weather", "get_time"}
+WEATHER_DECL = (
+    f"<|tool>declaration:get_weather{{description:{Q}Current weather in a city{Q},parameters:{{properties:{{"
+    f"city:{{description:{Q}City name{Q},type:{Q}STRING{Q}}},days:{{type:{Q}INTEGER{Q}}}}},"
+    f"required:[{Q}city{Q}],type:{Q}OBJECT{Q}}}}}<tool|>"
+)
+TWO_CALLS = (
+    f"I'll check both.\n<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:2}}<tool_call|>\n"
+    f"<|tool_call>call:get_time{{tz:{Q}Europe/Paris{Q}}}<tool_call|>"
+)
+
+
+# ------------------------------------------------------------------------------------ parsing
+def test_parse_well_formed_call():
+    content, calls = parse_tool_calls(f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>", NAMES)
+    assert content is None and len(calls) == 1
+    call = calls[0]
+    assert call["type"] == "function" and call["id"].startswith("call_") and len(call["id"]) > 10
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_parse_two_parallel_calls_with_content():
+    content, calls = parse_tool_calls(TWO_CALLS, NAMES)
+    assert content == "I'll check both."  # whitespace next to the calls is dropped
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris", "days": 2}, {"tz": "Europe/Paris"}]
+    assert len({c["id"] for c in calls}) == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"<|tool_call>call:get_weather{{city:Paris}}<tool_call|>",  # a bare word is no value
+        f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},}}<tool_call|>",  # trailing comma
+        f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}",  # never closed
+        f"<|tool_call>call:get_weather{{city:{Q}Paris}}<tool_call|>",  # unterminated string
+        f"<|tool_call>get_weather{{city:{Q}Paris{Q}}}<tool_call|>",  # no "call:"
+        f"<|tool_call>call:get_weather(city={Q}Paris{Q})<tool_call|>",
+        f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|",  # close marker cut short
+        "<|tool_call>",
+    ],
+)
+def test_malformed_call_stays_content(text):
+    content, calls = parse_tool_calls("Here: " + text + " done", NAMES)
+    assert calls == [] and content == "Here: " + text + " done"
+
+
+def test_unknown_function_stays_content():
+    text = f"<|tool_call>call:delete_everything{{path:{Q}/{Q}}}<tool_call|>"
+    assert parse_tool_calls(text, NAMES) == (text, [])
+    # ... while a known call next to it is still a call
+    content, calls = parse_tool_calls(text + f"<|tool_call>call:get_time{{}}<tool_call|>", NAMES)
+    assert content == text and [c["function"]["name"] for c in calls] == ["get_time"]
+
+
+ARGS = [
+    {"city": "Paris"},
+    {"query": 'he said "hi" and {left}', "path": "C:\\temp\\x.txt", "multi": "line one\nline two", "unicode": "日本 ✓"},
+    {"n": -3, "x": 2.5e-3, "ok": True, "no": False, "none": None, "empty": "", "list": [], "obj": {}},
+    {"outer": {"inner": {"deep": [1, {"k": "v"}, [True, None]]}, "tags": ["a", "b, c", "]"]}},
+]
+
+
+@pytest.mark.parametrize("args", ARGS)
+def test_arguments_json_round_trip(args):
+    """What the server renders for an assistant's call (format_call) parses back to the same JSON."""
+    text = format_call("get_weather", args)
+    assert text.startswith(f"<|tool_call>call:get_weather{{") and text.endswith("}<tool_call|>")
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == args
+
+
+def test_json_style_strings_and_keys_are_read_too():
+    text = '<|tool_call>call:get_weather{"city": "Par\\"is", days : 3}<tool_call|>'
+    _, calls = parse_tool_calls(text, NAMES)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": 'Par"is', "days": 3}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_streaming_parser_matches_whole_text(seed):
+    """Fed in any pieces, the parser gives the same content and calls as for the whole text, and
+    never sends call syntax as content."""
+    rng = random.Random(seed)
+    text = TWO_CALLS + f" and then <|tool_call>call:nope{{}}<tool_call|> trailing <|tool_ca"
+    whole_content, whole_calls = parse_tool_calls(text, NAMES)
+    parser = ToolCallParser(NAMES)
+    items, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, 12)
+        items += parser.feed(text[i : i + n])
+        i += n
+    items += parser.feed("", final=True)
+    content = "".join(x for x in items if isinstance(x, str))
+    calls = [x for x in items if isinstance(x, dict)]
+    assert content == whole_content and "call:get_" not in content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls
+    ]
+
+
+def test_content_streams_before_a_call_closes():
+    parser = ToolCallParser(NAMES)
+    assert parser.feed("Let me look <|tool_") == ["Let me look"]  # the marker's start is held back
+    assert parser.feed(f"call>call:get_time{{tz:{Q}UTC") == []  # inside a call: nothing yet
+    (call,) = parser.feed(f"{Q}}}<tool_call|>")
+    assert call["function"]["name"] == "get_time" and parser.feed("", final=True) == []
+
+
+def test_no_parallel_calls_keeps_the_first_and_ends_the_answer():
+    parser = ToolCallParser(NAMES, parallel=False)
+    items = parser.feed(TWO_CALLS)
+    assert [x["function"]["name"] for x in items if isinstance(x, dict)] == ["get_weather"] and parser.done
+
+
+def test_tool_response_marker_ends_the_answer():
+    text = f"<|tool_call>call:get_time{{}}<tool_call|><|tool_response>response:get_time{{value:{Q}noon{Q}}}<tool_response|>More"
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content is None and len(calls) == 1
+
+
+def test_text_without_calls_is_untouched():
+    text = "  plain answer, with <b>tags</b> and {braces}\n\n"
+    assert parse_tool_calls(text, NAMES) == (text, [])
+
+
+def test_decoder_keeps_the_tool_tokens():
+    """Gemma 4's tokenizer marks <|tool_call>, <tool_call|> and <|"|> special; plain decoding drops
+    them, the tool decoder keeps them (and drops the other special tokens as before)."""
+    hf = byte_tokenizer()
+    hf.add_special_tokens(["<|tool_call>", "<tool_call|>", Q, "<|tool_response>"])
+    tok = Tokenizer(hf)
+    text = f"Sure<|tool_call>call:get_time{{tz:{Q}UTC{Q}}}<tool_call|><eos>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == "Surecall:get_time{tz:UTC}"
+    assert keeping_decoder(tok)(ids) == text.removesuffix("<eos>")
+    assert keeping_decoder(Tokenizer(byte_tokenizer())).__name__ == "decode"  # nothing to keep: plain decode
+
+
+# ------------------------------------------------------------------------------------ rendering
+def _render(tok, messages, spec, **kwargs):
+    """The prompt text the server builds (chat_prompt, without tokenizing)."""
+    extras = check_messages(messages)
+    plain = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+    chat = render_chat(plain, extras, spec, tok.chat_template)
+    return tok.render_chat(chat.messages, **chat.kwargs) + chat.suffix
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+
+def test_fallback_rendering_is_gemma4_format(model):  # noqa: F811
+    """The tiny model's template knows nothing of tools: dgemma writes Gemma 4's blocks itself."""
+    tok = model.tokenizer
+    spec = tool_spec([WEATHER])
+    assert _render(tok, HISTORY[:2], spec) == (
+        f"<bos><|turn>system\nBe brief.{WEATHER_DECL}<turn|>\n<|turn>user\nWeather in Paris?<turn|>\n<|turn>model\n"
+    )
+    # results go into the model turn after its call, which stays open for the answer
+    call = f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
+    result = f"<|tool_response>response:get_weather{{value:{Q}sunny, 21 C{Q}}}<tool_response|>"
+    assert _render(tok, HISTORY, spec).endswith(f"<|turn>user\nWeather in Paris?<turn|>\n<|turn>model\n{call}{result}")
+    # the answer after the results goes on in the same turn; the next user message opens a new one
+    later = HISTORY + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}]
+    assert _render(tok, later, spec).endswith(f"<|turn>model\n{call}{result}Sunny.<turn|>\n<|turn>user\nThanks<turn|>\n<|turn>model\n")
+    # no system message: one is added for the declarations; tool_choice "none": none declared
+    assert _render(tok, HISTORY[1:2], spec).startswith(f"<bos><|turn>system\n{WEATHER_DECL}<turn|>\n<|turn>user\n")
+    assert "<|tool>" not in _render(tok, HISTORY, tool_spec([WEATHER], "none"))
+    # without tools at all the prompt is what it always was
+    assert _render(tok, HISTORY[:2], ToolSpec()) == tok.render_chat([{"role": m["role"], "content": m["content"]} for m in HISTORY[:2]])
+
+
+# A compact Gemma-4-style template that handles tools itself (written for this test): declarations
+# in the system turn, calls from tool_calls, results from tool_responses.
+NATIVE_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools or messages[0]['role'] == 'system' -%}"
+    "{{ '<|turn>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}{{ messages[0]['content'] | trim }}{%- endif -%}"
+    "{%- for tool in tools or [] -%}"
+    "{{ '<|tool>declaration:' + tool['function']['name'] + '{description:<|\"|>' + tool['function']['description'] + '<|\"|>}<tool|>' }}"
+    "{%- endfor -%}"
+    "{{ '<turn|>\\n' }}"
+    "{%- endif -%}"
+    "{%- set ns = namespace(open=false) -%}"
+    "{%- for m in messages if m['role'] != 'system' -%}"
+    "{{ '<|turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+    "{%- for c in m['tool_calls'] or [] -%}"
+    "{{ '<|tool_call>call:' + c['function']['name'] + '{' }}"
+    "{%- for k, v in c['function']['arguments'] | dictsort -%}{{ k + ':<|\"|>' + v + '<|\"|>' }}{{ ',' if not loop.last }}{%- endfor -%}"
+    "{{ '}<tool_call|>' }}"
+    "{%- endfor -%}"
+    "{%- for r in m['tool_responses'] or [] -%}"
+    "{{ '<|tool_response>response:' + r['name'] + '{value:<|\"|>' + r['response'] + '<|\"|>}<tool_response|>' }}"
+    "{%- endfor -%}"
+    "{{ m['content'] | trim }}"
+    "{%- set ns.open = (m['tool_responses'] or []) | length > 0 and not m['content'] -%}"
+    "{%- if not ns.open -%}{{ '<turn|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt and not ns.open -%}{{ '<|turn>model\\n' }}{%- endif -%}"
+)
+
+
+def test_native_template_gets_tools_and_results(model, monkeypatch):  # noqa: F811
+    """A template that handles tools is given them (and results as tool_responses), not dgemma's text."""
+    tok = model.tokenizer
+    monkeypatch.setattr(tok, "chat_template", NATIVE_TEMPLATE)
+    text = _render(tok, HISTORY, tool_spec([WEATHER]))
+    assert text == (
+        f"<bos><|turn>system\nBe brief.<|tool>declaration:get_weather{{description:{Q}Current weather in a city{Q}}}<tool|><turn|>\n"
+        f"<|turn>user\nWeather in Paris?<turn|>\n<|turn>model\n<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
+        f"<|tool_response>response:get_weather{{value:{Q}sunny, 21 C{Q}}}<tool_response|>"
+    )
+    # tool_choice naming a function: the answer is made to start with that call's opening
+    assert _render(tok, HISTORY[:2], tool_spec([WEATHER], {"type": "function", "function": {"name": "get_weather"}})).endswith(
+        "<|turn>model\n<|tool_call>call:get_weather{"
+    )
+
+
+# ------------------------------------------------------------------------------------ the server
+class FakeEngine:
+    """Stands in for `EngineThread.submit`: answers with `text` (then EOS) in blocks of 32 tokens."""
+
+    def __init__(self, tokenizer, eos: int):
+        self.tokenizer, self.eos = tokenizer, eos
+        self.text, self.prompts, self.block = "", [], 32
+
+    def __call__(self, prompt, config, seed, drafts=False, images=()):
+        job = Job(list(prompt), config, seed, drafts, asyncio.get_running_loop(), list(images))
+        self.prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
+        ids = self.tokenizer.encode(self.text, add_special_tokens=False) + [self.eos]
+        blocks = [ids[i : i + self.block] for i in range(0, len(ids), self.block)]
+        for k, block in enumerate(blocks):
+            job.deliver(Block(0, k, block, k == len(blocks) - 1, 1))
+        job.deliver(Finished(0, "eos", ids, len(blocks), len(ids) / len(blocks), len(prompt)))
+        return job
+
+
+@pytest.fixture
+def fake(server, model, monkeypatch):  # noqa: F811
+    engine = FakeEngine(model.tokenizer, model.generation_config.eos_token_ids[0])
+    monkeypatch.setattr(server.app.state.service.engine_thread, "submit", engine)
+    return engine
+
+
+USER = [{"role": "user", "content": "Weather and time in Paris?"}]
+
+
+def bad(**fields):
+    return {"messages": USER, **fields}
+
+
+BAD = [
+    ("tools not a list", bad(tools={"type": "function"}), "tools", "tools must be a list"),
+    ("unknown tool type", bad(tools=[{"type": "code_interpreter"}]), "tools[0].type", "must be 'function'"),
+    ("missing function", bad(tools=[{"type": "function"}]), "tools[0].function", "must be an object"),
+    ("missing name", bad(tools=[{"type": "function", "function": {"description": "x"}}]), "tools[0].function.name", "missing"),
+    ("bad name", bad(tools=[{"type": "function", "function": {"name": "get weather"}}]), "tools[0].function.name", "letters, digits"),
+    ("parameters not an object", bad(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]),
+     "tools[0].function.parameters", "JSON Schema object"),  # fmt: skip
+    ("parameters of type string", bad(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+     "tools[0].function.parameters", "JSON Schema object"),  # fmt: skip
+    ("properties not schemas", bad(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+     "properties": {"a": 1}}}}]), "tools[0].function.parameters.properties", "schema object"),  # fmt: skip
+    ("duplicate names", bad(tools=[WEATHER, WEATHER]), "tools[1].function.name", "unique"),
+    ("unknown tool field", bad(tools=[{**WEATHER, "strictness": 1}]), "tools[0].strictness", "unknown field"),
+    ("tool_choice unknown function", bad(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "send_email"}}),
+     "tool_choice.function.name", "not in tools"),  # fmt: skip
+    ("tool_choice bad string", bad(tools=TOOLS, tool_choice="always"), "tool_choice", "tool_choice must be"),
+    ("tool_choice bad object", bad(tools=TOOLS, tool_choice={"type": "function"}), "tool_choice.function", "tool_choice must be"),
+    ("tool_choice required without tools", bad(tool_choice="required"), "tool_choice", "needs tools"),
+    ("user message without content", {"messages": [{"role": "system", "content": "hi"}, {"role": "user"}]},
+     "messages[1].content", "messages[1] (role 'user') has no content"),  # fmt: skip
+    ("system message without content", {"messages": [{"role": "system", "content": None}, *USER]},
+     "messages[0].content", "messages[0] (role 'system') has no content"),  # fmt: skip
+    ("empty content list", {"messages": [{"role": "user", "content": []}]}, "messages[0].content", "has no content"),
+    ("assistant without content or calls", {"messages": [*USER, {"role": "assistant"}, *USER]}, "messages[1].content", "neither"),
+    ("tool message without tool_call_id", {"messages": [*USER, {"role": "assistant", "tool_calls": [CALL]},
+     {"role": "tool", "content": "sunny"}]}, "messages[2].tool_call_id", "needs a tool_call_id"),  # fmt: skip
+    ("tool message after no call", {"messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+     "messages[1]", "must follow an assistant message with tool_calls"),  # fmt: skip
+    ("tool_call_id of no call", {"messages": [*USER, {"role": "assistant", "tool_calls": [CALL]},
+     {"role": "tool", "tool_call_id": "call_9", "content": "x"}]}, "messages[2].tool_call_id", "is not the id"),  # fmt: skip
+    ("tool message without content", {"messages": [*USER, {"role": "assistant", "tool_calls": [CALL]},
+     {"role": "tool", "tool_call_id": "call_1"}]}, "messages[2].content", "needs content"),  # fmt: skip
+    ("malformed assistant call", {"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+     "function": {"name": "f"}}]}, *USER]}, "messages[1].tool_calls[0].function", "arguments"),  # fmt: skip
+    ("tool_calls on a user message", {"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]},
+     "messages[0].tool_calls", "only assistant messages"),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("name,body,param,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_tool_requests_get_a_400_naming_the_problem(client, name, body, param, words):  # noqa: F811
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=8, **body)
+    assert words in e.value.message and e.value.param == param, e.value.body
+
+
+def test_server_lives_on_after_bad_tool_requests(client):  # noqa: F811
+    for _, body, _, _ in BAD:
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, max_tokens=8, **body)
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=32,
+                                       extra_body={"max_denoising_steps": 2})  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")  # the real (random) engine ran
+
+
+def test_prompt_holds_gemma4_declarations(client, fake):  # noqa: F811
+    fake.text = "Hello."
+    client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], max_tokens=64)
+    assert fake.prompts[-1] == f"<bos><|turn>system\n{WEATHER_DECL}<turn|>\n<|turn>user\n{USER[0]['content']}<turn|>\n<|turn>model\n"
+    client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=64)
+    assert "<|tool>" not in fake.prompts[-1]
+    # tool_choice "required" / a named function: the answer is made to start with a call's opening
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=64)
+    assert fake.prompts[-1].endswith("<|turn>model\n<|tool_call>call:")
+    assert r.choices[0].message.content == "<|tool_call>call:Hello."  # the model did not go on with a call: content
+    fake.text = f"tz:{Q}UTC{Q}}}<tool_call|>"
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=64,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+    assert fake.prompts[-1].endswith("<|turn>model\n<|tool_call>call:get_time{")
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"tz": "UTC"}
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+
+
+def test_tool_calls_in_the_answer(client, fake):  # noqa: F811
+    fake.text = TWO_CALLS
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I'll check both."
+    calls = choice.message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris", "days": 2}, {"tz": "Europe/Paris"}]
+    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
+    # without tools (or with tool_choice "none") nothing is parsed
+    for extra in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=256, **extra)
+        assert r.choices[0].message.content == TWO_CALLS and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+    # parallel_tool_calls false: the first call only
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, parallel_tool_calls=False)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_malformed_or_unknown_call_from_the_model_is_content(client, fake):  # noqa: F811
+    for text in (f"<|tool_call>call:get_weather{{city:Paris}}<tool_call|>", f"<|tool_call>call:rm{{path:{Q}/{Q}}}<tool_call|>"):
+        fake.text = text
+        r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256)
+        assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_tool_call_deltas(client, fake):  # noqa: F811
+    fake.text = TWO_CALLS  # 150-odd byte tokens: the calls straddle blocks of 32
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    content = "".join(d.content or "" for d in deltas)
+    assert content == "I'll check both." and "<|tool_call>" not in content and "call:" not in content
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [(tc.index, tc.type, tc.function.name) for tc in calls] == [(0, "function", "get_weather"), (1, "function", "get_time")]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2} and calls[0].id.startswith("call_")
+    # a call's delta comes once its block committed, before the stream ends
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens > 0
+    # both calls in one committed block: one delta each, indexed in order
+    fake.block = 1024
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather"), (1, "get_time")]
+    # the openai client's stream helper puts the message back together
+    with client.chat.completions.stream(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256) as stream:
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "I'll check both." and [c.function.name for c in message.tool_calls] == ["get_weather", "get_time"]
+
+
+def test_round_trip_with_tool_messages(client, fake):  # noqa: F811
+    """Call, result, answer: the assistant message the server returned goes back with the tool's
+    result, rendered in the same model turn, and the model's next answer is plain content."""
+    fake.text = f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
+    first = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256)
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    messages = [*USER, message, {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "temp": 21}'}]
+    fake.text = "Clear and 21 degrees."
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=256)
+    assert second.choices[0].message.content == "Clear and 21 degrees." and second.choices[0].finish_reason == "stop"
+    assert fake.prompts[-1].endswith(
+        f"<|turn>user\n{USER[0]['content']}<turn|>\n<|turn>model\n<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
+        f'<|tool_response>response:get_weather{{value:{Q}{{"sky": "clear", "temp": 21}}{Q}}}<tool_response|>'
+    )
+    # the whole exchange, then a new question
+    messages += [second.choices[0].message, {"role": "user", "content": "And tomorrow?"}]
+    client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=256)
+    assert fake.prompts[-1].endswith("<tool_response|>Clear and 21 degrees.<turn|>\n<|turn>user\nAnd tomorrow?<turn|>\n<|turn>model\n")
