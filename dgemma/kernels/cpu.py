@@ -261,11 +261,16 @@ def describe(net: nn.Module) -> str:
         return f"torch ({net.device.type})"
     from .dequant import extension as dequant_kernel
 
+    native_gemm = dequant_kernel() is not None and net.dtype == torch.float32  # (quant/modules, widened.py)
     tiles = "native AVX2" if dequant_kernel() is not None else "torch"
     quant = getattr(net, "quantization", None)
-    parts = [f"{quant[0]} weights dequantised per tile ({tiles})"] if quant else []
+    parts = []
+    if quant:
+        parts.append(f"{quant[0]} weights decoded inside the native AVX2 GEMM" if native_gemm
+                     else f"{quant[0]} weights dequantised per tile ({tiles})")  # fmt: skip
     if getattr(net, "compute_dtype", None) == torch.float32 and any(isinstance(m, widened.WidenedLinear) for m in net.modules()):
-        parts.append(f"bf16 weights widened per tile to float32 ({tiles}; this CPU has no native bf16)")
+        how = "inside the native AVX2 GEMM" if native_gemm else "per tile (torch)"
+        parts.append(f"bf16 weights widened to float32 {how} (this CPU has no native bf16)")
     amx = any(isinstance(m, (native.AMXExperts, native.AMXGatedMLP, native.AMXLinear)) for m in net.modules())
     parts.append("AMX GEMMs" if amx else "oneDNN GEMMs")
     stats = "native statistics + RMSNorm" if native.extension() is not None else "torch statistics + RMSNorm"

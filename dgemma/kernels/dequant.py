@@ -1,5 +1,7 @@
 """Native dequantisation of weight tiles (`csrc/dequant.cpp`): quantised or bf16 rows into float32
-or bfloat16, so that a CPU matmul on a quantised / bf16 weight spends little time outside the GEMM.
+or bfloat16, so that a CPU matmul on a quantised / bf16 weight spends little time outside the GEMM;
+and GEMMs that read such a weight as stored (`csrc/gemm_avx2.cpp`, `linear`): float32 x @ W.T with
+W converted inside the microkernel (bf16, int8) or a block at a time (int4, fp8, nvfp4).
 
 A separate extension from `native.py`'s (`dgemma_dequant`), built with AVX2 + FMA + F16C only,
 so it runs on AVX2-only CPUs (AMD Zen 2/3) as well as on AVX-512 ones. Where the CPU lacks one of
@@ -22,7 +24,7 @@ from ..quant.formats import QTensor
 from .native import _announce_build, _cpu_flags, log
 
 NAME = "dgemma_dequant"
-SOURCES = [Path(__file__).with_name("csrc") / "dequant.cpp"]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("dequant.cpp", "gemm_avx2.cpp")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 CPU_FLAGS = {"avx2", "fma", "f16c"}
 OUT_DTYPES = (torch.float32, torch.bfloat16)
@@ -130,3 +132,50 @@ def widen_into(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     k = w.shape[-1]
     kernel.widen_bf16(w.contiguous().view(-1, k), out.view(-1, k))
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QTensor) -> torch.Tensor | None:
+    """x [..., K] (float32) @ W.T -> [..., N] float32 with W [N, K] as stored: a bf16 tensor or a 2D
+    QTensor (any scheme), read in place by the native GEMM (`csrc/gemm_avx2.cpp`; float32
+    accumulation: `x @ formats.dequantize(W).T` up to float32 rounding, not bit for bit).
+
+    None where the native GEMM does not apply (no extension, a tensor off the CPU, x not float32,
+    W not bf16 / a 2D QTensor, scales in a dtype the kernel does not read): the caller falls back."""
+    kernel = extension()
+    if kernel is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0:
+        return None
+    k = x.shape[-1]
+    if isinstance(weight, QTensor):
+        if len(weight.shape) != 2 or weight.shape[-1] != k or not _native_parts(weight):
+            return None
+        n = weight.shape[0]
+    elif isinstance(weight, torch.Tensor):
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[-1] != k:
+            return None
+        n = weight.shape[0]
+    else:
+        return None
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    if isinstance(weight, torch.Tensor):
+        kernel.gemm_bf16(flat, weight.contiguous(), out)
+    else:
+        p, scheme = weight.parts, weight.scheme
+        if scheme == "int8":
+            kernel.gemm_int8(flat, p["weight"].contiguous(), p["weight_scale"].contiguous(), out)
+        elif scheme == "int4":
+            scale = p["weight_scale"]
+            groups = scale.shape[-1]
+            group = k // groups if groups and k % groups == 0 else (weight.group_size or 0)
+            kernel.gemm_int4(flat, p["weight_packed"].contiguous(), scale.contiguous(), group, out)
+        elif scheme == "fp8":
+            kernel.gemm_fp8(flat, p["weight"].contiguous().view(torch.uint8), p["weight_scale"].contiguous(), out)
+        elif scheme == "nvfp4":
+            global_scale = p["weight_global_scale"]
+            if global_scale.numel() != 1:
+                return None
+            scale = p["weight_scale"].contiguous().view(torch.uint8)
+            kernel.gemm_nvfp4(flat, p["weight_packed"].contiguous(), scale, global_scale.item(), out)
+        else:
+            return None
+    return out.view(*x.shape[:-1], n)

@@ -8,8 +8,10 @@ widens a tile of weight rows (~1 MB in float32, so it stays in cache) and multip
 the float32 GEMM, so no full-precision copy of a weight outlives its tile. Results are the
 float32 computation on the bf16 weights (closer to a float64 oracle than bf16 compute).
 
-`tiled_linear` is the one tiling loop: quantised weights (`quant/modules.py`) use it too, with
-a tile dequantised instead of widened.
+Where the native AVX2 GEMM runs (`dequant.linear`, csrc/gemm_avx2.cpp) it reads the bf16 weight as
+stored and widens it inside its microkernel instead (no tile buffer). `tiled_linear` is the one
+tiling loop of the fallback: quantised weights (`quant/modules.py`) use it too, with a tile
+dequantised instead of widened.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.diffusion_gemma import Experts
+from . import dequant
 from .dequant import widen_into
 
 TILE_ELEMENTS = 1 << 18  # weight elements widened at once: 1 MB in float32 (L2-sized on current CPUs)
@@ -72,17 +75,24 @@ def widened_rows(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> Ca
     return buffered_rows(weight.shape, dtype, lambda start, end, into: widen_into(weight[start:end], into))
 
 
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (float32) @ W.T for a bf16 W [out, in]: the native AVX2 GEMM, which reads W as stored and
+    widens it inside its microkernel (`dequant.linear`), where it runs; else tile by tile."""
+    out = dequant.linear(x, weight)
+    return out if out is not None else tiled_linear(x, weight.shape[0], widened_rows(weight))
+
+
 def sorted_experts(
     x: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     num_experts: int,
     approximate: str,
-    gate_up: Callable[[int], tuple[int, Callable]],
-    down: Callable[[int], tuple[int, Callable]],
+    gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+    down: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """The MoE experts on tokens sorted by expert, each expert's weights read tile by tile for all
-    of its tokens: `gate_up(e)` / `down(e)` give (output features, weight_tile) of expert e.
+    """The MoE experts on tokens sorted by expert, each expert's weights read once for all of its
+    tokens: `gate_up(e, rows)` / `down(e, rows)` multiply expert e's rows by its projection.
     Computed in x's dtype; one gather, one gelu * up and one scatter-add around the GEMMs."""
     num_tokens, top_k = top_k_index.shape
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
@@ -90,10 +100,10 @@ def sorted_experts(
     routed = x.index_select(0, token)
     counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
     spans = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, itertools.accumulate(counts))) if n]
-    projected = torch.cat([tiled_linear(routed[a:b], *gate_up(e)) for e, a, b in spans])
+    projected = torch.cat([gate_up(e, routed[a:b]) for e, a, b in spans])
     gate, up = projected.chunk(2, dim=-1)
     act = F.gelu(gate, approximate=approximate).mul_(up)
-    out = torch.cat([tiled_linear(act[a:b], *down(e)) for e, a, b in spans])
+    out = torch.cat([down(e, act[a:b]) for e, a, b in spans])
     out.mul_(top_k_weights.reshape(-1)[perm].to(out.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, token, out)
 
@@ -106,7 +116,7 @@ class WidenedLinear(nn.Module):
         self.weight = weight.detach()  # shared with the model (a plain attribute, not a parameter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_linear(x.float(), self.weight.shape[0], widened_rows(self.weight))
+        return bf16_linear(x.float(), self.weight)
 
 
 class WidenedSoftEmbed(nn.Module):
@@ -150,11 +160,10 @@ class WidenedExperts(nn.Module):
         self.gate_up, self.down = experts.gate_up_proj.detach(), experts.down_proj.detach()
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        two_i, hidden = self.gate_up.shape[1], self.down.shape[1]
         return sorted_experts(x.float(), top_k_index, top_k_weights, self.num_experts, self.approximate,
-                              lambda e: (two_i, widened_rows(self.gate_up[e])),
-                              lambda e: (hidden, widened_rows(self.down[e])))  # fmt: skip
+                              lambda e, rows: bf16_linear(rows, self.gate_up[e]),
+                              lambda e, rows: bf16_linear(rows, self.down[e]))  # fmt: skip
 
 
-__all__ = ["TILE_ELEMENTS", "buffered_rows", "sorted_experts", "tile_rows", "tiled_linear", "widened_rows", "WidenedLinear", "WidenedSoftEmbed",
+__all__ = ["TILE_ELEMENTS", "bf16_linear", "buffered_rows", "sorted_experts", "tile_rows", "tiled_linear", "widened_rows", "WidenedLinear", "WidenedSoftEmbed",
            "WidenedEmbedding", "WidenedExperts"]  # fmt: skip

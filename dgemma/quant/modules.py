@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import dequant
 from ..kernels.dequant import dequantize_into
 from ..kernels.widened import buffered_rows, sorted_experts, tiled_linear
 from .formats import QTensor, quantize
@@ -47,6 +48,13 @@ def dequantized_rows(q: QTensor, dtype: torch.dtype):
     return buffered_rows(q.shape, dtype, lambda start, end, into: dequantize_into(q.rows(start, end), into))
 
 
+def cpu_quant_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """x @ dequantize(q).T on the CPU: the native AVX2 GEMM (float32 activations; it decodes the
+    weight inside, `kernels/dequant.linear`) where it runs, else a dequantised tile at a time."""
+    out = dequant.linear(x, q) if x.dtype == torch.float32 else None
+    return out if out is not None else tiled_linear(x, q.shape[0], dequantized_rows(q, x.dtype))
+
+
 def _on_gpu(x: torch.Tensor) -> bool:
     """The GPU kernels (kernels/triton_quant.py) run for x: CUDA with triton installed."""
     if x.device.type != "cuda":
@@ -57,8 +65,9 @@ def _on_gpu(x: torch.Tensor) -> bool:
 
 
 class QuantLinear(QuantWeight):
-    """x @ W.T for a quantised W [out, in]: on a GPU the Triton / FP8 kernels, which dequantise
-    inside the GEMM; elsewhere a tile of output channels at a time (kernels/widened.tiled_linear)."""
+    """x @ W.T for a quantised W [out, in]: on a GPU the Triton / FP8 kernels, on a CPU the native
+    AVX2 GEMM (float32), which dequantise inside the GEMM; elsewhere a tile of output channels at a
+    time (kernels/widened.tiled_linear)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qtensor
@@ -66,7 +75,7 @@ class QuantLinear(QuantWeight):
             from ..kernels.triton_quant import quant_linear
 
             return quant_linear(x, q)
-        return tiled_linear(x, self.shape[0], dequantized_rows(q, x.dtype))
+        return cpu_quant_linear(x, q)
 
 
 class QuantExperts(nn.Module):
@@ -86,8 +95,8 @@ class QuantExperts(nn.Module):
         if _on_gpu(x):
             return self._grouped(x, top_k_index, top_k_weights, gate_up, down)
         return sorted_experts(x, top_k_index, top_k_weights, self.num_experts, self.approximate,
-                              lambda e: (gate_up.shape[1], dequantized_rows(gate_up.select(e), x.dtype)),
-                              lambda e: (down.shape[1], dequantized_rows(down.select(e), x.dtype)))  # fmt: skip
+                              lambda e, rows: cpu_quant_linear(rows, gate_up.select(e)),
+                              lambda e, rows: cpu_quant_linear(rows, down.select(e)))  # fmt: skip
 
     def _grouped(self, x, top_k_index, top_k_weights, gate_up: QTensor, down: QTensor) -> torch.Tensor:
         from ..kernels.triton_quant import quant_grouped_linear

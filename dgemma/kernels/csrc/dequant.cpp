@@ -20,6 +20,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
+#include "scales.h"
+
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -28,6 +30,10 @@
 #include <vector>
 
 namespace {
+
+using dgemma_scales::ScaleKind;
+using dgemma_scales::scale_at;
+using dgemma_scales::scale_kind;
 
 // ------------------------------------------------------------------------------------ outputs
 // float32 -> bfloat16 bits, nearest even (as c10::BFloat16(float)), in the low 16 bits of each
@@ -66,11 +72,7 @@ inline void put1(float* p, float v) { *p = v; }
 inline void put1(at::BFloat16* p, float v) { *p = at::BFloat16(v); }
 
 // ------------------------------------------------------------------------------------- inputs
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using dgemma_scales::bits_to_float;
 
 // float32 value of each e4m3fn code (c10's conversion: what `.float()` gives the reference)
 struct Fp8Table {
@@ -106,25 +108,6 @@ inline __m128i fp8_to_half_bits(__m128i x) {
   return _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
 }
 
-// One scale as float32, whatever its stored dtype.
-enum class ScaleKind { f32, bf16, f16 };
-inline ScaleKind scale_kind(const at::Tensor& s, const char* fn) {
-  switch (s.scalar_type()) {
-    case at::kFloat: return ScaleKind::f32;
-    case at::kBFloat16: return ScaleKind::bf16;
-    case at::kHalf: return ScaleKind::f16;
-    default: TORCH_CHECK(false, fn, ": scale must be float32, bfloat16 or float16, got ", s.scalar_type());
-  }
-  return ScaleKind::f32;
-}
-inline float scale_at(const void* base, ScaleKind kind, int64_t i) {
-  switch (kind) {
-    case ScaleKind::f32: return static_cast<const float*>(base)[i];
-    case ScaleKind::bf16: return bits_to_float(static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16);
-    case ScaleKind::f16: return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
-  }
-  return 0.f;
-}
 
 // ---------------------------------------------------------------------------------------- rows
 template <typename T>
@@ -466,6 +449,15 @@ at::Tensor dequant_nvfp4(const at::Tensor& packed, const at::Tensor& scale, doub
   return out;
 }
 
+// the GEMMs on stored weights (csrc/gemm_avx2.cpp), bound here with the rest of the extension
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w, at::Tensor out, int64_t kc, int64_t nb);
+at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor out, int64_t kc, int64_t nb);
+at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t group, at::Tensor out,
+                     int64_t kc, int64_t nb);
+at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor out, int64_t kc, int64_t nb);
+at::Tensor gemm_nvfp4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, double global_scale,
+                      at::Tensor out, int64_t kc, int64_t nb);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("widen_bf16", &widen_bf16, "bf16 [N, K] -> out [N, K] (float32 or bf16)", py::arg("src"), py::arg("out"));
   m.def("dequant_int8", &dequant_int8, "int8 [N, K] * scale [N, 1] -> out", py::arg("weight"), py::arg("scale"), py::arg("out"));
@@ -475,4 +467,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("group_size"), py::arg("out"));
   m.def("dequant_nvfp4", &dequant_nvfp4, "packed e2m1 (uint8 [N, K/2]) * fp8 scales [N, K/16] / global -> out",
         py::arg("packed"), py::arg("scale"), py::arg("global_scale"), py::arg("out"));
+  // kc, nb: K chunk and N block (0: chosen per shape; for tuning)
+  m.def("gemm_bf16", &gemm_bf16, "out [M, N] = x [M, K] float32 @ w [N, K] bf16 ^T", py::arg("x"), py::arg("w"), py::arg("out"),
+        py::arg("kc") = 0, py::arg("nb") = 0);
+  m.def("gemm_int8", &gemm_int8, "out = x @ (w int8 [N, K] * scale [N, 1])^T", py::arg("x"), py::arg("w"), py::arg("scale"),
+        py::arg("out"), py::arg("kc") = 0, py::arg("nb") = 0);
+  m.def("gemm_int4", &gemm_int4, "out = x @ dequant(packed int32 [N, K/8], scale [N, K/group])^T", py::arg("x"),
+        py::arg("packed"), py::arg("scale"), py::arg("group"), py::arg("out"), py::arg("kc") = 0, py::arg("nb") = 0);
+  m.def("gemm_fp8", &gemm_fp8, "out = x @ (w e4m3fn [N, K] * scale [N, 1])^T", py::arg("x"), py::arg("w"), py::arg("scale"),
+        py::arg("out"), py::arg("kc") = 0, py::arg("nb") = 0);
+  m.def("gemm_nvfp4", &gemm_nvfp4, "out = x @ dequant(packed e2m1 [N, K/2], fp8 scales [N, K/16], global)^T", py::arg("x"),
+        py::arg("packed"), py::arg("scale"), py::arg("global_scale"), py::arg("out"), py::arg("kc") = 0, py::arg("nb") = 0);
 }

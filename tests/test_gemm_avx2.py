@@ -1,0 +1,184 @@
+"""Native AVX2 GEMMs on stored weights (kernels/csrc/gemm_avx2.cpp): out = x @ W.T with W bf16,
+int8, int4, fp8 or nvfp4 as stored, against a float64 product with `formats.dequantize(W)`, on
+ragged shapes (M, N, K tails of every microkernel), row slices of a bigger weight and every
+scale dtype; misuse is a RuntimeError that says what is wrong; `dequant.linear` returns None
+where the kernels do not apply."""
+
+import itertools
+
+import pytest
+import torch
+
+from dgemma.kernels import dequant
+from dgemma.quant import formats
+
+ext = dequant.extension()
+needs_kernel = pytest.mark.skipif(
+    ext is None,
+    reason="native GEMMs unavailable (CPU lacks AVX2/FMA/F16C, no C++ compiler, the build failed, or DGEMMA_NATIVE=0)",
+)
+pytestmark = needs_kernel
+
+MS, NS, KS = (1, 3, 5, 32, 67), (1, 7, 37, 130), (8, 72, 1000, 1024)
+SCALE_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def data(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]  # rows of different sizes
+    if n > 2:
+        w[1] = 0.0
+    return x, w
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Within 1e-5 of the float64 product, relative to sum |x_k w_k| (each output's own scale:
+    float32 accumulation errs in proportion to it)."""
+    exact = x.double() @ w.double().T
+    size = x.double().abs() @ w.double().abs().T
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - exact).abs()
+    assert (err <= 1e-5 * size + 1e-30).all(), f"max relative error {(err / size.clamp(min=1e-30)).max().item():.2e}"
+
+
+@pytest.mark.parametrize("m,n,k", list(itertools.product(MS, NS, KS)))
+def test_bf16(m, n, k):
+    x, w = data(m, n, k)
+    wb = w.bfloat16()
+    out = torch.full((m, n), float("nan"))
+    assert ext.gemm_bf16(x, wb, out) is out
+    check(out, x, wb.float())
+
+
+@pytest.mark.parametrize("m,n,k", list(itertools.product(MS, NS, KS)))
+def test_int8(m, n, k):
+    x, w = data(m, n, k, seed=1)
+    q = formats.quantize(w, "int8")
+    for scale in (q.parts["weight_scale"], q.parts["weight_scale"].bfloat16(), q.parts["weight_scale"].reshape(-1)):
+        out = torch.full((m, n), float("nan"))
+        assert ext.gemm_int8(x, q.parts["weight"], scale, out) is out
+        check(out, x, q.parts["weight"].float() * scale.float().reshape(-1, 1))
+
+
+INT4_CASES = [(k, g) for k in KS for g in (8, 32, 64) if k % g == 0]
+
+
+@pytest.mark.parametrize("m,n", list(itertools.product(MS, NS)))
+@pytest.mark.parametrize("k,group", INT4_CASES, ids=[f"K{k}-g{g}" for k, g in INT4_CASES])
+def test_int4(m, n, k, group):
+    x, w = data(m, n, k, seed=2)
+    for scale_dtype in SCALE_DTYPES:
+        q = formats.quantize(w, "int4", group, scale_dtype)
+        out = torch.full((m, n), float("nan"))
+        assert ext.gemm_int4(x, q.parts["weight_packed"], q.parts["weight_scale"], group, out) is out
+        check(out, x, formats.dequantize(q))
+
+
+@pytest.mark.parametrize("m,n,k", [(m, n, k) for m, n, k in itertools.product(MS, NS, KS) if n != 37 or m in (1, 67)])
+def test_fp8(m, n, k):
+    x, w = data(m, n, k, seed=3)
+    q = formats.quantize(w, "fp8")
+    for scale in (q.parts["weight_scale"], q.parts["weight_scale"].bfloat16()):
+        qs = formats.QTensor("fp8", q.shape, {"weight": q.parts["weight"], "weight_scale": scale})
+        for weight in (q.parts["weight"], q.parts["weight"].view(torch.uint8)):
+            out = torch.full((m, n), float("nan"))
+            assert ext.gemm_fp8(x, weight, scale, out) is out
+            check(out, x, formats.dequantize(qs))
+
+
+@pytest.mark.parametrize("m,n,k", [(m, n, k) for m, n, k in itertools.product(MS, NS, (16, 80, 1024))])
+def test_nvfp4(m, n, k):
+    x, w = data(m, n, k, seed=4)
+    q = formats.quantize(w, "nvfp4")
+    out = torch.full((m, n), float("nan"))
+    p = q.parts
+    assert ext.gemm_nvfp4(x, p["weight_packed"], p["weight_scale"].view(torch.uint8), p["weight_global_scale"].item(), out) is out
+    check(out, x, formats.dequantize(q))
+
+
+def test_row_slices_of_a_bigger_weight():
+    """Rows [a, b) of a weight: contiguous views into its storage, read in place."""
+    x, w = data(9, 150, 1024, seed=5)
+    a, b = 37, 120
+    wb = w.bfloat16()
+    out = torch.empty(9, b - a)
+    check(ext.gemm_bf16(x, wb[a:b], out), x, wb[a:b].float())
+    for scheme, group in (("int8", None), ("int4", 64), ("fp8", None), ("nvfp4", None)):
+        q = formats.quantize(w, scheme, group, torch.bfloat16) if scheme == "int4" else formats.quantize(w, scheme)
+        tile = q.rows(a, b)
+        got = dequant.linear(x, tile)
+        assert got is not None, scheme
+        check(got, x, formats.dequantize(tile))
+
+
+def test_linear_dispatch_and_shapes():
+    x, w = data(6, 37, 72, seed=6)
+    x3 = x.reshape(2, 3, 72)
+    wb = w.bfloat16()
+    got = dequant.linear(x3, wb)
+    assert got.shape == (2, 3, 37)
+    check(got.reshape(6, 37), x, wb.float())
+    # a non-contiguous x: linear makes it contiguous; the kernel itself refuses it
+    xt = torch.randn(72, 6).t()
+    check(dequant.linear(xt, wb), xt, wb.float())
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        ext.gemm_bf16(xt, wb, torch.empty(6, 37))
+    # where the kernels do not apply: None (the caller falls back)
+    assert dequant.linear(x.double(), wb) is None
+    assert dequant.linear(x.bfloat16(), wb) is None
+    assert dequant.linear(x, w) is None  # a float32 weight: oneDNN's job
+    assert dequant.linear(x, wb[:, :64]) is None  # K differs
+    stacked = formats.quantize(torch.randn(2, 8, 72), "int8")
+    assert dequant.linear(x, stacked) is None  # [E, N, K]: one 2D weight at a time
+    assert dequant.linear(x, stacked.select(0)) is not None
+
+
+def test_empty_sizes():
+    wb = torch.randn(5, 16).bfloat16()
+    assert ext.gemm_bf16(torch.empty(0, 16), wb, torch.empty(0, 5)).shape == (0, 5)
+    out = torch.full((3, 5), float("nan"))
+    assert torch.equal(ext.gemm_bf16(torch.empty(3, 0), torch.empty(5, 0, dtype=torch.bfloat16), out), torch.zeros(3, 5))
+
+
+def test_threads_do_not_change_results():
+    x, w = data(67, 130, 1000, seed=7)
+    wb = w.bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.gemm_bf16(x, wb, torch.empty(67, 130))
+        torch.set_num_threads(max(2, threads))
+        many = ext.gemm_bf16(x, wb, torch.empty(67, 130))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_bad_arguments():
+    x, w = data(4, 8, 64)
+    wb, out = w.bfloat16(), torch.empty(4, 8)
+    q8, q4 = formats.quantize(w, "int8"), formats.quantize(w, "int4", 32)
+    packed, s4 = q4.parts["weight_packed"], q4.parts["weight_scale"]
+    cases = [
+        (lambda: ext.gemm_bf16(x, w, out), "w must be bfloat16"),
+        (lambda: ext.gemm_bf16(x.double(), wb, out), "x must be float32"),
+        (lambda: ext.gemm_bf16(x[:, :32].contiguous(), wb, out), r"x must be \[M, 64\]"),
+        (lambda: ext.gemm_bf16(x, wb, torch.empty(4, 9)), r"out must be \[4, 8\]"),
+        (lambda: ext.gemm_bf16(x, wb, torch.empty(4, 8, dtype=torch.bfloat16)), "out must be float32"),
+        (lambda: ext.gemm_bf16(x, wb, torch.empty(8, 4).t()), "out must be contiguous"),
+        (lambda: ext.gemm_bf16(x, wb.t().contiguous().t(), out), "w must be contiguous"),
+        (lambda: ext.gemm_bf16(x, wb[None], out), "w must be 2D"),
+        (lambda: ext.gemm_int8(x, q8.parts["weight"], torch.ones(7, 1), out), "one per output channel"),
+        (lambda: ext.gemm_int8(x, q8.parts["weight"], torch.ones(8, 1, dtype=torch.float64), out), "scale must be float32"),
+        (lambda: ext.gemm_int8(x, wb, q8.parts["weight_scale"], out), "w must be int8"),
+        (lambda: ext.gemm_int4(x, packed, s4, 12, out), "group must be a positive multiple of 8"),
+        (lambda: ext.gemm_int4(x, packed, s4, 64, out), r"scale must be \[8, 1\]"),
+        (lambda: ext.gemm_int4(x, packed.float(), s4, 32, out), "packed must be int32"),
+        (lambda: ext.gemm_fp8(x, q8.parts["weight"], q8.parts["weight_scale"], out), "float8_e4m3fn"),
+        (lambda: ext.gemm_nvfp4(x, torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 3, dtype=torch.uint8), 1.0, out), r"scale must be \[8, 4\]"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            fn()
