@@ -11,6 +11,10 @@ Run on an AVX2-only CPU, or emulate one on a newer CPU:
 
 Options: --rounds R (default 7), --shapes M,K,N [M,K,N ...], --only name[,name...], --threads T,
 --stat p10|median.
+
+Then the soft embedding, probs [M, vocab] @ E [vocab, hidden] with E bf16 as stored: gemm_bf16_nn
+against packed float32 (E widened and transposed once) and WidenedSoftEmbed (--soft-shapes
+M,vocab,hidden ...; default 256,32768,1024; --soft-shapes with no value: none).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dgemma.kernels import cpu, dequant
-from dgemma.kernels.widened import WidenedLinear
+from dgemma.kernels.widened import WidenedLinear, WidenedSoftEmbed
 from dgemma.quant import formats
 
 SHAPES = [(32, 1024, 1024), (32, 512, 1024), (256, 1024, 1024), (256, 1024, 2048), (256, 2048, 1024), (256, 1024, 32768)]
@@ -89,6 +93,35 @@ def variants(m: int, k: int, n: int, ext):
     return v
 
 
+def soft_variants(m: int, vocab: int, hidden: int, ext):
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(m, vocab, generator=g), -1)
+    table = (torch.randn(vocab, hidden, generator=g) * 0.02).bfloat16()
+    packed = cpu._pack(table.float().t().contiguous())
+    widened = WidenedSoftEmbed(table)
+    out = torch.empty(m, hidden)
+    v = {"packed f32": lambda: cpu._packed_matmul(probs, packed), "widened soft-embed": lambda: widened(probs)}
+    if ext is not None:
+        v["gemm_bf16_nn"] = lambda: ext.gemm_bf16_nn(probs, table, out)
+        exact = probs.double() @ table.double()
+        got = ext.gemm_bf16_nn(probs, table, out)
+        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max(), "gemm_bf16_nn disagrees with the reference"
+    return v
+
+
+def measure(v: dict, rounds: int, clock, stat) -> tuple[float, str]:
+    for fn in v.values():  # warm up (first-call packing, buffers, the pool)
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in v}
+    for r in range(rounds):
+        names = list(v) if r % 2 == 0 else list(reversed(v))
+        for name in names:
+            times[name] += timer(v[name], clock)
+    med = {name: stat(t) for name, t in times.items()}
+    base = med["packed f32"]
+    return base, "  ".join(f"{name} {t:7.3f} ({t / base:4.2f}x)" for name, t in med.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
@@ -97,6 +130,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--stat", choices=("p10", "median"), default="p10",
                         help="per variant, the 10th percentile of its calls (default: robust to other load) or the median")
+    parser.add_argument("--soft-shapes", nargs="*", default=["256,32768,1024"], help="M,vocab,hidden triples")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -116,18 +150,13 @@ def main() -> None:
         if args.only:
             keep = {"packed f32", *args.only.split(",")}
             v = {name: fn for name, fn in v.items() if name in keep}
-        for fn in v.values():  # warm up (first-call packing, buffers, the pool)
-            fn()
-        times: dict[str, list[float]] = {name: [] for name in v}
-        for r in range(args.rounds):
-            names = list(v) if r % 2 == 0 else list(reversed(v))
-            for name in names:
-                times[name] += timer(v[name], clock)
-        med = {name: stat(t) for name, t in times.items()}
-        base = med["packed f32"]
-        cells = "  ".join(f"{name} {t:7.3f} ({t / base:4.2f}x)" for name, t in med.items())
+        base, cells = measure(v, args.rounds, clock, stat)
         gflops = 2 * m * k * n / base / 1e6
         print(f"M={m:4d} K={k:5d} N={n:6d} [packed {gflops:5.1f} GFLOP/s]  {cells}")
+    for m, vocab, hidden in (tuple(int(v) for v in s.split(",")) for s in args.soft_shapes):
+        base, cells = measure(soft_variants(m, vocab, hidden, ext), args.rounds, clock, stat)
+        gflops = 2 * m * vocab * hidden / base / 1e6
+        print(f"soft embed M={m:4d} vocab={vocab:6d} hidden={hidden:5d} [packed {gflops:5.1f} GFLOP/s]  {cells}")
 
 
 if __name__ == "__main__":

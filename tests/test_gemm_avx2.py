@@ -182,3 +182,87 @@ def test_bad_arguments():
     for fn, message in cases:
         with pytest.raises(RuntimeError, match=message):
             fn()
+
+
+# ------------------------------------------------------------------ bf16, W as [K, N] (gemm_bf16_nn)
+
+
+def check_nn(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """check() for out = x @ w with w [K, N]."""
+    check(out, x, w.T)
+
+
+@pytest.mark.parametrize("m,k,n", list(itertools.product((1, 5, 64, 256), (16, 100, 4096), (8, 37, 1024))))
+def test_bf16_nn(m, k, n):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]  # rows / columns of different sizes
+    w = (torch.randn(k, n, generator=g) * torch.logspace(-1, 1, n)).bfloat16()
+    if k > 2:
+        w[1] = 0.0
+    out = torch.full((m, n), float("nan"))
+    assert ext.gemm_bf16_nn(x, w, out) is out
+    check_nn(out, x, w.float())
+
+
+@pytest.mark.parametrize("kc,nc", [(16, 16), (48, 32), (1000, 48), (5000, 4096)])
+def test_bf16_nn_blocking(kc, nc):
+    """Explicit K chunks / N blocks (ragged against K and N): same products."""
+    g = torch.Generator().manual_seed(10)
+    x, w = torch.randn(13, 1100, generator=g), torch.randn(1100, 75, generator=g).bfloat16()
+    check_nn(ext.gemm_bf16_nn(x, w, torch.empty(13, 75), kc, nc), x, w.float())
+
+
+def test_bf16_nn_threads_and_sizes():
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(67, 1000, generator=g), torch.randn(1000, 130, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.gemm_bf16_nn(x, w, torch.empty(67, 130))
+        torch.set_num_threads(max(2, threads))
+        many = ext.gemm_bf16_nn(x, w, torch.empty(67, 130))
+        many_m = ext.gemm_bf16_nn(x, w[:, :16].contiguous(), torch.empty(67, 16))  # N too small to split: M split
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    check_nn(many_m, x, w[:, :16].float())
+    assert ext.gemm_bf16_nn(torch.empty(0, 16), w[:16], torch.empty(0, 130)).shape == (0, 130)
+    out = torch.full((3, 5), float("nan"))
+    assert torch.equal(ext.gemm_bf16_nn(torch.empty(3, 0), torch.empty(0, 5, dtype=torch.bfloat16), out), torch.zeros(3, 5))
+
+
+def test_matmul_nn_wrapper():
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(2, 3, 72, generator=g), torch.randn(72, 37, generator=g).bfloat16()
+    got = dequant.matmul_nn(x, w)
+    assert got.shape == (2, 3, 37)
+    check_nn(got.reshape(6, 37), x.reshape(6, 72), w.float())
+    xt = torch.randn(72, 6, generator=g).t()  # non-contiguous x: made contiguous
+    check_nn(dequant.matmul_nn(xt, w), xt, w.float())
+    wt = torch.randn(37, 72, generator=g).bfloat16().t()  # non-contiguous w: made contiguous
+    check_nn(dequant.matmul_nn(x.reshape(6, 72), wt), x.reshape(6, 72), wt.float())
+    assert dequant.matmul_nn(x.double(), w) is None
+    assert dequant.matmul_nn(x.bfloat16(), w) is None
+    assert dequant.matmul_nn(x, w.float()) is None  # a float32 w: oneDNN's job
+    assert dequant.matmul_nn(x, w[:64]) is None  # K differs
+    assert dequant.matmul_nn(x, w[None]) is None
+
+
+def test_bf16_nn_bad_arguments():
+    g = torch.Generator().manual_seed(13)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(64, 8, generator=g).bfloat16()
+    out = torch.empty(4, 8)
+    cases = [
+        (lambda: ext.gemm_bf16_nn(x, w.float(), out), "w must be bfloat16"),
+        (lambda: ext.gemm_bf16_nn(x.double(), w, out), "x must be float32"),
+        (lambda: ext.gemm_bf16_nn(x[:, :32].contiguous(), w, out), r"x must be \[M, 64\]"),
+        (lambda: ext.gemm_bf16_nn(x, w, torch.empty(4, 9)), r"out must be \[4, 8\]"),
+        (lambda: ext.gemm_bf16_nn(x, w, torch.empty(4, 8, dtype=torch.bfloat16)), "out must be float32"),
+        (lambda: ext.gemm_bf16_nn(x, w, torch.empty(8, 4).t()), "out must be contiguous"),
+        (lambda: ext.gemm_bf16_nn(x, w.t().contiguous().t(), out), "w must be contiguous"),
+        (lambda: ext.gemm_bf16_nn(torch.randn(64, 4).t(), w, out), "x must be contiguous"),
+        (lambda: ext.gemm_bf16_nn(x, w[None], out), r"w must be 2D \[K, N\]"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            fn()

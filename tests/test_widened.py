@@ -20,7 +20,11 @@ def test_tiled_linear_equals_a_float32_matmul_on_the_widened_weight(tokens, k, n
     torch.testing.assert_close(got, F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
 
 
-def test_soft_embed_and_experts_equal_their_float32_computation():
+@pytest.mark.parametrize("native_gemm", [True, False], ids=["native-gemm", "tiles"])
+def test_soft_embed_and_experts_equal_their_float32_computation(native_gemm, monkeypatch):
+    if not native_gemm:
+        monkeypatch.setattr(dequant, "linear", lambda x, w: None)
+        monkeypatch.setattr(dequant, "matmul_nn", lambda x, w: None)
     g = torch.Generator().manual_seed(1)
     table = torch.randn(3000, 24, generator=g).bfloat16()  # more vocabulary rows than one tile
     probs = torch.softmax(torch.randn(2, 5, 3000, generator=g), -1)
@@ -62,6 +66,7 @@ def test_bf16_engine_without_native_bf16_computes_float32_on_bf16_weights(tmp_pa
         pytest.skip("the native AVX2 kernels are not built here (no AVX2/FMA/F16C, no compiler, or DGEMMA_NATIVE=0)")
     if not native_gemm:
         monkeypatch.setattr(dequant, "linear", lambda x, w: None)
+        monkeypatch.setattr(dequant, "matmul_nn", lambda x, w: None)
     monkeypatch.setenv("DGEMMA_CPU_BF16", "0")
     monkeypatch.setattr(widened, "TILE_ELEMENTS", 16 * 64)  # several tiles per weight, LM head included
     build_reference(tmp_path, "gqa")

@@ -179,3 +179,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QTensor) -> torch.Tensor | No
         else:
             return None
     return out.view(*x.shape[:-1], n)
+
+
+def matmul_nn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [..., K] (float32) @ w [K, N] (bf16, as stored: row k holds input k's N values) -> [..., N]
+    float32, by the native GEMM (`gemm_bf16_nn`, csrc/gemm_avx2.cpp; float32 accumulation): the
+    soft embedding probs @ E with the bf16 embedding table read in place.
+
+    None where it does not apply (no extension, a tensor off the CPU, x not float32, w not a 2D
+    bf16 [K, N]): the caller falls back."""
+    kernel = extension()
+    if kernel is None or not isinstance(w, torch.Tensor) or not isinstance(x, torch.Tensor):
+        return None
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0:
+        return None
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2 or w.shape[0] != x.shape[-1]:
+        return None
+    k, n = w.shape
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    kernel.gemm_bf16_nn(flat, w.contiguous(), out)
+    return out.view(*x.shape[:-1], n)

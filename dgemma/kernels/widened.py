@@ -120,14 +120,17 @@ class WidenedLinear(nn.Module):
 
 
 class WidenedSoftEmbed(nn.Module):
-    """probs [.., vocab] @ E [vocab, hidden] with E (the embedding table) kept in bf16: a tile of
-    vocabulary rows at a time, summed into the float32 result."""
+    """probs [.., vocab] @ E [vocab, hidden] with E (the embedding table) kept in bf16: the native
+    AVX2 GEMM where it runs, else a tile of vocabulary rows at a time, summed into the result."""
 
     def __init__(self, embedding: torch.Tensor):
         super().__init__()
         self.embedding = embedding.detach()
 
     def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        native = dequant.matmul_nn(probs.float(), self.embedding)  # E read as stored (csrc/gemm_avx2.cpp)
+        if native is not None:
+            return native
         flat = probs.reshape(-1, probs.shape[-1]).float()
         vocab, hidden = self.embedding.shape
         rows = tile_rows(hidden)

@@ -457,6 +457,7 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& packed, const at::Te
 at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor out, int64_t kc, int64_t nb);
 at::Tensor gemm_nvfp4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, double global_scale,
                       at::Tensor out, int64_t kc, int64_t nb);
+at::Tensor gemm_bf16_nn(const at::Tensor& x, const at::Tensor& w, at::Tensor out, int64_t kc, int64_t nc);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("widen_bf16", &widen_bf16, "bf16 [N, K] -> out [N, K] (float32 or bf16)", py::arg("src"), py::arg("out"));
@@ -478,4 +479,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("kc") = 0, py::arg("nb") = 0);
   m.def("gemm_nvfp4", &gemm_nvfp4, "out = x @ dequant(packed e2m1 [N, K/2], fp8 scales [N, K/16], global)^T", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("global_scale"), py::arg("out"), py::arg("kc") = 0, py::arg("nb") = 0);
+  m.def("gemm_bf16_nn", &gemm_bf16_nn, "out [M, N] = x [M, K] float32 @ w [K, N] bf16 (w not transposed)", py::arg("x"),
+        py::arg("w"), py::arg("out"), py::arg("kc") = 0, py::arg("nc") = 0);
 }
