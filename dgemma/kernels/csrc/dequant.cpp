@@ -34,6 +34,7 @@ namespace {
 using dgemma_scales::ScaleKind;
 using dgemma_scales::scale_at;
 using dgemma_scales::scale_kind;
+using dgemma_scales::fp8_table;
 
 // ------------------------------------------------------------------------------------ outputs
 // float32 -> bfloat16 bits, nearest even (as c10::BFloat16(float)), in the low 16 bits of each
@@ -74,17 +75,6 @@ inline void put1(at::BFloat16* p, float v) { *p = at::BFloat16(v); }
 // ------------------------------------------------------------------------------------- inputs
 using dgemma_scales::bits_to_float;
 
-// float32 value of each e4m3fn code (c10's conversion: what `.float()` gives the reference)
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-  }
-};
-const Fp8Table& fp8_table() {
-  static const Fp8Table table;
-  return table;
-}
 
 // e4m3fn codes (zero-extended to 16 bits) -> the fp16 patterns of value / 256: the 7 exponent +
 // mantissa bits shifted under fp16's (exponent bias 15 vs 7 is a factor 2^8, subnormals

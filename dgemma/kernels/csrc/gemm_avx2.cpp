@@ -55,6 +55,7 @@ namespace {
 using dgemma_scales::ScaleKind;
 using dgemma_scales::scale_at;
 using dgemma_scales::scale_kind;
+using dgemma_scales::fp8_table;
 
 constexpr int MR = 4;      // x rows per microkernel
 constexpr int NR = 3;      // W rows per microkernel
@@ -287,16 +288,6 @@ inline __m128i fp8_to_half_bits(__m128i x) {
   const __m128i h = _mm_add_epi16(y, _mm_and_si128(y, _mm_set1_epi16(0x4000)));
   const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F));
   return _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
-}
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-  }
-};
-const Fp8Table& fp8_table() {
-  static const Fp8Table table;
-  return table;
 }
 
 struct Int4Decoder {

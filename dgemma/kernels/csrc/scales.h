@@ -1,8 +1,9 @@
-// Shared by dequant.cpp and gemm_avx2.cpp: a float from its bits, and one scale read as float32
-// whatever its stored dtype (float32, bfloat16 or float16).
+// Shared by dequant.cpp and gemm_avx2.cpp: a float from its bits, one scale read as float32
+// whatever its stored dtype (float32, bfloat16 or float16), and the float32 value of each fp8 code.
 #pragma once
 
 #include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -35,6 +36,18 @@ inline float scale_at(const void* base, ScaleKind kind, int64_t i) {
     case ScaleKind::f16: return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
   }
   return 0.f;
+}
+
+// float32 value of each e4m3fn code (c10's conversion: what `.float()` gives the reference)
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+inline const Fp8Table& fp8_table() {
+  static const Fp8Table table;
+  return table;
 }
 
 }  // namespace dgemma_scales
