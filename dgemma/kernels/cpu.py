@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import itertools
 import logging
 import os
 
@@ -73,18 +72,9 @@ class PackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         # Few, large ops around the per-expert GEMMs (each torch op costs ~20-50 us here): one
         # gather, one concatenation per projection, one gelu * up, one scatter-add back to tokens.
-        num_tokens, top_k = top_k_index.shape
-        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-        token = perm // top_k
-        routed = x.index_select(0, token)
-        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
-        spans = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, itertools.accumulate(counts))) if n]
-        gate_up = torch.cat([_packed_matmul(routed[a:b], self.gate_up[e]) for e, a, b in spans])
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = nn.functional.gelu(gate, approximate=self.approximate).mul_(up)
-        out = torch.cat([_packed_matmul(act[a:b], self.down[e]) for e, a, b in spans])
-        out.mul_(top_k_weights.reshape(-1)[perm].to(out.dtype)[:, None])
-        return torch.zeros_like(x).index_add_(0, token, out)
+        return widened.sorted_experts(x, top_k_index, top_k_weights, self.num_experts, self.approximate,
+                                      lambda e, rows: _packed_matmul(rows, self.gate_up[e]),
+                                      lambda e, rows: _packed_matmul(rows, self.down[e]))  # fmt: skip
 
 
 class LeanRMSNorm(nn.Module):
