@@ -14,6 +14,7 @@ from .config import GenerationConfig, ModelConfig, load_generation_config, load_
 from .engine.client import EngineClient
 from .engine.engine import Engine, EngineOptions
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
+from .engine.grammar import Grammar, GrammarCompiler, GrammarError
 from .engine.kv_cache import DenseKVCache
 from .engine.prefill import prefill
 from .engine.reference import reference_events
@@ -90,6 +91,7 @@ class Model:
         self._engine_net: DiffusionGemma | None = None
         self._client: EngineClient | None = None
         self._processor = None
+        self._grammars: GrammarCompiler | None = None
 
     @property
     def engine_net(self) -> DiffusionGemma:
@@ -122,6 +124,30 @@ class Model:
         if self._client is None:
             self._client = EngineClient(Engine(self.engine_net, self.engine_options))
         return self._client
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """This checkpoint's tokenizer as llguidance reads it (built on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise GrammarError("structured output needs the checkpoint's tokenizer.json")
+            g = self.generation_config
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.config.vocab_size, g.eos_token_ids, g.pad_token_id)
+        return self._grammars
+
+    def compile_grammar(self, kind: str, spec) -> Grammar:
+        """A grammar for `generate(..., grammar=)`: kind "json_schema" (a dict or JSON text),
+        "json_object", "regex" or "lark". GrammarError (a ValueError) names what is wrong."""
+        return self.grammars.compile(kind, spec)
+
+    def _grammar_constraints(self, grammar: Grammar | None, count: int, constraints):
+        if grammar is None:
+            return constraints
+        if constraints is not None:
+            raise ValueError("pass constraints or grammar, not both")
+        if not isinstance(grammar, Grammar):
+            raise ValueError(f"grammar must come from compile_grammar (got {type(grammar).__name__})")
+        return [self.grammars.canvas(grammar, self.config.canvas_length) for _ in range(count)]
 
     @property
     def device(self) -> torch.device:
@@ -284,6 +310,7 @@ class Model:
         mode: str = "diffusion",
         temperature: float = 0.0,
         constraints: Sequence | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationOutput:
         """Generate for a batch of prompts (token-id lists of any lengths, or strings).
 
@@ -292,8 +319,11 @@ class Model:
         `mode="ar"` decodes autoregressively with the encoder (greedy at temperature 0).
         `constraints`: one per prompt, a `CanvasConstraints` for every canvas of it, a function
         of the `Request` giving one per decoder pass, or None (see engine/constraints.py).
+        `grammar` (from `compile_grammar`): every answer is a sentence of it, or a prefix of one
+        when max_new_tokens ends it first (see engine/grammar.py).
         """
         prompt_ids, images = self._split_prompts(prompts)
+        constraints = self._grammar_constraints(grammar, len(prompt_ids), constraints)
         if mode == "ar":
             from .engine.ar import ar_events
 
@@ -326,12 +356,14 @@ class Model:
         )
 
     def stream(
-        self, prompt, drafts: bool = False, seed: int | None = None, sampling: str = "default", constraints=None, **knobs
+        self, prompt, drafts: bool = False, seed: int | None = None, sampling: str = "default", constraints=None,
+        grammar: Grammar | None = None, **knobs,
     ):
         """Yield `Block` events as each canvas commits (and `Draft` events per step if `drafts`)."""
         prompt_ids, images = self._split_prompts([prompt])
         request = self.sampling_request(1, seed=seed, sampling=sampling, **knobs)
         listed = None if constraints is None else [constraints]
+        listed = self._grammar_constraints(grammar, 1, listed)
         return self._events(prompt_ids, request, drafts=drafts, user_seed=seed is not None, constraints=listed, images=images)
 
     @torch.no_grad()

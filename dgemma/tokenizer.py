@@ -119,6 +119,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """tokenizer.json's content (what llguidance reads)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, a leading <bos> if the tokenizer does not add one."""
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

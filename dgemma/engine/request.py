@@ -21,6 +21,9 @@ from .constraints import CanvasConstraints
 from .paged_cache import SequenceBlocks
 
 ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstraints | None"], None]
+# A constraint source may also judge what a block commits: `commit(block) -> n` keeps the first n
+# tokens of the converged canvas (a grammar's valid prefix: engine/grammar.py), and the next canvas
+# starts after them.
 
 
 @dataclass
@@ -80,7 +83,16 @@ class Request:
         return len(self.sequence) - self.kv.length
 
     def max_sequence_length(self, canvas_length: int) -> int:
-        return max_sequence_length(len(self.prompt), self.config.max_new_tokens, canvas_length)
+        return max_sequence_length(len(self.prompt), self.config.max_new_tokens, canvas_length, self.partial_commits)
+
+    @property
+    def partial_commits(self) -> bool:
+        """Blocks may commit fewer than canvas_length tokens (the constraints judge them)."""
+        return hasattr(self.constraints, "commit")
+
+    def commit_length(self, block: list[int]) -> int:
+        """How many leading tokens of the converged canvas `block` commit."""
+        return self.constraints.commit(block) if self.partial_commits else len(block)
 
     def resolve_constraints(self) -> CanvasConstraints | None:
         source = self.constraints
@@ -93,6 +105,7 @@ class Request:
         stream is the same whatever its constraints (as the reference draws one for
         `decoder_input_ids`)."""
         canvas = torch.randint(0, vocab_size, (canvas_length,), generator=self.generator)
+        self.argmax = canvas  # what a constraint function sees before the first pass
         self.active_constraints = self.resolve_constraints()
         if self.active_constraints is not None:
             canvas = self.active_constraints.apply_fixed(canvas)
@@ -104,9 +117,12 @@ class Request:
         self.block_passes = 0
 
 
-def max_sequence_length(prompt_len: int, max_new_tokens: int, canvas_length: int) -> int:
+def max_sequence_length(prompt_len: int, max_new_tokens: int, canvas_length: int, partial: bool = False) -> int:
     """Positions a request may ever encode: its prompt and every block but the last (the last
-    committed block ends the request and is never encoded)."""
+    committed block ends the request and is never encoded). With `partial` commits, every
+    token but the last of max_new_tokens may be encoded."""
+    if partial:
+        return prompt_len + max(max_new_tokens - 1, 0)
     return prompt_len + (math.ceil(max_new_tokens / canvas_length) - 1) * canvas_length
 
 

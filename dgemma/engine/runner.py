@@ -230,6 +230,7 @@ class Runner:
         if fixed is not None:
             canvas = torch.where(free, canvas, fixed)
             argmax = torch.where(free, argmax, fixed)
+        argmax = self._refine(group, argmax, weights)
         stops, histories = [], []
         for i, r in enumerate(group):
             stop, history = sampler.stable_and_confident(
@@ -242,6 +243,19 @@ class Runner:
             DecodeResult(r, canvas[i], argmax[i], soft_next[i], histories[i], stop)
             for i, (r, stop) in enumerate(zip(group, torch.cat(stops).tolist()))
         ]
+
+    def _refine(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The argmax canvases after constraint sources that correct them once the pass is known
+        (`refine(argmax [C], weights [C, V]) -> [C]`: a grammar's left-to-right walk, which
+        replaces each rejected token by the most likely allowed one)."""
+        if not any(hasattr(r.constraints, "refine") for r in group):
+            return argmax
+        rows = weights.view(len(group), self.config.canvas_length, -1)
+        refined = [
+            r.constraints.refine(argmax[i].cpu(), rows[i]).to(argmax.device) if hasattr(r.constraints, "refine") else argmax[i]
+            for i, r in enumerate(group)
+        ]
+        return torch.stack(refined)
 
     def _fixed(self, group: list[Request]) -> torch.Tensor | None:
         """[n, C] fixed token per position (-1: free), or None when no request fixes any."""

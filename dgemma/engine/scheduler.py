@@ -79,11 +79,12 @@ class Scheduler:
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- requests in and out
-    def refusal(self, prompt_len: int, max_new_tokens: int) -> str | None:
+    def refusal(self, prompt_len: int, max_new_tokens: int, partial: bool = False) -> str | None:
         """Why a request of this size can never run here (None if it can): past the model's
-        positions, or more KV blocks than the pools hold even when empty."""
+        positions, or more KV blocks than the pools hold even when empty. `partial`: its blocks
+        may commit fewer than a canvas of tokens (a grammar)."""
         cfg, c = self.config, self.config.canvas_length
-        encoded = max_sequence_length(prompt_len, max_new_tokens, c)
+        encoded = max_sequence_length(prompt_len, max_new_tokens, c, partial)
         last = encoded + c  # end of the last canvas
         if last > cfg.max_position_embeddings:
             return (
@@ -101,7 +102,7 @@ class Scheduler:
         return None
 
     def add(self, request: Request) -> int:
-        why = self.refusal(len(request.prompt), request.config.max_new_tokens)
+        why = self.refusal(len(request.prompt), request.config.max_new_tokens, request.partial_commits)
         if why is not None:
             raise ValueError(why)
         if request.images:
@@ -227,8 +228,15 @@ class Scheduler:
         return [(s, e, image.key) for (s, e), image in zip(req.image_spans, req.images)]
 
     def _commit(self, req: Request, events: list) -> None:
-        """The converged canvas's argmax becomes the request's next block."""
+        """The converged canvas's argmax becomes the request's next block (of it, what the
+        constraints accept: a grammar's valid prefix)."""
         block = req.argmax.tolist()
+        keep = req.commit_length(block)
+        if keep == 0:  # nothing valid (never for a grammar's masked canvas): denoise a fresh canvas
+            req.passes += req.block_passes
+            req.canvas = None
+            return
+        block = block[:keep]
         eos, pad = req.config.eos_token_ids, req.config.pad_token_id
         tokens, hit_eos, counted = cut_block(block, eos, req.config.max_new_tokens - len(req.tokens))
         req.tokens += tokens

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from ..config import GenerationConfig
 from ..engine.engine import Engine, Request
@@ -46,6 +46,7 @@ class Job:
     drafts: bool
     loop: asyncio.AbstractEventLoop
     images: list[ImagePatches] = field(default_factory=list)  # in the order of their placeholders in prompt
+    constraints: Any = None  # the request's constraint source (a grammar's state: engine/grammar.py)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: int | None = None  # the engine's id, once added
     cancelled: bool = False
@@ -96,7 +97,8 @@ class EngineThread:
             return self._in_flight
 
     def submit(
-        self, prompt: list[int], config: GenerationConfig, seed: int, drafts: bool = False, images: list[ImagePatches] = ()
+        self, prompt: list[int], config: GenerationConfig, seed: int, drafts: bool = False, images: list[ImagePatches] = (),
+        constraints: Any = None,
     ) -> Job:
         """Queue a request (with the patches of the images its prompt holds placeholders for);
         raises QueueFull when every slot and every queue place is taken."""
@@ -106,7 +108,7 @@ class EngineThread:
                     f"server busy: {self.max_active} canvases active and {self.max_queue} requests queued; retry later"
                 )
             self._in_flight += 1
-        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop(), list(images))
+        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop(), list(images), constraints)
         self._inbox.put(("add", job))
         self._wake.set()
         return job
@@ -161,7 +163,9 @@ class EngineThread:
                     self._done(job, Finished(-1, "cancelled", [], 0, 0.0))
                     continue
                 try:
-                    request = Request(job.prompt, job.config, job.seed, drafts=job.drafts, images=job.images)
+                    request = Request(
+                        job.prompt, job.config, job.seed, drafts=job.drafts, images=job.images, constraints=job.constraints
+                    )
                     job.request_id = self.engine.add(request)
                 except Exception as e:  # validated by the server first; reported, never raised here
                     self._done(job, EngineFailure(f"the engine refused the request: {e}"))
