@@ -6,7 +6,9 @@ anything a client sends gets a 4xx with an OpenAI-style error body naming the pr
 only ever sees requests that fit. Chat messages may carry images and video (media.py: where they
 may come from; the checkpoint's processor: what they become). See docs/server.md for the fields
 and the streaming extension, docs/media.md for media. Tool calling (tools.py: Gemma 4's format,
-checks, rendering, parsing) is wired in here: see docs/server.md, "Tool calling".
+checks, rendering, parsing) is wired in here: see docs/server.md, "Tool calling"; so is Gemma 4's
+thinking (reasoning.py: the thought channel as `reasoning_content`), "Thinking"; other clients'
+fields: "Client compatibility".
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -32,12 +34,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from ..engine.engine import Engine, EngineOptions
+from ..engine.grammar import Grammar, GrammarError
 from ..media.inputs import MediaError, ModelInputs
 from . import media
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
 from .media import MediaPolicy, MediaRef, PartError
 from .metrics import Metrics
 from .text import TextStream
+from .structured import GUIDED_FIELDS, GrammarCache, OutputFormat, StructuredError, request_format
+from .reasoning import THINK, ReasoningParser, Thought, keeping_channel, template_thinks, think_in_system_turn
 from .tools import ToolCallParser, ToolError, ToolSpec, check_messages, keeping_decoder, render_chat, tool_spec
 from ..tokenizer import ChatTemplateError
 
@@ -103,6 +108,24 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool = True  # accepted: dgemma adds no obfuscation padding to chunks
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Strict):
+    """A predicted output (OpenAI's speed-up for edits): accepted and ignored."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
+class PromptCacheOptions(_Strict):
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m"] = "30m"
 
 
 class ChatMessage(_Strict):
@@ -111,6 +134,13 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: Any = None  # assistant messages (checked by tools.check_messages)
     tool_call_id: Any = None  # role "tool" messages
+    # an assistant message as a response returned it (or OpenAI's assistant message param):
+    # accepted, not rendered (Gemma 4's template drops earlier thoughts); see _unsupported
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    function_call: Any = None
+    audio: Any = None
 
 
 def _num(lo: float | None = None, hi: float | None = None, gt: float | None = None) -> Any:
@@ -126,7 +156,7 @@ class _Params(_Strict):
     stop: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # ignored
     # accepted for client compatibility; see docs/server.md
     temperature: float | None = _num(0, 2)
     top_p: float | None = _num(0, 1)
@@ -134,6 +164,10 @@ class _Params(_Strict):
     presence_penalty: float | None = _num(-2, 2)
     frequency_penalty: float | None = _num(-2, 2)
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extras, accepted at their neutral values (the sampler has no such truncation)
+    top_k: int | None = None
+    min_p: float | None = _num(0, 1)
+    repetition_penalty: float | None = _num(gt=0)
     # dgemma extensions
     max_denoising_steps: int | None = Field(None, ge=1, le=4096)
     entropy_bound: float | None = _num(hi=1e6, gt=0)
@@ -143,6 +177,12 @@ class _Params(_Strict):
     confidence_threshold: float | None = _num(hi=1e6, gt=0)
     ignore_eos: bool = False
     stream_drafts: bool = False
+    # structured output (structured.py): OpenAI's response_format, vLLM's guided_* fields
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionParams(_Params):
@@ -161,7 +201,25 @@ class ChatParams(_Params):
     tools: Any = None  # checked by tools.tool_spec, for messages that name the problem
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
+    functions: Any = None  # deprecated by OpenAI for tools: refused by name
+    function_call: Any = None
+    # the openai SDK's newer fields (see docs/server.md, "Client compatibility")
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[str] | None = None
+    prediction: Prediction | None = None
+    audio: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    safety_identifier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    # vLLM's: variables for the chat template (enable_thinking, see "Thinking")
+    chat_template_kwargs: dict[str, Any] | None = None
     # dgemma extensions: soft tokens per image and per video frame (70, 140, 280, 560 or 1120;
     # default: the checkpoint's processor config)
     max_soft_tokens: int | None = None
@@ -180,17 +238,51 @@ def _unsupported(params: _Params) -> None:
         ("echo", bool(getattr(params, "echo", None)), "echo is not supported"),
         ("best_of", getattr(params, "best_of", None) not in (None, 1), "best_of is not supported"),
         ("suffix", bool(getattr(params, "suffix", None)), "suffix (insertion) is not supported"),
-        (
-            "response_format",
-            (getattr(params, "response_format", None) or {"type": "text"}).get("type") != "text",
-            "only response_format {'type': 'text'} is supported",
-        ),
         ("stream_options", params.stream_options is not None and not params.stream, "stream_options needs stream: true"),
         ("stream_drafts", params.stream_drafts and not params.stream, "stream_drafts needs stream: true"),
     ]
+    checks += _client_checks(params)
     for name, bad, why in checks:
         if bad:
             raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
+
+
+DEPRECATED = "deprecated by OpenAI and not supported"
+REFUSED_FIELDS = {  # chat fields whose every non-null value asks for what dgemma has not got
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not available on this server",
+    "moderation": "moderation is not available on this server",
+    "functions": f"functions are {DEPRECATED}; send tools instead",
+    "function_call": f"function_call is {DEPRECATED}; send tool_choice (with tools) instead",
+}
+
+
+def _client_checks(params: _Params) -> list[tuple[str, bool, str]]:
+    """The fields other clients send (vLLM's sampling extras, the openai SDK's newer fields) that
+    ask for what dgemma cannot do: (field, refused, why), for `_unsupported`."""
+    checks = [
+        ("top_k", params.top_k not in (None, -1, 0), "top-k truncation is not supported; omit it or send -1 (all tokens)"),
+        ("min_p", bool(params.min_p), "min-p truncation is not supported; omit it or send 0"),
+        ("repetition_penalty", params.repetition_penalty not in (None, 1), "repetition penalties are not supported; omit it or send 1"),
+    ]
+    if not isinstance(params, ChatParams):
+        return checks
+    checks += [(name, getattr(params, name) is not None, why) for name, why in REFUSED_FIELDS.items()]
+    long = next(((k, v) for k, v in (params.metadata or {}).items() if len(k) > 64 or len(v) > 512), None)
+    checks += [
+        ("modalities", any(m != "text" for m in params.modalities or []),
+         f"only text output is supported: send ['text'] (got {_short(params.modalities)})"),
+        ("metadata", long is not None, f"keys are at most 64 characters and values at most 512 (got {_short(long)})"),
+    ]  # fmt: skip
+    for i, m in enumerate(params.messages):
+        p = f"messages[{i}]"
+        checks += [
+            (f"{p}.function_call", m.function_call is not None, f"function_call is {DEPRECATED}; send tool_calls instead"),
+            (f"{p}.audio", m.audio is not None, "audio is not supported"),
+        ]
+        for name in ("reasoning_content", "reasoning", "refusal"):
+            checks += [(f"{p}.{name}", getattr(m, name) is not None and m.role != "assistant", "only assistant messages carry it")]
+    return checks
 
 
 def parse_stop(stop: Any) -> list[str]:
@@ -225,6 +317,51 @@ def request_tools(params: "ChatParams") -> ToolSpec:
         return tool_spec(params.tools, params.tool_choice, params.parallel_tool_calls)
     except ToolError as e:
         raise ApiError(400, str(e), e.param, "invalid_value") from None
+
+
+def output_format(params: _Params, spec: ToolSpec | None) -> OutputFormat | None:
+    """The request's structured-output format, checked (400 naming the field)."""
+    try:
+        fmt = request_format(params.response_format, {k: getattr(params, k) for k in GUIDED_FIELDS})
+    except StructuredError as e:
+        raise ApiError(400, str(e), e.param, "invalid_value") from None
+    if fmt is not None and spec is not None and spec.active:
+        raise ApiError(400, f"{fmt.param}: structured output and tools in one request are not supported; send "
+                            "tool_choice 'none' or no tools (a forced tool call is enforced by its own grammar)",
+                       fmt.param, "unsupported_parameter")  # fmt: skip
+    if fmt is not None and params.ignore_eos:
+        raise ApiError(400, f"{fmt.param}: structured output ends with EOS; ignore_eos cannot be used with it",
+                       "ignore_eos", "unsupported_parameter")  # fmt: skip
+    return fmt
+
+
+# template variables the server sets itself (or the processor, or jinja's globals)
+RESERVED_TEMPLATE_KWARGS = {
+    "messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message", "chat_template", "bos_token",
+    "eos_token", "image_token", "video_token", "boi_token", "eoi_token", "max_soft_tokens", "video_max_soft_tokens",
+    "raise_exception", "strftime_now",
+}  # fmt: skip
+
+
+def request_template_kwargs(params: "ChatParams") -> dict:
+    """The request's chat template variables: chat_template_kwargs, with enable_thinking set by
+    reasoning_effort when it is given ("none": off, any other effort: on); 400 naming the field."""
+    kwargs = dict(params.chat_template_kwargs or {})
+    for key in kwargs:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            why = "is set by the server" if key in RESERVED_TEMPLATE_KWARGS else "is not a template variable name"
+            raise ApiError(400, f"chat_template_kwargs.{key} {why}", f"chat_template_kwargs.{key}", "invalid_value")
+    enable, effort = kwargs.get("enable_thinking"), params.reasoning_effort
+    if enable is not None and not isinstance(enable, bool):
+        raise ApiError(400, f"chat_template_kwargs.enable_thinking must be a boolean (got {_short(enable)})",
+                       "chat_template_kwargs.enable_thinking", "invalid_value")  # fmt: skip
+    if effort is None:
+        return kwargs
+    if enable is not None and enable != (effort != "none"):
+        raise ApiError(400, f"reasoning_effort {effort!r} contradicts chat_template_kwargs.enable_thinking={enable}; "
+                            "send one of them", "reasoning_effort", "invalid_value")  # fmt: skip
+    kwargs["enable_thinking"] = effort != "none"
+    return kwargs
 
 
 def media_error(e: MediaError) -> ApiError:
@@ -284,6 +421,20 @@ class Service:
             return Engine(net, options)
 
         self.engine_thread = EngineThread(new_engine, max_active, max_queue, self.metrics)
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
+
+    def grammar(self, fmt: OutputFormat) -> Grammar:
+        """`fmt` compiled against the checkpoint's tokenizer (cached); blocking: run off the loop."""
+        try:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCache(self.model.grammars)
+            return self._grammars.get(fmt)
+        except StructuredError as e:
+            raise ApiError(400, str(e), e.param, "invalid_value") from None
+        except GrammarError as e:  # the checkpoint cannot do structured output at all
+            raise ApiError(400, f"{fmt.param}: {e}", fmt.param, "unsupported_parameter") from None
 
     # ---------------------------------------------------------------- parsing
     def check_model(self, name: str) -> None:
@@ -316,13 +467,16 @@ class Service:
         )  # fmt: skip
 
     def chat_prompt(
-        self, messages: list[ChatMessage], soft_tokens: dict | None = None, spec: ToolSpec | None = None
+        self, messages: list[ChatMessage], soft_tokens: dict | None = None, spec: ToolSpec | None = None,
+        template_kwargs: dict | None = None,
     ) -> ModelInputs:
         """The chat rendered and tokenized; with media parts, through the checkpoint's processor
         with `soft_tokens` (its max_soft_tokens, video_max_soft_tokens); with `spec`'s tools
         declared and tool calls / results rendered in Gemma 4's format (tools.render_chat), then
-        the text the answer must start with (tool_choice) after the generation prompt. Blocking:
-        media is fetched and decoded here, so callers run it off the event loop."""
+        the text the answer must start with (tool_choice) after the generation prompt;
+        `template_kwargs` passed to the template (enable_thinking: <|think|> written into the
+        system turn when the template does not). Blocking: media is fetched and decoded here, so
+        callers run it off the event loop."""
         soft_tokens = soft_tokens or {}
         try:
             turns = [(_chat_role(i, m), media.parse_content(i, m.content)) for i, m in enumerate(messages)]
@@ -340,15 +494,31 @@ class Service:
             loaded = iter([media.processor_part(ref, self.media, processor) for ref in refs])
             rendered = [{"role": r, "content": _processor_content(c, loaded)} for r, c in turns]
             chat = render_chat(rendered, extras, spec, self.tokenizer.chat_template)
+            turns, kwargs = chat.messages, {**(template_kwargs or {}), **chat.kwargs}
+            if kwargs.get("enable_thinking") and not template_thinks(self.tokenizer.chat_template):
+                turns = self._think(turns)
             if processor is None:
-                inputs = ModelInputs(self._render(self.tokenizer, chat.messages, **chat.kwargs))
+                inputs = ModelInputs(self._render(self.tokenizer, turns, **kwargs))
             else:
-                inputs = self._render(processor, chat.messages, **chat.kwargs, **soft_tokens)
+                inputs = self._render(processor, turns, **kwargs, **soft_tokens)
             if chat.suffix:  # text only (calls, results, a call's opening): after the generation prompt
                 inputs.input_ids = inputs.input_ids + self._encode_text(chat.suffix)
             return inputs
         except MediaError as e:
             raise media_error(e) from None
+
+    def _think(self, turns: list[dict]) -> list[dict]:
+        """Thinking switched on by dgemma for a template that does not read enable_thinking."""
+        if self.tokenizer.token_to_id(THINK) is None:
+            raise ApiError(400, "reasoning_effort / chat_template_kwargs.enable_thinking: this checkpoint cannot think "
+                                f"(its chat template does not read enable_thinking and its tokenizer has no {THINK} token)",
+                           "reasoning_effort", "unsupported_parameter")  # fmt: skip
+        return think_in_system_turn(turns)
+
+    def thinks(self, prompt: ModelInputs) -> bool:
+        """Whether the prompt switches thinking on (<|think|>: the template wrote it, or a client did)."""
+        think = self.tokenizer.token_to_id(THINK)
+        return think is not None and think in prompt.input_ids
 
     def _encode_text(self, text: str) -> list[int]:
         try:
@@ -378,11 +548,12 @@ class Service:
         except Exception as e:  # text the tokenizer rejects (lone surrogates)
             raise ApiError(400, f"messages could not be tokenized: {e}", "messages", "invalid_value") from None
 
-    def generation_config(self, params: _Params, prompt: ModelInputs, max_tokens: int | None):
+    def generation_config(self, params: _Params, prompt: ModelInputs, max_tokens: int | None, partial: bool = False):
         """The per-request GenerationConfig: checkpoint defaults, the client's knobs, and what fits
-        the context (image soft tokens take positions like any prompt token)."""
+        the context (image soft tokens take positions like any prompt token). `partial`: blocks
+        may commit fewer tokens than a canvas (a grammar), so the last canvas may start anywhere."""
         c, prompt_len = self.canvas, len(prompt.input_ids)
-        room = (self.context - prompt_len) // c * c
+        room = self.context - prompt_len - c + 1 if partial else (self.context - prompt_len) // c * c
         if room < 1:
             images = f" ({prompt.num_image_tokens} of them image tokens; a smaller max_soft_tokens makes fewer)"
             raise ApiError(
@@ -404,7 +575,7 @@ class Service:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        why = self.engine_thread.engine.scheduler.refusal(prompt_len, max_tokens)
+        why = self.engine_thread.engine.scheduler.refusal(prompt_len, max_tokens, partial)
         if why is not None:
             raise ApiError(400, why, "max_tokens", "context_length_exceeded")
         try:
@@ -422,18 +593,28 @@ class Service:
             raise ApiError(400, str(e), None, "invalid_value") from None
 
     # ---------------------------------------------------------------- running
-    def start(self, params: _Params, prompt: ModelInputs, max_tokens: int | None, tools: bool = False) -> Generation:
-        """Submit the request; with `tools`, its text keeps the tool-call tokens (for the parser)."""
+    def start(
+        self, params: _Params, prompt: ModelInputs, max_tokens: int | None, tools: bool = False, grammar: Grammar | None = None,
+        thinking: bool = False,
+    ) -> Generation:
+        """Submit the request; with `tools`, its text keeps the tool-call tokens (for the parser);
+        with `grammar`, its output is enforced to match it; with `thinking`, the text keeps the
+        channel markers (for the reasoning parser)."""
         stops = parse_stop(params.stop)
-        config = self.generation_config(params, prompt, max_tokens)
+        config = self.generation_config(params, prompt, max_tokens, partial=grammar is not None)
+        constraints = None if grammar is None else self.model.grammars.canvas(grammar, self.canvas)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_LIMIT)
         if not self.engine_thread.alive:
             raise ApiError(503, "the engine is not running", code="engine_stopped")
         try:
-            job = self.engine_thread.submit(prompt.input_ids, config, seed, drafts=params.stream_drafts, images=prompt.images)
+            job = self.engine_thread.submit(
+                prompt.input_ids, config, seed, drafts=params.stream_drafts, images=prompt.images, constraints=constraints
+            )
         except QueueFull as e:
             raise ApiError(429, str(e), None, "queue_full") from None
         decode = self.tool_decode if tools else self.tokenizer.decode
+        if thinking:
+            decode = keeping_channel(self.tokenizer, decode)
         text = TextStream(decode, stops, config.eos_token_ids, config.max_new_tokens)
         return Generation(self.engine_thread, job, text)
 
@@ -500,24 +681,33 @@ def _sse(obj: Any) -> bytes:
 class _Responder:
     """Shapes one request's updates as a completion or chat completion, whole or streamed.
 
-    With tools active, committed text goes through a ToolCallParser: content as it is decided,
-    each call as one `tool_calls` delta once it has closed and parsed, and finish_reason
-    "tool_calls" when the answer holds calls (and stopped on its own, not at max_tokens)."""
+    With thinking (the prompt holds <|think|>), committed text first goes through a
+    ReasoningParser: the thought channel comes out as `reasoning_content` (a message field; a
+    delta field when streaming), the rest as content. With tools active, that content goes
+    through a ToolCallParser: content as it is decided, each call as one `tool_calls` delta once it
+    has closed and parsed, and finish_reason "tool_calls" when the answer holds calls (and stopped
+    on its own, not at max_tokens)."""
 
     def __init__(self, service: Service, chat: bool, prompt: ModelInputs, gen: Generation, params: _Params,
-                 spec: ToolSpec | None = None):  # fmt: skip
+                 spec: ToolSpec | None = None, thinking: bool = False):  # fmt: skip
         self.service, self.chat, self.prompt, self.gen, self.params = service, chat, prompt, gen, params
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.parser = ToolCallParser(spec.names, spec.parallel, spec.prefill) if spec is not None and spec.active else None
+        self.reasoning = ReasoningParser() if thinking else None
 
     def _envelope(self, choices: list, object_: str) -> dict:
-        return {"id": self.id, "object": object_, "created": self.created, "model": self.service.name, "choices": choices}
+        body = {"id": self.id, "object": object_, "created": self.created, "model": self.service.name, "choices": choices}
+        if getattr(self.params, "service_tier", None) is not None:
+            body["service_tier"] = "default"  # the tier that served it, as OpenAI reports it: the only one
+        return body
 
     def _chunk(self, text: str | None, finish_reason: str | None = None, draft: dict | None = None, role: bool = False,
-               tool_call: dict | None = None) -> dict:  # fmt: skip
+               tool_call: dict | None = None, reasoning: str | None = None) -> dict:  # fmt: skip
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if reasoning is not None:
+                delta = {"reasoning_content": reasoning}
             if tool_call is not None:  # its index: its place among the answer's calls
                 index = next(k for k, c in enumerate(self.parser.calls) if c is tool_call)
                 delta = {"tool_calls": [{"index": index, **tool_call}]}
@@ -536,6 +726,21 @@ class _Responder:
             self.gen.stop()
         return items
 
+    def _items(self, text: str, final: bool = False) -> list:
+        """Newly committed text as what the client gets, in order: content strings, Thought pieces
+        and calls (parsed from the content only); without either parser, the text as it came."""
+        if self.reasoning is None and self.parser is None:
+            return [] if final else [text]
+        pieces = self.reasoning.feed(text, final) if self.reasoning is not None else [text]
+        if self.parser is None:
+            return pieces
+        items: list = []
+        for piece in pieces:
+            if self.parser.done:  # the answer ended (a <|tool_response>, the one call): nothing after it
+                break
+            items += [piece] if isinstance(piece, Thought) else self._parse(piece)
+        return items + (self._parse("", final=True) if final else [])
+
     def _reason(self) -> str:
         reason = self.gen.finish_reason or "cancelled"
         return "tool_calls" if self.parser is not None and self.parser.calls and reason == "stop" else reason
@@ -546,8 +751,7 @@ class _Responder:
         try:
             async for update in self.gen.updates():
                 parts.append(update.text)
-                if self.parser is not None:
-                    items += self._parse(update.text)
+                items += self._items(update.text)
         except EngineFailure as e:
             self.service.record(self.gen, "error")
             return error_response(ApiError(500, f"generation failed: {e}", code="engine_error"))
@@ -557,13 +761,14 @@ class _Responder:
         self.service.record(self.gen, reason)
         text = "".join(parts)
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            if self.parser is not None:
-                items += self.parser.feed("", final=True)
-                content = "".join(i for i in items if isinstance(i, str))
-                message["content"] = (content or None) if self.parser.calls else content
-                if self.parser.calls:
-                    message["tool_calls"] = self.parser.calls
+            items += self._items("", final=True)
+            content = "".join(i for i in items if isinstance(i, str))
+            calls = self.parser.calls if self.parser is not None else []
+            message = {"role": "assistant", "content": (content or None) if calls else content}
+            if self.reasoning is not None:
+                message["reasoning_content"] = "".join(i.text for i in items if isinstance(i, Thought)) or None
+            if calls:
+                message["tool_calls"] = calls
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
@@ -580,14 +785,11 @@ class _Responder:
             async for update in self.gen.updates():
                 if update.kind == "draft":
                     yield _sse(self._chunk(None, draft={"block": update.block, "step": update.step, "text": update.text}))
-                elif self.parser is None:
-                    yield _sse(self._chunk(update.text))
                 else:
-                    for item in self._parse(update.text):
+                    for item in self._items(update.text):
                         yield _sse(self._item(item))
-            if self.parser is not None:
-                for item in self.parser.feed("", final=True):
-                    yield _sse(self._item(item))
+            for item in self._items("", final=True):
+                yield _sse(self._item(item))
             reason = self._reason()
             finished = True
             self.service.record(self.gen, reason)
@@ -607,7 +809,9 @@ class _Responder:
                 self.gen.cancel()
                 self.service.record(self.gen, "cancelled")
 
-    def _item(self, item: str | dict) -> dict:
+    def _item(self, item: str | Thought | dict) -> dict:
+        if isinstance(item, Thought):
+            return self._chunk(None, reasoning=item.text)
         return self._chunk(item) if isinstance(item, str) else self._chunk(None, tool_call=item)
 
 
@@ -715,13 +919,18 @@ def create_app(
         # so streams keep flowing
         spec = request_tools(params) if chat else None
         if chat:
-            prompt = await asyncio.to_thread(service.chat_prompt, params.messages, soft_token_budgets(params), spec)
+            prompt = await asyncio.to_thread(service.chat_prompt, params.messages, soft_token_budgets(params), spec,
+                                             request_template_kwargs(params))  # fmt: skip
             max_tokens = params.max_completion_tokens or params.max_tokens
         else:
             prompt = ModelInputs(await asyncio.to_thread(service.completion_prompt, params.prompt))
             max_tokens = params.max_tokens
-        gen = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active)
-        responder = _Responder(service, chat, prompt, gen, params, spec)
+        fmt = output_format(params, spec)
+        grammar = None if fmt is None else await asyncio.to_thread(service.grammar, fmt)
+        thinking = chat and service.thinks(prompt)
+        gen = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
+                            thinking=thinking)  # fmt: skip
+        responder = _Responder(service, chat, prompt, gen, params, spec, thinking)
         if params.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(responder.stream(request), media_type="text/event-stream", headers=headers)
