@@ -123,6 +123,33 @@ def media_prompt(model, args):
     return processor(text, images=images, videos=videos, **budgets)
 
 
+def run_grammar(model, args):
+    """The Grammar of --json-schema FILE / --regex / --grammar FILE (Lark), or None."""
+    from .engine.grammar import GrammarError
+
+    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--regex", args.regex),
+                                                ("--grammar", args.grammar)) if value is not None]  # fmt: skip
+    if not given:
+        return None
+    if len(given) > 1:
+        raise CliError(f"give one of --json-schema, --regex and --grammar (got {' and '.join(f for f, _ in given)})")
+    flag, value = given[0]
+    if args.mode == "ar" or args.sampling == "reference":
+        raise CliError(f"{flag} works with the engine's sampler only (not with --mode ar or --sampling reference)")
+    if flag == "--regex":
+        kind, spec = "regex", value
+    else:
+        try:
+            spec = Path(value).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"{flag}: cannot read {value}: {e.strerror or e}") from None
+        kind = "json_schema" if flag == "--json-schema" else "lark"
+    try:
+        return model.compile_grammar(kind, spec)
+    except GrammarError as e:
+        raise CliError(f"{flag}: {e}") from None
+
+
 def cmd_run(args) -> int:
     from .engine.events import Block, Draft
 
@@ -137,12 +164,15 @@ def cmd_run(args) -> int:
         prompt = tok.apply_chat_template(chat_messages(args, args.prompt), add_generation_prompt=True)
     else:
         prompt = tok.encode(args.prompt)
+    grammar = run_grammar(model, args)
     if args.mode == "ar":
         from .engine.ar import ar_stream
 
         events = ar_stream(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     else:
-        events = model.stream(prompt, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, **sampler_knobs(args))
+        events = model.stream(
+            prompt, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, grammar=grammar, **sampler_knobs(args)
+        )
     tokens: list[int] = []
     printed = ""
     if args.show_canvas:
@@ -242,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sampling", choices=["default", "reference"], default="default")
     run.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion", help="ar: autoregressive decoding")
     run.add_argument("--temperature", type=float, default=0.0, help="AR mode temperature (0 = greedy)")
+    run.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this JSON Schema (enforced while denoising)")
+    run.add_argument("--regex", help="the output matches this regular expression (enforced while denoising)")
+    run.add_argument("--grammar", metavar="FILE", help="the output is a sentence of this Lark grammar (llguidance's dialect)")
     add_media_flags(run)
     add_engine_flags(run)
     run.set_defaults(func=cmd_run)

@@ -234,3 +234,31 @@ def test_structured_output_with_tools_is_refused(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools,
                                        response_format={"type": "json_object"})  # fmt: skip
 
+
+
+# ------------------------------------------------------------------------------------ dgemma run
+def test_run_with_json_schema_and_regex(tmp_path, capsys):
+    from dgemma.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert main(["run", "a pet:", "--json-schema", str(schema), "--seed", "1", "--steps", "4"]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), SCHEMA)
+    assert main(["run", "x", "--regex", REGEX, "--seed", "2", "--steps", "4"]) == 0
+    assert re.fullmatch(REGEX, capsys.readouterr().out.strip("\n"))
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--regex", "a("], "--regex: invalid regex"),
+        (["--json-schema", "/no/such/file"], "cannot read"),
+        (["--regex", "a", "--mode", "ar"], "engine's sampler only"),
+        (["--regex", "a", "--json-schema", "s.json"], "give one of"),
+    ],
+)
+def test_run_grammar_errors(argv, words, capsys):
+    from dgemma.cli import main
+
+    assert main(["run", "x", *argv]) == 2
+    assert words in capsys.readouterr().err

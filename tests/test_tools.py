@@ -448,3 +448,102 @@ def test_round_trip_with_tool_messages(client, fake):  # noqa: F811
     messages += [second.choices[0].message, {"role": "user", "content": "And tomorrow?"}]
     client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=256)
     assert fake.prompts[-1].endswith("<tool_response|>Clear and 21 degrees.<turn|>\n<|turn>user\nAnd tomorrow?<turn|>\n<|turn>model\n")
+
+
+# ------------------------------------------------------------------------------------ forced calls, enforced
+# The random model writes noise; with tool_choice naming a function (or "required") the call's
+# grammar (serve/tool_grammar.py) makes it a call all the same, with arguments of its schema.
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "hours": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 23}, "maxItems": 3},
+                "alerts": {"type": "object", "properties": {"wind": {"type": "boolean"}}, "required": ["wind"]},
+            },
+            "required": ["city", "days", "unit"],
+        },
+    },
+}
+ENFORCED = {"max_denoising_steps": 4}
+# a random model's unbounded strings run past max_tokens: the schemas bound them
+ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+    "tz": {"type": "string", "maxLength": 8}}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_named_tool_choice_is_a_valid_call(client, seed):  # noqa: F811
+    import jsonschema
+
+    choice = {"type": "function", "function": {"name": "forecast"}}
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=[FORECAST, ZONE], tool_choice=choice,
+                                       max_tokens=256, seed=seed, extra_body=ENFORCED)  # fmt: skip
+    again = client.chat.completions.create(model=MODEL, messages=USER, tools=[FORECAST, ZONE], tool_choice=choice,
+                                           max_tokens=256, seed=seed, extra_body=ENFORCED)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "forecast"
+    jsonschema.validate(json.loads(call.function.arguments), FORECAST["function"]["parameters"])
+    assert again.choices[0].message.tool_calls[0].function.arguments == call.function.arguments  # deterministic
+
+
+def test_required_tool_choice_calls_one_of_the_tools(client):  # noqa: F811
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=[FORECAST, ZONE], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=256, seed=4, extra_body=ENFORCED)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name in ("forecast", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_forced_call_streams_and_round_trips(client):  # noqa: F811
+    choice = {"type": "function", "function": {"name": "forecast"}}
+    stream = client.chat.completions.create(model=MODEL, messages=USER, tools=[FORECAST], tool_choice=choice, max_tokens=256,
+                                            seed=5, stream=True, extra_body=ENFORCED)  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].function.name == "forecast" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    call = {"id": deltas[0].id, "type": "function", "function": {"name": "forecast", "arguments": deltas[0].function.arguments}}
+    messages = [*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": call["id"], "content": "rain"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[FORECAST], max_tokens=32, seed=5, extra_body=ENFORCED)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_forced_call_with_an_unsupported_schema_is_a_400(client):  # noqa: F811
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=USER, tools=[tool], tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and "'$ref'" in e.value.body["message"]
+
+
+def _accepts(spec, text):
+    import llguidance
+
+    from dgemma.serve.tool_grammar import lark_string, tool_call_grammar
+
+    tok = llguidance.LLTokenizer(byte_tokenizer().to_str(), n_vocab=384, eos_token=[1])
+    matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(spec, lark_string)), log_level=0)
+    ids = tok.tokenize_str(text)
+    return matcher.validate_tokens(ids) == len(ids) and (matcher.consume_tokens(ids) and matcher.is_accepting())
+
+
+NAMED = tool_spec([FORECAST, ZONE], {"type": "function", "function": {"name": "forecast"}})
+CALL_TEXTS = [
+    (NAMED, f"city:{Q}Oslo{Q},days:3,unit:{Q}celsius{Q}}}<tool_call|>", True),
+    (NAMED, f"city:{Q}Oslo{Q},days:3,unit:{Q}celsius{Q},hours:[1,23],alerts:{{wind:false}}}}<tool_call|>", True),
+    (NAMED, f"city:{Q}Oslo{Q},unit:{Q}celsius{Q}}}<tool_call|>", False),  # required days missing
+    (NAMED, f"city:{Q}Oslo{Q},days:8,unit:{Q}celsius{Q}}}<tool_call|>", False),  # days > maximum
+    (NAMED, f"city:{Q}Oslo{Q},days:3,unit:{Q}kelvin{Q}}}<tool_call|>", False),  # not in the enum
+    (NAMED, f"city:{Q}Oslo{Q},days:3,unit:{Q}celsius{Q},hours:[1,2,3,4]}}<tool_call|>", False),  # maxItems
+    (NAMED, f"city:{Q}Oslo{Q},days:3,unit:{Q}celsius{Q},alerts:{{}}}}<tool_call|>", False),  # required wind
+    (tool_spec([FORECAST, ZONE], "required"), f"get_time{{}}<tool_call|>\n<|tool_call>call:get_time{{tz:{Q}UTC{Q}}}<tool_call|>", True),
+    (tool_spec([FORECAST, ZONE], "required", False), f"get_time{{}}<tool_call|><|tool_call>call:get_time{{}}<tool_call|>", False),
+    (tool_spec([FORECAST, ZONE], "required"), "send_email{}<tool_call|>", False),  # not a tool
+]
+
+
+@pytest.mark.parametrize("spec, text, ok", CALL_TEXTS)
+def test_forced_call_grammar(spec, text, ok):
+    assert _accepts(spec, text) == ok
