@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 
@@ -17,6 +17,18 @@ class Draft:
 
 
 @dataclass
+class TokenLogprob:
+    """A committed token's log probability under the decoder pass that fixed it (its block's
+    last pass, at that pass's temperature, after the canvas constraints' masks), and the most
+    likely tokens there, most likely first (tokens of probability 0, e.g. banned by a mask,
+    never among them)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token, log probability)
+
+
+@dataclass
 class Block:
     """Tokens a request committed (cut at EOS and at max_new_tokens); `done` on its last block."""
 
@@ -25,6 +37,7 @@ class Block:
     tokens: list[int]
     done: bool
     decoder_passes: int  # passes spent on this block
+    logprobs: list[TokenLogprob] | None = None  # one per token, for requests that ask (Request.top_logprobs)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 from ..config import GenerationConfig
 from ..media.inputs import ImagePatches, image_token_runs
 from .constraints import CanvasConstraints
+from .events import TokenLogprob
 from .paged_cache import SequenceBlocks
 
 ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstraints | None"], None]
@@ -26,7 +27,7 @@ ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstra
 # starts after them.
 
 
-@dataclass
+@dataclass(eq=False)  # requests are identities (their tensors do not compare)
 class Request:
     prompt: list[int]
     config: GenerationConfig
@@ -37,6 +38,9 @@ class Request:
     constraints: ConstraintSource = None
     # Images of the prompt, in order: images[i] stands behind the i-th run of image tokens.
     images: list[ImagePatches] = field(default_factory=list)
+    # Log probabilities of the committed tokens (events.TokenLogprob on each Block) with this
+    # many most likely alternatives per position; None: none computed.
+    top_logprobs: int | None = None
     request_id: int = -1
 
     # --- sequence and cache
@@ -64,6 +68,7 @@ class Request:
     history: torch.Tensor | None = None
     active_constraints: CanvasConstraints | None = None
     generator: torch.Generator | None = None
+    canvas_logprobs: list[TokenLogprob] | None = None  # of the last pass's argmax canvas, when it ended its block
 
     cancelled: bool = False
     done: bool = False
@@ -76,6 +81,11 @@ class Request:
         """Generated non-pad tokens (up to EOS) per decoder pass: the one definition the API,
         the server's usage and /metrics report."""
         return self.counted / self.passes if self.passes else 0.0
+
+    def block_ends(self, stop: bool) -> bool:
+        """Whether the pass at `step` (not yet counted) is its block's last: the canvas stopped
+        (stable and confident, `stop`) or the block's denoising steps are spent."""
+        return stop or self.step + 1 >= self.config.max_denoising_steps
 
     @property
     def pending_tokens(self) -> int:
@@ -108,11 +118,12 @@ class Request:
         self.argmax = canvas  # what a constraint function sees before the first pass
         self.active_constraints = self.resolve_constraints()
         if self.active_constraints is not None:
-            canvas = self.active_constraints.apply_fixed(canvas)
+            canvas = self.active_constraints.seed_canvas(canvas)
         self.canvas = canvas.to(device)
         self.argmax = self.canvas.clone()
         self.soft = None
         self.history = None
+        self.canvas_logprobs = None
         self.step = 0
         self.block_passes = 0
 

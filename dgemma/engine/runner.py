@@ -28,6 +28,7 @@ from ..kernels import native
 from ..kernels.cpu import packed_copy
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
+from .events import TokenLogprob
 from .options import EngineOptions
 from .paged_cache import PagedKVCache, PagedPass
 from .prefill import PlacedImage, prefill
@@ -239,10 +240,35 @@ class Runner:
             )  # fmt: skip
             stops.append(stop)
             histories.append(history)
+        stops = torch.cat(stops).tolist()
+        logprobs = self._logprobs(group, argmax, weights, stops)
         return [
-            DecodeResult(r, canvas[i], argmax[i], soft_next[i], histories[i], stop)
-            for i, (r, stop) in enumerate(zip(group, torch.cat(stops).tolist()))
+            DecodeResult(r, canvas[i], argmax[i], soft_next[i], histories[i], stop, logprobs[i])
+            for i, (r, stop) in enumerate(zip(group, stops))
         ]
+
+    def _logprobs(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor, stops: list[bool]) -> list:
+        """Per request, the log probabilities of its argmax canvas (the final one: after `_refine`)
+        under this pass, with its `top_logprobs` most likely tokens per position, when it asks
+        and the pass ends its block (the canvas it commits); else None. `weights` are the pass's
+        unnormalised probabilities at its temperature, 0 where the constraints' masks ban a
+        token: log p = log(w[token] / sum w). Only the rows of those requests are read."""
+        c, out = self.config.canvas_length, [None] * len(group)
+        for i, r in enumerate(group):
+            if r.top_logprobs is None or not r.block_ends(stops[i]):
+                continue
+            rows = weights[i * c : (i + 1) * c]
+            log_total = rows.sum(dim=-1, dtype=torch.float64).log()
+            tokens = argmax[i].to(rows.device)
+            picked = (rows.gather(1, tokens[:, None]).squeeze(1).double().log() - log_total).clamp_(max=0.0)
+            top_w, top_ids = rows.topk(min(r.top_logprobs, rows.shape[-1]), dim=-1)
+            top = (top_w.double().log() - log_total[:, None]).clamp_(max=0.0)
+            kept = (top_w > 0).tolist()  # probability 0 (banned): never an alternative
+            out[i] = [
+                TokenLogprob(t, lp, [(a, b) for a, b, keep in zip(ids, lps, ks) if keep])
+                for t, lp, ids, lps, ks in zip(tokens.tolist(), picked.tolist(), top_ids.tolist(), top.tolist(), kept)
+            ]
+        return out
 
     def _refine(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The argmax canvases after constraint sources that correct them once the pass is known

@@ -7,7 +7,11 @@ events: drafts, committed blocks (cut at EOS and max_new_tokens), finished reque
 
 Requests are admitted first come, first served while both KV pools can reserve what they may
 need (their prompt and every block of max_new_tokens), so a running request never runs out of
-blocks; a request that does not fit waits at the head of the queue.
+blocks; a request that does not fit waits at the head of the queue. A request whose leading
+prompt blocks a running request is computing right now (not yet in the prefix cache) is held
+back until they are registered, then admitted with them cached: requests that share a prefix
+and arrive together (the choices of an `n` > 1 request, agents resending one system prompt)
+encode it once. Requests behind a held one may be admitted meanwhile; it keeps its place.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from ..config import ModelConfig
 from ..media.inputs import image_safe_end, splits_image
 from .block_manager import BlockManager, extend_hashes
-from .events import Block, Draft, Finished, cut_block
+from .events import Block, Draft, Finished, TokenLogprob, cut_block
 from .options import EngineOptions
 from .request import Request, image_spans, max_sequence_length
 
@@ -52,6 +56,7 @@ class DecodeResult:
     soft: torch.Tensor  # [C, H] the next step's self-conditioning input
     history: torch.Tensor | None
     stop: bool  # stable and confident
+    logprobs: list[TokenLogprob] | None = None  # [C], when the request asks and the pass ends its block
 
 
 @dataclass
@@ -167,23 +172,45 @@ class Scheduler:
         return EncodeWork(req, start, end), budget - (end - start)
 
     def _admit(self) -> None:
-        limit = self.options.max_active
+        limit, held = self.options.max_active, []
         while self.waiting and (limit is None or len(self.running) < limit):
-            req = self.waiting[0]
+            req = self.waiting.popleft()
+            if self._prefix_in_flight(req):
+                held.append(req)
+                continue
             b = self.options.block_size
             inside_images = {m for m in range(len(req.block_hashes) + 1) if splits_image(m * b, req.image_spans)}
             cached = self.blocks.admit(
                 req.request_id, req.kv, req.block_hashes, req.max_sequence_length(self.config.canvas_length), inside_images
             )
             if cached is None:
-                return  # wait for blocks: no overtaking, so a long request is not starved
-            self.waiting.popleft()
+                self.waiting.appendleft(req)
+                break  # wait for blocks: no overtaking, so a long request is not starved
             req.cached_tokens = cached
             req.registered_blocks = cached // self.options.block_size
             self.running.append(req)
             self.stats.prompt_tokens += len(req.prompt)
             self.stats.cached_tokens += cached
             self.stats.image_tokens += sum(e - s for s, e in req.image_spans)
+        self.waiting.extendleft(reversed(held))  # back at the front, in their order
+
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """Whether a running request is computing leading prompt blocks of `req` that the prefix
+        cache does not hold yet (they will be registered within a few steps: `req` waits for
+        them rather than encoding them a second time)."""
+        if not self.blocks.prefix_cache or not req.block_hashes:
+            return False
+        cached = None
+        for other in self.running:
+            if other.registered_blocks >= len(req.block_hashes) or other.registered_blocks >= len(other.block_hashes):
+                continue
+            if req.block_hashes[other.registered_blocks] != other.block_hashes[other.registered_blocks]:
+                continue  # a hash names its whole prefix: they part before the blocks `other` computes
+            if cached is None:
+                cached, _ = self.blocks.match(req.block_hashes)
+            if cached <= other.registered_blocks:
+                return True
+        return False
 
     # ---------------------------------------------------------------- after the step
     def update(self, plan: StepPlan, decoded: list[DecodeResult]) -> list:
@@ -195,12 +222,14 @@ class Scheduler:
         for res in decoded:
             req = res.request
             req.canvas, req.argmax, req.soft, req.history = res.canvas, res.argmax, res.soft, res.history
+            last = req.block_ends(res.stop)
             req.step += 1
             req.block_passes += 1
             self.stats.decoder_passes += 1
             if req.drafts:
                 events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist()))
-            if res.stop or req.step >= req.config.max_denoising_steps:
+            if last:
+                req.canvas_logprobs = res.logprobs
                 converged.append(req)
         for req in converged:
             self._commit(req, events)
@@ -243,7 +272,8 @@ class Scheduler:
         req.counted += sum(1 for t in block[:counted] if t != pad)
         req.passes += req.block_passes
         req.done = hit_eos or len(req.tokens) >= req.config.max_new_tokens
-        events.append(Block(req.request_id, req.block, tokens, req.done, req.block_passes))
+        logprobs = None if req.canvas_logprobs is None else req.canvas_logprobs[: len(tokens)]
+        events.append(Block(req.request_id, req.block, tokens, req.done, req.block_passes, logprobs))
         if req.done:
             self._finish(req, "eos" if hit_eos else "length", events)
             return

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from ..config import GenerationConfig
 from ..engine.engine import Engine, Request
-from ..engine.events import Block, Draft, Finished
+from ..engine.events import Block, Draft, Finished, TokenLogprob
 from ..media.inputs import ImagePatches
 from .metrics import Metrics
 from .text import TextStream
@@ -47,6 +47,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     images: list[ImagePatches] = field(default_factory=list)  # in the order of their placeholders in prompt
     constraints: Any = None  # the request's constraint source (a grammar's state: engine/grammar.py)
+    top_logprobs: int | None = None  # log probabilities of the committed tokens, with this many alternatives
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: int | None = None  # the engine's id, once added
     cancelled: bool = False
@@ -98,17 +99,18 @@ class EngineThread:
 
     def submit(
         self, prompt: list[int], config: GenerationConfig, seed: int, drafts: bool = False, images: list[ImagePatches] = (),
-        constraints: Any = None,
+        constraints: Any = None, top_logprobs: int | None = None,
     ) -> Job:
-        """Queue a request (with the patches of the images its prompt holds placeholders for);
-        raises QueueFull when every slot and every queue place is taken."""
+        """Queue a request (with the patches of the images its prompt holds placeholders for;
+        with `top_logprobs`, its blocks carry log probabilities); raises QueueFull when every
+        slot and every queue place is taken."""
         with self._lock:
             if self._in_flight >= self.max_active + self.max_queue:
                 raise QueueFull(
                     f"server busy: {self.max_active} canvases active and {self.max_queue} requests queued; retry later"
                 )
             self._in_flight += 1
-        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop(), list(images), constraints)
+        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop(), list(images), constraints, top_logprobs)
         self._inbox.put(("add", job))
         self._wake.set()
         return job
@@ -164,8 +166,9 @@ class EngineThread:
                     continue
                 try:
                     request = Request(
-                        job.prompt, job.config, job.seed, drafts=job.drafts, images=job.images, constraints=job.constraints
-                    )
+                        job.prompt, job.config, job.seed, drafts=job.drafts, images=job.images, constraints=job.constraints,
+                        top_logprobs=job.top_logprobs,
+                    )  # fmt: skip
                     job.request_id = self.engine.add(request)
                 except Exception as e:  # validated by the server first; reported, never raised here
                     self._done(job, EngineFailure(f"the engine refused the request: {e}"))
@@ -252,6 +255,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.first_block_at: float | None = None
         self.finished: Finished | None = None  # the engine's account: passes, tokens per forward, cached tokens
+        self.logprobs: list[TokenLogprob] = []  # of every committed token received, when the job asked
 
     @property
     def completion_tokens(self) -> int:
@@ -293,6 +297,7 @@ class Generation:
             elif isinstance(ev, Block):
                 if self.first_block_at is None:
                     self.first_block_at = time.perf_counter()
+                self.logprobs += ev.logprobs or []
                 delta = self.text.add(ev.tokens, last=ev.done)
                 if self.text.stopped:
                     self.finish_reason = "stop"

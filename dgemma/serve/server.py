@@ -34,13 +34,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from ..engine.engine import Engine, EngineOptions
+from ..engine.events import TokenLogprob
 from ..engine.grammar import Grammar, GrammarError
 from ..media.inputs import MediaError, ModelInputs
 from . import media
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
+from .logprobs import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
 from .media import MediaPolicy, MediaRef, PartError
 from .metrics import Metrics
 from .text import TextStream
+from .tool_grammar import lark_string, tool_call_grammar
 from .structured import GUIDED_FIELDS, GrammarCache, OutputFormat, StructuredError, request_format
 from .reasoning import THINK, ReasoningParser, Thought, keeping_channel, template_thinks, think_in_system_turn
 from .tools import ToolCallParser, ToolError, ToolSpec, check_messages, keeping_decoder, render_chat, tool_spec
@@ -52,6 +55,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
 SEED_LIMIT = 2**63 - 1
+MAX_CHOICES = 16  # n per request (and at most --max-active)
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -160,7 +164,7 @@ class _Params(_Strict):
     # accepted for client compatibility; see docs/server.md
     temperature: float | None = _num(0, 2)
     top_p: float | None = _num(0, 1)
-    n: int | None = Field(None, ge=1, le=128)
+    n: int | None = Field(None, ge=1, le=128)  # choices (see "n"; Service.check_choices caps it lower)
     presence_penalty: float | None = _num(-2, 2)
     frequency_penalty: float | None = _num(-2, 2)
     logit_bias: dict[str, float] | None = None
@@ -229,12 +233,11 @@ class ChatParams(_Params):
 def _unsupported(params: _Params) -> None:
     """Refuse, by name, features the engine does not have, when a client asks for more than the default."""
     checks = [
-        ("n", params.n not in (None, 1), "only n=1 is supported; send one request per completion"),
         ("presence_penalty", bool(params.presence_penalty), "token penalties are not supported; omit it or send 0"),
         ("frequency_penalty", bool(params.frequency_penalty), "token penalties are not supported; omit it or send 0"),
         ("logit_bias", bool(params.logit_bias), "logit_bias is not supported"),
-        ("logprobs", bool(getattr(params, "logprobs", None)), "logprobs are not supported"),
-        ("top_logprobs", bool(getattr(params, "top_logprobs", None)), "logprobs are not supported"),
+        ("top_logprobs", getattr(params, "top_logprobs", None) is not None and not getattr(params, "logprobs", None),
+         "top_logprobs needs logprobs: true"),
         ("echo", bool(getattr(params, "echo", None)), "echo is not supported"),
         ("best_of", getattr(params, "best_of", None) not in (None, 1), "best_of is not supported"),
         ("suffix", bool(getattr(params, "suffix", None)), "suffix (insertion) is not supported"),
@@ -245,6 +248,15 @@ def _unsupported(params: _Params) -> None:
     for name, bad, why in checks:
         if bad:
             raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
+
+
+def request_top_logprobs(params: _Params) -> int | None:
+    """Alternatives per token the client asks log probabilities with (0: the token's own only),
+    or None for no logprobs: completions' `logprobs` (0-20), chat's `logprobs: true` with
+    `top_logprobs` (0-20, default 0)."""
+    if isinstance(params, ChatParams):
+        return (params.top_logprobs or 0) if params.logprobs else None
+    return params.logprobs
 
 
 DEPRECATED = "deprecated by OpenAI and not supported"
@@ -423,6 +435,27 @@ class Service:
         self.engine_thread = EngineThread(new_engine, max_active, max_queue, self.metrics)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
+        self._token_texts: TokenTexts | None = None
+
+    def forced_call_format(self, spec: ToolSpec) -> OutputFormat | None:
+        """The grammar of a forced tool call (tool_choice "required" or a named function), or None."""
+        if spec.choice not in ("required", "function"):
+            return None
+        try:
+            lark = tool_call_grammar(spec, self._marker)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param, "invalid_value") from None
+        except GrammarError as e:  # no EOS token: the call cannot be enforced
+            raise ApiError(400, f"tool_choice: {e}", "tool_choice", "unsupported_parameter") from None
+        return OutputFormat("lark", lark, "tool_choice")
+
+    def _marker(self, text: str) -> str:
+        """A Gemma 4 marker in Lark: its token where the tokenizer makes it one special token
+        (grammar literals only match text), else its text."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and self.model.grammars.tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return lark_string(text)
 
     def grammar(self, fmt: OutputFormat) -> Grammar:
         """`fmt` compiled against the checkpoint's tokenizer (cached); blocking: run off the loop."""
@@ -596,37 +629,76 @@ class Service:
     def start(
         self, params: _Params, prompt: ModelInputs, max_tokens: int | None, tools: bool = False, grammar: Grammar | None = None,
         thinking: bool = False,
-    ) -> Generation:
-        """Submit the request; with `tools`, its text keeps the tool-call tokens (for the parser);
-        with `grammar`, its output is enforced to match it; with `thinking`, the text keeps the
-        channel markers (for the reasoning parser)."""
+    ) -> list[Generation]:
+        """Submit the request's `n` choices, each an engine request of its own (seed: the
+        request's seed + its index; without one, random each) with its own grammar state; with
+        `tools`, their text keeps the tool-call tokens (for the parser); with `grammar`, their
+        output is enforced to match it; with `thinking`, the text keeps the channel markers
+        (for the reasoning parser). The engine encodes the shared prompt once (its scheduler
+        holds the later choices until the first has put the prompt's blocks in the prefix cache)."""
         stops = parse_stop(params.stop)
         config = self.generation_config(params, prompt, max_tokens, partial=grammar is not None)
-        constraints = None if grammar is None else self.model.grammars.canvas(grammar, self.canvas)
-        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_LIMIT)
+        count = params.n or 1
+        seeds = [params.seed + i for i in range(count)] if params.seed is not None else [
+            random.SystemRandom().randrange(SEED_LIMIT) for _ in range(count)
+        ]  # fmt: skip
+        top = request_top_logprobs(params)
+        extra = {} if top is None else {"top_logprobs": top}
         if not self.engine_thread.alive:
             raise ApiError(503, "the engine is not running", code="engine_stopped")
-        try:
-            job = self.engine_thread.submit(
-                prompt.input_ids, config, seed, drafts=params.stream_drafts, images=prompt.images, constraints=constraints
-            )
-        except QueueFull as e:
-            raise ApiError(429, str(e), None, "queue_full") from None
         decode = self.tool_decode if tools else self.tokenizer.decode
         if thinking:
             decode = keeping_channel(self.tokenizer, decode)
-        text = TextStream(decode, stops, config.eos_token_ids, config.max_new_tokens)
-        return Generation(self.engine_thread, job, text)
+        gens: list[Generation] = []
+        for seed in seeds:
+            constraints = None if grammar is None else self.model.grammars.canvas(grammar, self.canvas)
+            try:
+                job = self.engine_thread.submit(prompt.input_ids, config, seed, drafts=params.stream_drafts,
+                                                images=prompt.images, constraints=constraints, **extra)  # fmt: skip
+            except QueueFull as e:
+                for gen in gens:  # all the choices or none
+                    gen.cancel()
+                raise ApiError(429, str(e), None, "queue_full") from None
+            text = TextStream(decode, stops, config.eos_token_ids, config.max_new_tokens)
+            gens.append(Generation(self.engine_thread, job, text))
+        return gens
 
-    def usage(self, prompt: ModelInputs, gen: Generation) -> dict:
-        done, prompt_len = gen.completion_tokens, len(prompt.input_ids)
+    def check_choices(self, params: _Params) -> None:
+        """`n` within what one request may ask: MAX_CHOICES and --max-active (the choices
+        denoise side by side); 400 naming `n` otherwise."""
+        limit = min(MAX_CHOICES, self.engine_thread.max_active)
+        if (params.n or 1) > limit:
+            raise ApiError(400, f"n={params.n}: at most {limit} choices per request on this server ({MAX_CHOICES}, "
+                                f"and at most --max-active={self.engine_thread.max_active})", "n", "invalid_value")  # fmt: skip
+
+    def token_texts(self) -> TokenTexts:
+        """Token texts and bytes for logprobs (built on first use from llguidance's reading of
+        tokenizer.json, which may take a second: run it off the loop)."""
+        with self._grammars_lock:
+            if self._token_texts is None:
+                try:
+                    decode_bytes = self.model.grammars.tokenizer.decode_bytes
+                    self._token_texts = TokenTexts(lambda t: decode_bytes([t]))
+                except GrammarError:  # no EOS token for llguidance: the tokenizer's own decoding
+                    self._token_texts = TokenTexts(lambda t: self.tokenizer.decode([t], skip_special_tokens=False).encode())
+            return self._token_texts
+
+    def usage(self, prompt: ModelInputs, gens: list[Generation]) -> dict:
+        """The request's usage: its prompt counted once, the completion tokens and decoder passes
+        of all its choices; cached tokens as the first choice found them (the fewest: the others
+        also find the blocks it encoded)."""
+        done, prompt_len = sum(g.completion_tokens for g in gens), len(prompt.input_ids)
+        passes, cached = sum(g.decoder_passes for g in gens), min(g.cached_tokens for g in gens)
+        per_forward = gens[0].tokens_per_forward if len(gens) == 1 else (
+            sum(g.tokens_per_forward * g.decoder_passes for g in gens) / passes if passes else 0.0
+        )  # fmt: skip
         return {
             "prompt_tokens": prompt_len,
             "completion_tokens": done,
             "total_tokens": prompt_len + done,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens, "image_tokens": prompt.num_image_tokens},
-            "decoder_passes": gen.decoder_passes,
-            "tokens_per_forward": round(gen.tokens_per_forward, 3),
+            "prompt_tokens_details": {"cached_tokens": cached, "image_tokens": prompt.num_image_tokens},
+            "decoder_passes": passes,
+            "tokens_per_forward": round(per_forward, 3),
         }
 
     def record(self, gen: Generation, reason: str) -> None:
@@ -639,12 +711,13 @@ class Service:
                 self.metrics.first_block_seconds.observe(gen.first_block_at - gen.job.submitted)
 
 
-async def _watch_disconnect(request: Request, gen: Generation) -> None:
-    """Cancel the request when its client goes away (the slot is freed at the next step)."""
+async def _watch_disconnect(request: Request, gens: list[Generation]) -> None:
+    """Cancel the request's choices when its client goes away (their slots are freed at the next step)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            gen.cancel()
+            for gen in gens:
+                gen.cancel()
             return
 
 
@@ -678,45 +751,17 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=True).encode() + b"\n\n"
 
 
-class _Responder:
-    """Shapes one request's updates as a completion or chat completion, whole or streamed.
+class _Choice:
+    """One choice of a response: its generation, its own parsers (tool calls, reasoning: each
+    choice is an answer of its own) and how many of its tokens' log probabilities were sent."""
 
-    With thinking (the prompt holds <|think|>), committed text first goes through a
-    ReasoningParser: the thought channel comes out as `reasoning_content` (a message field; a
-    delta field when streaming), the rest as content. With tools active, that content goes
-    through a ToolCallParser: content as it is decided, each call as one `tool_calls` delta once it
-    has closed and parsed, and finish_reason "tool_calls" when the answer holds calls (and stopped
-    on its own, not at max_tokens)."""
-
-    def __init__(self, service: Service, chat: bool, prompt: ModelInputs, gen: Generation, params: _Params,
-                 spec: ToolSpec | None = None, thinking: bool = False):  # fmt: skip
-        self.service, self.chat, self.prompt, self.gen, self.params = service, chat, prompt, gen, params
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+    def __init__(self, index: int, gen: Generation, spec: ToolSpec | None, thinking: bool, offsets: TextOffsets | None):
+        self.index, self.gen = index, gen
         self.parser = ToolCallParser(spec.names, spec.parallel, spec.prefill) if spec is not None and spec.active else None
         self.reasoning = ReasoningParser() if thinking else None
-
-    def _envelope(self, choices: list, object_: str) -> dict:
-        body = {"id": self.id, "object": object_, "created": self.created, "model": self.service.name, "choices": choices}
-        if getattr(self.params, "service_tier", None) is not None:
-            body["service_tier"] = "default"  # the tier that served it, as OpenAI reports it: the only one
-        return body
-
-    def _chunk(self, text: str | None, finish_reason: str | None = None, draft: dict | None = None, role: bool = False,
-               tool_call: dict | None = None, reasoning: str | None = None) -> dict:  # fmt: skip
-        if self.chat:
-            delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            if reasoning is not None:
-                delta = {"reasoning_content": reasoning}
-            if tool_call is not None:  # its index: its place among the answer's calls
-                index = next(k for k, c in enumerate(self.parser.calls) if c is tool_call)
-                delta = {"tool_calls": [{"index": index, **tool_call}]}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        if draft is not None:
-            choice["draft"] = draft
-        return self._envelope([choice], "chat.completion.chunk" if self.chat else "text_completion")
+        self.offsets = offsets  # completions with logprobs: text_offset
+        self.sent = 0  # tokens whose log probabilities were sent
+        self.recorded = False
 
     def _parse(self, text: str, final: bool = False) -> list:
         """Content strings and calls from newly committed text; stops the request once the answer
@@ -726,7 +771,7 @@ class _Responder:
             self.gen.stop()
         return items
 
-    def _items(self, text: str, final: bool = False) -> list:
+    def items(self, text: str, final: bool = False) -> list:
         """Newly committed text as what the client gets, in order: content strings, Thought pieces
         and calls (parsed from the content only); without either parser, the text as it came."""
         if self.reasoning is None and self.parser is None:
@@ -741,78 +786,188 @@ class _Responder:
             items += [piece] if isinstance(piece, Thought) else self._parse(piece)
         return items + (self._parse("", final=True) if final else [])
 
-    def _reason(self) -> str:
+    def reason(self) -> str:
         reason = self.gen.finish_reason or "cancelled"
         return "tool_calls" if self.parser is not None and self.parser.calls and reason == "stop" else reason
 
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """Log probabilities of the tokens committed since the last call, up to the answer's end
+        (the completion tokens: through a stop string's last token)."""
+        end = min(self.gen.completion_tokens, len(self.gen.logprobs))
+        out = self.gen.logprobs[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def record(self, service: Service, reason: str) -> None:
+        if not self.recorded:
+            self.recorded = True
+            service.record(self.gen, reason)
+
+
+class _Responder:
+    """Shapes one request's updates as a completion or chat completion, whole or streamed.
+
+    Each of the `n` choices (one Generation each) has its own parsers. With thinking (the prompt
+    holds <|think|>), committed text first goes through a ReasoningParser: the thought channel
+    comes out as `reasoning_content` (a message field; a delta field when streaming), the rest as
+    content. With tools active, that content goes through a ToolCallParser: content as it is
+    decided, each call as one `tool_calls` delta once it has closed and parsed, and finish_reason
+    "tool_calls" when the answer holds calls (and stopped on its own, not at max_tokens). Streamed,
+    the choices' chunks interleave as they come, each with its choice's index; with logprobs, a
+    chunk carries those of the tokens committed since the choice's last chunk."""
+
+    def __init__(self, service: Service, chat: bool, prompt: ModelInputs, gens: list[Generation], params: _Params,
+                 spec: ToolSpec | None = None, thinking: bool = False):  # fmt: skip
+        self.service, self.chat, self.prompt, self.gens, self.params = service, chat, prompt, gens, params
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.texts = service.token_texts() if request_top_logprobs(params) is not None else None
+        offsets = (lambda g: TextOffsets(g.text.decode)) if self.texts is not None and not chat else (lambda g: None)
+        self.choices = [_Choice(i, g, spec, thinking, offsets(g)) for i, g in enumerate(gens)]
+
+    def _envelope(self, choices: list, object_: str) -> dict:
+        body = {"id": self.id, "object": object_, "created": self.created, "model": self.service.name, "choices": choices}
+        if getattr(self.params, "service_tier", None) is not None:
+            body["service_tier"] = "default"  # the tier that served it, as OpenAI reports it: the only one
+        return body
+
+    def _logprobs(self, choice: _Choice, entries: list[TokenLogprob] | None) -> dict | None:
+        if self.texts is None or entries is None:
+            return None
+        return chat_logprobs(entries, self.texts) if self.chat else completion_logprobs(entries, self.texts, choice.offsets)
+
+    def _chunk(self, choice: _Choice, text: str | None, finish_reason: str | None = None, draft: dict | None = None,
+               role: bool = False, tool_call: dict | None = None, reasoning: str | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> dict:  # fmt: skip
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if reasoning is not None:
+                delta = {"reasoning_content": reasoning}
+            if tool_call is not None:  # its index: its place among the answer's calls
+                index = next(k for k, c in enumerate(choice.parser.calls) if c is tool_call)
+                delta = {"tool_calls": [{"index": index, **tool_call}]}
+            body = {"index": choice.index, "delta": delta}
+        else:
+            body = {"index": choice.index, "text": text or ""}
+        body |= {"logprobs": self._logprobs(choice, logprobs), "finish_reason": finish_reason}
+        if draft is not None:
+            body["draft"] = draft
+        return self._envelope([body], "chat.completion.chunk" if self.chat else "text_completion")
+
+    def _failed(self, error: EngineFailure) -> dict:
+        for choice in self.choices:
+            choice.gen.cancel()
+            choice.record(self.service, "error")
+        return error_body(ApiError(500, f"generation failed: {error}", code="engine_error"))
+
+    async def _collect(self, choice: _Choice) -> dict:
+        """A choice run to its end, as the choices entry of a whole response."""
+        parts, items, entries = [], [], []
+        async for update in choice.gen.updates():
+            parts.append(update.text)
+            items += choice.items(update.text)
+            entries += choice.new_logprobs()
+        reason = choice.reason()
+        choice.record(self.service, reason)
+        logprobs = self._logprobs(choice, entries)
+        if not self.chat:
+            return {"index": choice.index, "text": "".join(parts), "logprobs": logprobs, "finish_reason": reason}
+        items += choice.items("", final=True)
+        content = "".join(i for i in items if isinstance(i, str))
+        calls = choice.parser.calls if choice.parser is not None else []
+        message = {"role": "assistant", "content": (content or None) if calls else content}
+        if choice.reasoning is not None:
+            message["reasoning_content"] = "".join(i.text for i in items if isinstance(i, Thought)) or None
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
     async def whole(self, request: Request) -> Response:
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request, self.gen))
-        parts, items = [], []
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(_watch_disconnect(request, self.gens))
+        tasks = [loop.create_task(self._collect(c)) for c in self.choices]
         try:
-            async for update in self.gen.updates():
-                parts.append(update.text)
-                items += self._items(update.text)
-        except EngineFailure as e:
-            self.service.record(self.gen, "error")
-            return error_response(ApiError(500, f"generation failed: {e}", code="engine_error"))
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
             watcher.cancel()
-        reason = self._reason()
-        self.service.record(self.gen, reason)
-        text = "".join(parts)
-        if self.chat:
-            items += self._items("", final=True)
-            content = "".join(i for i in items if isinstance(i, str))
-            calls = self.parser.calls if self.parser is not None else []
-            message = {"role": "assistant", "content": (content or None) if calls else content}
-            if self.reasoning is not None:
-                message["reasoning_content"] = "".join(i.text for i in items if isinstance(i, Thought)) or None
-            if calls:
-                message["tool_calls"] = calls
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        body = self._envelope([choice], "chat.completion" if self.chat else "text_completion")
-        body["usage"] = self.service.usage(self.prompt, self.gen)
+            for task in tasks:
+                task.cancel()  # those still running after a failure
+        failure = next((t.exception() for t in done if t.exception() is not None), None)
+        if isinstance(failure, EngineFailure):
+            return json_response(self._failed(failure), 500)
+        if failure is not None:
+            raise failure
+        body = self._envelope([t.result() for t in tasks], "chat.completion" if self.chat else "text_completion")
+        body["usage"] = self.service.usage(self.prompt, self.gens)
         return json_response(body)
 
+    async def _choice_chunks(self, choice: _Choice) -> AsyncIterator[dict]:
+        """One choice's chunks: role (chat), committed text as it comes (and drafts), its finish."""
+        if self.chat:
+            yield self._chunk(choice, None, role=True)
+        async for update in choice.gen.updates():
+            if update.kind == "draft":
+                yield self._chunk(choice, None, draft={"block": update.block, "step": update.step, "text": update.text})
+                continue
+            for k, item in enumerate(choice.items(update.text)):
+                yield self._item(choice, item, choice.new_logprobs() if k == 0 else None)
+        for k, item in enumerate(choice.items("", final=True)):
+            yield self._item(choice, item, choice.new_logprobs() if k == 0 else None)
+        reason = choice.reason()
+        choice.record(self.service, reason)
+        yield self._chunk(choice, None, finish_reason=reason, logprobs=choice.new_logprobs() or None)
+
+    async def _pump(self, choice: _Choice, out: asyncio.Queue) -> None:
+        """A choice's chunks into the response's queue (the reader's pace: one waits at a time),
+        then None; an EngineFailure goes in as it is."""
+        try:
+            async for chunk in self._choice_chunks(choice):
+                await out.put(_sse(chunk))
+        except EngineFailure as e:
+            await out.put(e)
+            return
+        await out.put(None)
+
     async def stream(self, request: Request) -> AsyncIterator[bytes]:
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request, self.gen))
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(_watch_disconnect(request, self.gens))
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+        pumps = [loop.create_task(self._pump(c, queue)) for c in self.choices]
         finished = False
         try:
-            if self.chat:
-                yield _sse(self._chunk(None, role=True))
-            async for update in self.gen.updates():
-                if update.kind == "draft":
-                    yield _sse(self._chunk(None, draft={"block": update.block, "step": update.step, "text": update.text}))
+            running = len(pumps)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, EngineFailure):
+                    raise item
                 else:
-                    for item in self._items(update.text):
-                        yield _sse(self._item(item))
-            for item in self._items("", final=True):
-                yield _sse(self._item(item))
-            reason = self._reason()
+                    yield item
             finished = True
-            self.service.record(self.gen, reason)
-            yield _sse(self._chunk(None, finish_reason=reason))
             if self.params.stream_options and self.params.stream_options.include_usage:
                 usage = self._envelope([], "chat.completion.chunk" if self.chat else "text_completion")
-                usage["usage"] = self.service.usage(self.prompt, self.gen)
+                usage["usage"] = self.service.usage(self.prompt, self.gens)
                 yield _sse(usage)
             yield b"data: [DONE]\n\n"
         except EngineFailure as e:
             finished = True
-            self.service.record(self.gen, "error")
-            yield _sse(error_body(ApiError(500, f"generation failed: {e}", code="engine_error")))
+            yield _sse(self._failed(e))
         finally:
             watcher.cancel()
+            for pump in pumps:
+                pump.cancel()
             if not finished:  # the client went away mid-stream
-                self.gen.cancel()
-                self.service.record(self.gen, "cancelled")
+                for choice in self.choices:
+                    choice.gen.cancel()
+                    choice.record(self.service, "cancelled")
 
-    def _item(self, item: str | Thought | dict) -> dict:
+    def _item(self, choice: _Choice, item: str | Thought | dict, logprobs: list[TokenLogprob] | None = None) -> dict:
         if isinstance(item, Thought):
-            return self._chunk(None, reasoning=item.text)
-        return self._chunk(item) if isinstance(item, str) else self._chunk(None, tool_call=item)
+            return self._chunk(choice, None, reasoning=item.text, logprobs=logprobs)
+        if isinstance(item, str):
+            return self._chunk(choice, item, logprobs=logprobs)
+        return self._chunk(choice, None, tool_call=item, logprobs=logprobs)
 
 
 # ------------------------------------------------------------------------------------ the app
@@ -915,6 +1070,7 @@ def create_app(
             raise validation_error(e) from None
         service.check_model(params.model)
         _unsupported(params)
+        service.check_choices(params)
         # tokenizing a long prompt, fetching and decoding media take a while: off the event loop,
         # so streams keep flowing
         spec = request_tools(params) if chat else None
@@ -925,12 +1081,14 @@ def create_app(
         else:
             prompt = ModelInputs(await asyncio.to_thread(service.completion_prompt, params.prompt))
             max_tokens = params.max_tokens
-        fmt = output_format(params, spec)
+        fmt = output_format(params, spec) or (service.forced_call_format(spec) if spec is not None else None)
         grammar = None if fmt is None else await asyncio.to_thread(service.grammar, fmt)
         thinking = chat and service.thinks(prompt)
-        gen = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
-                            thinking=thinking)  # fmt: skip
-        responder = _Responder(service, chat, prompt, gen, params, spec, thinking)
+        if request_top_logprobs(params) is not None:
+            await asyncio.to_thread(service.token_texts)  # built once (reads tokenizer.json): off the loop
+        gens = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
+                             thinking=thinking)  # fmt: skip
+        responder = _Responder(service, chat, prompt, gens, params, spec, thinking)
         if params.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(responder.stream(request), media_type="text/event-stream", headers=headers)
