@@ -12,6 +12,8 @@ import torch
 
 from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
 from .engine.client import EngineClient
+from .engine.constraints import CanvasConstraints, FirstCanvas
+from .infill import DEFAULT_LENGTHS, EditResult, InfillResult, edit_plan, infill_plan, snap_spans
 from .engine.engine import Engine, EngineOptions
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
 from .engine.grammar import Grammar, GrammarCompiler, GrammarError
@@ -253,8 +255,10 @@ class Model:
         user_seed: bool,
         constraints=None,
         images: list[list[ImagePatches]] | None = None,
+        canvas: Sequence[Sequence[int]] | None = None,
     ) -> Iterator[Draft | Block]:
         images = images or [[] for _ in prompt_ids]
+        initial = self._initial_canvas(canvas, len(prompt_ids))
         if request.sampling == "reference":
             if constraints is not None:
                 raise ValueError("sampling='reference' takes no canvas constraints")
@@ -262,8 +266,12 @@ class Model:
             placed = [self._placed_images(p, im) if im else [] for p, im in zip(prompt_ids, images)]
             if user_seed:
                 torch.manual_seed(request.seeds[0])
-            return reference_events(self.net, prompt_ids, request.config, drafts=drafts, images=placed)
+            return reference_events(self.net, prompt_ids, request.config, drafts=drafts, images=placed, initial_canvas=initial)
         validate_prompts(prompt_ids, self.config.vocab_size)
+        if initial is not None:
+            if constraints is not None:
+                raise ValueError("pass canvas or constraints, not both (CanvasConstraints.initial warm-starts a canvas)")
+            constraints = [FirstCanvas(CanvasConstraints(initial=row)) for row in initial]
         if constraints is not None and len(constraints) != len(prompt_ids):
             raise ValueError(f"got {len(constraints)} constraints for {len(prompt_ids)} prompts")
         requests = [
@@ -274,6 +282,19 @@ class Model:
             for i, (p, seed, im) in enumerate(zip(prompt_ids, request.seeds, images))
         ]
         return self._engine_events(requests)
+
+    def _initial_canvas(self, canvas, count: int) -> torch.Tensor | None:
+        """`canvas` (one list of canvas_length token ids per prompt) checked, as [count, C]."""
+        if canvas is None:
+            return None
+        c, vocab = self.config.canvas_length, self.config.vocab_size
+        rows = [list(r.tolist() if isinstance(r, torch.Tensor) else r) for r in canvas]
+        if len(rows) != count:
+            raise ValueError(f"got {len(rows)} canvases for {count} prompts")
+        for i, row in enumerate(rows):
+            if len(row) != c or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in row):
+                raise ValueError(f"canvas {i} must be {c} token ids in [0, {vocab})")
+        return torch.tensor(rows, dtype=torch.long)
 
     def _engine_events(self, requests: list[Request]) -> Iterator[Draft | Block]:
         """Engine events with `row` = the prompt's index; returns the GenerationOutput."""
@@ -311,6 +332,7 @@ class Model:
         temperature: float = 0.0,
         constraints: Sequence | None = None,
         grammar: Grammar | None = None,
+        canvas: Sequence[Sequence[int]] | None = None,
     ) -> GenerationOutput:
         """Generate for a batch of prompts (token-id lists of any lengths, or strings).
 
@@ -320,7 +342,9 @@ class Model:
         `constraints`: one per prompt, a `CanvasConstraints` for every canvas of it, a function
         of the `Request` giving one per decoder pass, or None (see engine/constraints.py).
         `grammar` (from `compile_grammar`): every answer is a sentence of it, or a prefix of one
-        when max_new_tokens ends it first (see engine/grammar.py).
+        when max_new_tokens ends it first (see engine/grammar.py). `canvas`: one list of
+        canvas_length token ids per prompt, where its first canvas starts instead of random
+        tokens (a warm start: transformers' `decoder_input_ids`, with either sampling).
         """
         prompt_ids, images = self._split_prompts(prompts)
         constraints = self._grammar_constraints(grammar, len(prompt_ids), constraints)
@@ -352,19 +376,94 @@ class Model:
             eos_token_ids=eos_token_ids,
         )
         return collect(
-            self._events(prompt_ids, request, drafts=False, user_seed=seed is not None, constraints=constraints, images=images)
+            self._events(
+                prompt_ids, request, drafts=False, user_seed=seed is not None, constraints=constraints, images=images,
+                canvas=canvas,
+            )  # fmt: skip
         )
 
     def stream(
         self, prompt, drafts: bool = False, seed: int | None = None, sampling: str = "default", constraints=None,
-        grammar: Grammar | None = None, **knobs,
+        grammar: Grammar | None = None, canvas: Sequence[int] | None = None, **knobs,
     ):
-        """Yield `Block` events as each canvas commits (and `Draft` events per step if `drafts`)."""
+        """Yield `Block` events as each canvas commits (and `Draft` events per step if `drafts`);
+        `constraints`, `grammar`, `canvas` as in `generate`, for this one prompt."""
         prompt_ids, images = self._split_prompts([prompt])
         request = self.sampling_request(1, seed=seed, sampling=sampling, **knobs)
         listed = None if constraints is None else [constraints]
         listed = self._grammar_constraints(grammar, 1, listed)
-        return self._events(prompt_ids, request, drafts=drafts, user_seed=seed is not None, constraints=listed, images=images)
+        return self._events(
+            prompt_ids, request, drafts=drafts, user_seed=seed is not None, constraints=listed, images=images,
+            canvas=None if canvas is None else [canvas],
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- seeded canvases (infill.py)
+    def infill(
+        self, prefix: str, suffix: str, span_length: int | None = None, lengths: Sequence[int] = DEFAULT_LENGTHS,
+        seed: int | None = None, **knobs,
+    ) -> InfillResult:
+        """The text between `prefix` and `suffix`: `span_length` tokens, or the candidate length
+        (of `lengths`) whose canvas the model finds most likely (see infill.py)."""
+        tok, c = self._text_tokenizer(), self.config.canvas_length
+        candidates = [span_length] if span_length is not None else sorted({n for n in lengths if 1 <= n < c})
+        if not candidates:
+            raise ValueError(f"no candidate span length in 1..{c - 1}")
+        prefix_ids, suffix_ids = tok.encode(prefix), tok.encode(suffix, add_special_tokens=False)
+        plans = [infill_plan(prefix_ids, suffix_ids, n, c, *self._end_tokens()) for n in candidates]
+        blocks = self._seeded_blocks(plans, seed, **knobs)
+        scores = {n: sum(t.logprob for t in b.logprobs) / len(b.logprobs) for n, b in zip(candidates, blocks)}
+        best = max(candidates, key=lambda n: scores[n])
+        tokens = blocks[candidates.index(best)].tokens[:best]
+        return InfillResult(tok.decode(tokens), tokens, best, scores)
+
+    def infill_stream(self, prefix: str, suffix: str, span_length: int, seed: int | None = None, drafts: bool = True, **knobs):
+        """`stream` of one infill canvas (Draft events show the span forming, the suffix fixed
+        beside it; the Block holds the whole canvas, span first)."""
+        tok, c = self._text_tokenizer(), self.config.canvas_length
+        plan = infill_plan(tok.encode(prefix), tok.encode(suffix, add_special_tokens=False), span_length, c, *self._end_tokens())
+        return self.stream(plan.prompt, drafts=drafts, seed=seed, constraints=FirstCanvas(plan.constraints(self.config.vocab_size)),
+                           max_new_tokens=c, eos_token_ids=[], **knobs)  # fmt: skip
+
+    def edit(self, text: str, spans: Sequence[tuple[int, int]], seed: int | None = None, **knobs) -> EditResult:
+        """`text` with the character ranges `spans` rewritten (snapped outward to token
+        boundaries) and everything else kept byte for byte (see infill.py)."""
+        tok, c = self._text_tokenizer(), self.config.canvas_length
+        ids, offsets = tok.encode_with_offsets(text)
+        token_spans = snap_spans(list(spans), offsets, len(text))
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        plan = edit_plan(bos, ids, token_spans, c, *self._end_tokens())
+        (block,) = self._seeded_blocks([plan], seed, **knobs)
+        chars = [(offsets[a][0], offsets[b - 1][1]) for a, b in token_spans]
+        replacements = [tok.decode(block.tokens[a:b]) for a, b in plan.free]
+        out, at = [], 0
+        for (a, b), new in zip(chars, replacements):
+            out += [text[at:a], new]
+            at = b
+        return EditResult("".join(out) + text[at:], chars, replacements)
+
+    def _text_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json: infill and edit take text")
+        return self.tokenizer
+
+    def _end_tokens(self) -> tuple[int, int]:
+        g = self.generation_config
+        if not g.eos_token_ids or g.pad_token_id is None:
+            raise ValueError("infill and edit need the checkpoint's EOS and pad tokens (generation_config.json)")
+        return g.eos_token_ids[0], g.pad_token_id
+
+    def _seeded_blocks(self, plans: list, seed: int | None, **knobs) -> list[Block]:
+        """The committed canvas of each plan (one block each, with its log probabilities)."""
+        request = self.sampling_request(len(plans), seed=seed, max_new_tokens=self.config.canvas_length, eos_token_ids=[], **knobs)
+        requests = [
+            Request(plan.prompt, request.config, s, constraints=FirstCanvas(plan.constraints(self.config.vocab_size)), top_logprobs=0)
+            for plan, s in zip(plans, request.seeds)
+        ]
+        blocks: list[Block | None] = [None] * len(plans)
+        for ev in self._engine_events(requests):
+            if isinstance(ev, Block):
+                blocks[ev.row] = ev
+        return blocks
 
     @torch.no_grad()
     def canvas_logits(

@@ -150,14 +150,70 @@ def run_grammar(model, args):
         raise CliError(f"{flag}: {e}") from None
 
 
+def run_suffix(args) -> str | None:
+    """The text of --suffix / --suffix-file, or None; checks what infill cannot go with."""
+    if args.suffix is not None and args.suffix_file is not None:
+        raise CliError("give --suffix or --suffix-file, not both")
+    suffix = args.suffix
+    if args.suffix_file is not None:
+        try:
+            suffix = Path(args.suffix_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"--suffix-file: cannot read {args.suffix_file}: {e.strerror or e}") from None
+    if suffix is None:
+        if args.span_length is not None:
+            raise CliError("--span-length needs --suffix or --suffix-file")
+        return None
+    for flag, bad in (("--chat", args.chat), ("--mode ar", args.mode == "ar"), ("--sampling reference", args.sampling == "reference"),
+                      ("--image/--video", bool(args.media)), ("--json-schema/--regex/--grammar",
+                      any(v is not None for v in (args.json_schema, args.regex, args.grammar)))):  # fmt: skip
+        if bad:
+            raise CliError(f"--suffix (infill) does not go with {flag}")
+    if args.show_canvas and args.span_length is None:
+        raise CliError("--show-canvas with --suffix needs --span-length (a chosen length is found by trying several)")
+    return suffix
+
+
+def cmd_infill(model, args, suffix: str) -> int:
+    """`dgemma run PREFIX --suffix TEXT`: print the text between them (see infill.py)."""
+    from .engine.events import Block, Draft
+
+    knobs = {k: v for k, v in sampler_knobs(args).items() if k != "max_new_tokens"}
+    try:
+        if not args.show_canvas:
+            result = model.infill(args.prompt, suffix, span_length=args.span_length, seed=args.seed, **knobs)
+            sys.stdout.write(result.text + "\n")
+            return 0
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        tok, n = model.tokenizer, args.span_length
+        with Live(Text(""), console=Console(), refresh_per_second=20) as live:
+            for ev in model.infill_stream(args.prompt, suffix, n, seed=args.seed, **knobs):
+                tokens = ev.canvas if isinstance(ev, Draft) else ev.tokens
+                view = Text(args.prompt, style="dim")
+                view.append(tok.decode(tokens[:n]), style="bold cyan" if isinstance(ev, Draft) else "bold")
+                view.append(suffix, style="dim")
+                if isinstance(ev, Draft):
+                    view.append(f"\n[step {ev.step}]", style="dim")
+                live.update(view)
+        return 0
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_run(args) -> int:
     from .engine.events import Block, Draft
 
+    suffix = run_suffix(args)
     model = load_model(args)
     model.configure_engine(engine_options(args))
     tok = model.tokenizer
     if tok is None:
         raise CliError(f"{model.path} has no tokenizer.json: `dgemma run` needs one")
+    if suffix is not None:
+        return cmd_infill(model, args, suffix)
     if args.media:
         prompt = media_prompt(model, args)  # token ids and image patches
     elif args.chat:
@@ -275,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this JSON Schema (enforced while denoising)")
     run.add_argument("--regex", help="the output matches this regular expression (enforced while denoising)")
     run.add_argument("--grammar", metavar="FILE", help="the output is a sentence of this Lark grammar (llguidance's dialect)")
+    run.add_argument("--suffix", help="infill: print the text between the prompt (prefix) and this suffix")
+    run.add_argument("--suffix-file", metavar="FILE", help="infill with the suffix read from FILE")
+    run.add_argument("--span-length", type=int, default=None,
+                     help="infill span in tokens (default: the model chooses among several lengths)")  # fmt: skip
     add_media_flags(run)
     add_engine_flags(run)
     run.set_defaults(func=cmd_run)

@@ -130,6 +130,11 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (no special tokens) and each token's [start, end) character span."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [tuple(o) for o in enc.offsets]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

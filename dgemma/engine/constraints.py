@@ -2,6 +2,8 @@
 
 The one API that seeded canvases (infill, editing) and grammars (structured output) build on.
 
+- An *initial* token is where the canvas starts at that position instead of a random token (a
+  warm start: the reference's `decoder_input_ids`); it denoises like any other afterwards.
 - A *fixed* position holds a given token: it is written into the canvas when it starts, never
   re-noised, excluded from entropy-bound acceptance and from the stopping statistics (mean
   entropy, and it cannot make the canvas unstable), and committed as given. The other positions
@@ -26,6 +28,7 @@ from .sampler import pack_token_mask, unpack_token_mask
 class CanvasConstraints:
     fixed: torch.Tensor | None = None  # [C] long: the token at fixed positions, -1 elsewhere
     allowed: torch.Tensor | None = None  # [C, ceil(V / 32)] int32 packed mask, or None: all allowed
+    initial: torch.Tensor | None = None  # [C] long: the canvas's first tokens, -1 where random
 
     @staticmethod
     def build(
@@ -33,20 +36,15 @@ class CanvasConstraints:
         vocab_size: int,
         fixed: Mapping[int, int] | None = None,
         allowed: torch.Tensor | Mapping[int, Iterable[int]] | None = None,
+        initial: Mapping[int, int] | None = None,
     ) -> "CanvasConstraints":
         """Validated constraints from friendly forms.
 
-        `fixed`: {position: token}. `allowed`: a bool tensor [canvas_length, vocab_size], or
-        {position: allowed token ids} (positions not named allow everything).
+        `fixed`, `initial`: {position: token}. `allowed`: a bool tensor [canvas_length, vocab_size],
+        or {position: allowed token ids} (positions not named allow everything).
         """
-        fixed_tokens = None
-        if fixed:
-            fixed_tokens = torch.full((canvas_length,), -1, dtype=torch.long)
-            for pos, tok in fixed.items():
-                _check_position(pos, canvas_length, "fixed")
-                if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-                    raise ValueError(f"fixed[{pos}] = {tok!r} is not a token id in [0, {vocab_size})")
-                fixed_tokens[pos] = tok
+        fixed_tokens = _positions(fixed, canvas_length, vocab_size, "fixed")
+        initial_tokens = _positions(initial, canvas_length, vocab_size, "initial")
         mask = None
         if allowed is not None:
             if isinstance(allowed, torch.Tensor):
@@ -72,7 +70,7 @@ class CanvasConstraints:
                 if bad:
                     raise ValueError(f"fixed token(s) at position(s) {bad} are not allowed there")
             mask = None if bool(dense.all()) else pack_token_mask(dense)
-        return CanvasConstraints(fixed_tokens, mask)
+        return CanvasConstraints(fixed_tokens, mask, initial_tokens)
 
     @property
     def free(self) -> torch.Tensor | None:
@@ -86,11 +84,42 @@ class CanvasConstraints:
         fixed = self.fixed.to(canvas.device)
         return torch.where(fixed >= 0, fixed, canvas)
 
+    def seed_canvas(self, canvas: torch.Tensor) -> torch.Tensor:
+        """A fresh `canvas` with the initial tokens, then the fixed ones, written in."""
+        if self.initial is not None:
+            initial = self.initial.to(canvas.device)
+            canvas = torch.where(initial >= 0, initial, canvas)
+        return self.apply_fixed(canvas)
+
     def allowed_dense(self, vocab_size: int) -> torch.Tensor | None:
         """The mask unpacked to bool [C, vocab] (tests and debugging)."""
         return None if self.allowed is None else unpack_token_mask(self.allowed, vocab_size)
 
 
+def _positions(tokens: Mapping[int, int] | None, canvas_length: int, vocab_size: int, what: str) -> torch.Tensor | None:
+    """{position: token} as [C] long, -1 at positions not named; None for none."""
+    if not tokens:
+        return None
+    out = torch.full((canvas_length,), -1, dtype=torch.long)
+    for pos, tok in tokens.items():
+        _check_position(pos, canvas_length, what)
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            raise ValueError(f"{what}[{pos}] = {tok!r} is not a token id in [0, {vocab_size})")
+        out[pos] = tok
+    return out
+
+
 def _check_position(pos, canvas_length: int, what: str) -> None:
     if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < canvas_length:
         raise ValueError(f"{what}: position {pos!r} is outside the canvas [0, {canvas_length})")
+
+
+@dataclass(frozen=True)
+class FirstCanvas:
+    """A constraint source that constrains a request's first canvas only (a warm start, an
+    infill or an edit); the canvases after it denoise freely."""
+
+    constraints: CanvasConstraints
+
+    def __call__(self, request) -> CanvasConstraints | None:
+        return self.constraints if request.block == 0 else None

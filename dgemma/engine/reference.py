@@ -52,9 +52,12 @@ def reference_events(
     gen: GenerationConfig,
     drafts: bool = False,
     images: list[list[PlacedImage]] | None = None,
+    initial_canvas: torch.Tensor | None = None,
 ) -> Iterator[Draft | Block]:
     """The reference sampler, random numbers from the global RNG in the reference's order.
-    `images[r]`: prompt r's image soft tokens placed in it (see prefill)."""
+    `images[r]`: prompt r's image soft tokens placed in it (see prefill). `initial_canvas`
+    [B, C]: the first canvas (transformers' `decoder_input_ids`); the random one is drawn all
+    the same, as the reference draws it before it looks for decoder_input_ids."""
     cfg = model.config
     validate_prompts(prompts, cfg.vocab_size)
     device, batch, canvas_len, vocab = model.device, len(prompts), cfg.canvas_length, cfg.vocab_size
@@ -83,6 +86,8 @@ def reference_events(
 
         decode_pass = cache.plan_decoder(canvas_len)
         canvas = torch.randint(0, vocab, (batch, canvas_len), device=device)
+        if block == 0 and initial_canvas is not None:
+            canvas = initial_canvas.to(device)
         argmax_canvas = canvas
         sc_logits = None
         history = None
