@@ -409,7 +409,7 @@ class Model:
         if not candidates:
             raise ValueError(f"no candidate span length in 1..{c - 1}")
         prefix_ids, suffix_ids = tok.encode(prefix), tok.encode(suffix, add_special_tokens=False)
-        plans = [infill_plan(prefix_ids, suffix_ids, n, c, *self._end_tokens()) for n in candidates]
+        plans = [infill_plan(prefix_ids, suffix_ids, n, c, *self.end_tokens()) for n in candidates]
         blocks = self._seeded_blocks(plans, seed, **knobs)
         scores = {n: sum(t.logprob for t in b.logprobs) / len(b.logprobs) for n, b in zip(candidates, blocks)}
         best = max(candidates, key=lambda n: scores[n])
@@ -420,7 +420,7 @@ class Model:
         """`stream` of one infill canvas (Draft events show the span forming, the suffix fixed
         beside it; the Block holds the whole canvas, span first)."""
         tok, c = self._text_tokenizer(), self.config.canvas_length
-        plan = infill_plan(tok.encode(prefix), tok.encode(suffix, add_special_tokens=False), span_length, c, *self._end_tokens())
+        plan = infill_plan(tok.encode(prefix), tok.encode(suffix, add_special_tokens=False), span_length, c, *self.end_tokens())
         return self.stream(plan.prompt, drafts=drafts, seed=seed, constraints=FirstCanvas(plan.constraints(self.config.vocab_size)),
                            max_new_tokens=c, eos_token_ids=[], **knobs)  # fmt: skip
 
@@ -431,7 +431,7 @@ class Model:
         ids, offsets = tok.encode_with_offsets(text)
         token_spans = snap_spans(list(spans), offsets, len(text))
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        plan = edit_plan(bos, ids, token_spans, c, *self._end_tokens())
+        plan = edit_plan(bos, ids, token_spans, c, *self.end_tokens())
         (block,) = self._seeded_blocks([plan], seed, **knobs)
         chars = [(offsets[a][0], offsets[b - 1][1]) for a, b in token_spans]
         replacements = [tok.decode(block.tokens[a:b]) for a, b in plan.free]
@@ -446,7 +446,8 @@ class Model:
             raise ValueError(f"{self.path} has no tokenizer.json: infill and edit take text")
         return self.tokenizer
 
-    def _end_tokens(self) -> tuple[int, int]:
+    def end_tokens(self) -> tuple[int, int]:
+        """(EOS, pad): what an infill or edit canvas holds past the end of the text."""
         g = self.generation_config
         if not g.eos_token_ids or g.pad_token_id is None:
             raise ValueError("infill and edit need the checkpoint's EOS and pad tokens (generation_config.json)")

@@ -154,3 +154,60 @@ def test_run_suffix_errors(argv, words, capsys):
 
     assert main(["run", "x", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ the server's suffix
+from test_server import MODEL, client, model, server  # noqa: E402, F401  (the tiny random model's server fixtures)
+
+import openai  # noqa: E402
+
+
+def test_suffix_is_insert_mode(model, client):  # noqa: F811
+    prefix, suffix = "def f(x):\n", "\n    return y\n"
+    r = client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=16, seed=3,
+                                  extra_body={"span_length": 5, "max_denoising_steps": 4})  # fmt: skip
+    expected = model.infill(prefix, suffix, span_length=5, seed=3, max_denoising_steps=4)
+    assert r.choices[0].text == expected.text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 5
+    chosen = client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=8, seed=3,
+                                       extra_body={"max_denoising_steps": 4})  # fmt: skip
+    want = model.infill(prefix, suffix, lengths=[1, 2, 3, 4, 6, 8], seed=3, max_denoising_steps=4)
+    assert chosen.choices[0].text == want.text and chosen.usage.completion_tokens == want.span_length
+    stream = client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=16, seed=3, stream=True,
+                                       extra_body={"span_length": 5, "max_denoising_steps": 4})  # fmt: skip
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
+
+
+def test_fixed_canvas_tokens(model, client):  # noqa: F811
+    c = model.config.canvas_length
+    canvas = [None] * c
+    canvas[3], canvas[10] = 100, 101
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=c, seed=1,
+                                  extra_body={"canvas": canvas, "max_denoising_steps": 4, "ignore_eos": True})  # fmt: skip
+    ids = model.tokenizer.encode(r.choices[0].text, add_special_tokens=False)
+    fixed = FirstCanvas(CanvasConstraints.build(c, model.config.vocab_size, fixed={3: 100, 10: 101}))
+    out = model.generate([[5, 6, 7]], max_new_tokens=c, seed=1, max_denoising_steps=4, eos_token_ids=[], constraints=[fixed])
+    assert out.sequences[0][3] == 100 and out.sequences[0][10] == 101
+    assert r.choices[0].text == model.tokenizer.decode(out.sequences[0]) and ids
+
+
+BAD_INSERTS = [
+    ({"suffix": "x", "span_length": 0}, "span_length"),
+    ({"suffix": "x", "span_length": 99}, "span_length"),
+    ({"suffix": "x", "span_length": 6, "max_tokens": 3}, "span_length"),
+    ({"span_length": 4}, "span_length"),
+    ({"suffix": "x", "n": 2}, "n"),
+    ({"suffix": "x", "logprobs": 1}, "logprobs"),
+    ({"suffix": "x", "guided_regex": "a+"}, "guided_regex"),
+    ({"canvas": [1, 2]}, "canvas"),
+    ({"canvas": ["a"] + [None] * 31}, "canvas[0]"),
+    ({"canvas": [None] * 32}, "canvas"),
+    ({"canvas": [10**9] + [None] * 31}, "canvas[0]"),
+]
+
+
+@pytest.mark.parametrize("extra, param", BAD_INSERTS)
+def test_bad_infill_requests_are_400s(client, extra, param):  # noqa: F811
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="def f():", max_tokens=extra.pop("max_tokens", 16), extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
+from ..engine.constraints import FirstCanvas
 from ..engine.engine import Engine, EngineOptions
 from ..engine.events import TokenLogprob
 from ..engine.grammar import Grammar, GrammarError
@@ -43,6 +44,7 @@ from .logprobs import TextOffsets, TokenTexts, chat_logprobs, completion_logprob
 from .media import MediaPolicy, MediaRef, PartError
 from .metrics import Metrics
 from .text import TextStream
+from .insert import InsertError, fixed_canvas, insert, span_lengths
 from .tool_grammar import lark_string, tool_call_grammar
 from .structured import GUIDED_FIELDS, GrammarCache, OutputFormat, StructuredError, request_format
 from .reasoning import THINK, ReasoningParser, Thought, keeping_channel, template_thinks, think_in_system_turn
@@ -194,7 +196,10 @@ class CompletionParams(_Params):
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
-    suffix: str | None = None
+    suffix: str | None = None  # insert mode (insert.py)
+    # dgemma extensions (insert.py): the span's length in tokens with `suffix`; tokens to fix in the first canvas
+    span_length: Any = None
+    canvas: Any = None
 
 
 class ChatParams(_Params):
@@ -240,7 +245,6 @@ def _unsupported(params: _Params) -> None:
          "top_logprobs needs logprobs: true"),
         ("echo", bool(getattr(params, "echo", None)), "echo is not supported"),
         ("best_of", getattr(params, "best_of", None) not in (None, 1), "best_of is not supported"),
-        ("suffix", bool(getattr(params, "suffix", None)), "suffix (insertion) is not supported"),
         ("stream_options", params.stream_options is not None and not params.stream, "stream_options needs stream: true"),
         ("stream_drafts", params.stream_drafts and not params.stream, "stream_drafts needs stream: true"),
     ]
@@ -628,7 +632,7 @@ class Service:
     # ---------------------------------------------------------------- running
     def start(
         self, params: _Params, prompt: ModelInputs, max_tokens: int | None, tools: bool = False, grammar: Grammar | None = None,
-        thinking: bool = False,
+        thinking: bool = False, first_canvas: FirstCanvas | None = None,
     ) -> list[Generation]:
         """Submit the request's `n` choices, each an engine request of its own (seed: the
         request's seed + its index; without one, random each) with its own grammar state; with
@@ -651,7 +655,7 @@ class Service:
             decode = keeping_channel(self.tokenizer, decode)
         gens: list[Generation] = []
         for seed in seeds:
-            constraints = None if grammar is None else self.model.grammars.canvas(grammar, self.canvas)
+            constraints = first_canvas if grammar is None else self.model.grammars.canvas(grammar, self.canvas)
             try:
                 job = self.engine_thread.submit(prompt.input_ids, config, seed, drafts=params.stream_drafts,
                                                 images=prompt.images, constraints=constraints, **extra)  # fmt: skip
@@ -662,6 +666,67 @@ class Service:
             text = TextStream(decode, stops, config.eos_token_ids, config.max_new_tokens)
             gens.append(Generation(self.engine_thread, job, text))
         return gens
+
+    def first_canvas(self, params: "CompletionParams", grammar: Grammar | None) -> FirstCanvas | None:
+        """The `canvas` extension field as the first canvas's fixed tokens (400 naming it)."""
+        if params.canvas is None:
+            return None
+        if grammar is not None:
+            raise ApiError(400, "canvas: fixed canvas tokens and structured output in one request are not supported",
+                           "canvas", "unsupported_parameter")  # fmt: skip
+        try:
+            return fixed_canvas(params.canvas, self.canvas, self.model.config.vocab_size)
+        except (InsertError, ValueError) as e:
+            raise ApiError(400, str(e), getattr(e, "param", "canvas"), "invalid_value") from None
+
+    async def insertion(self, request: Request, params: "CompletionParams", prompt: ModelInputs) -> Response:
+        """Insert mode: the text between the prompt and `suffix` (insert.py), whole or as one chunk."""
+        for name, bad in (("n", (params.n or 1) > 1), ("logprobs", params.logprobs is not None),
+                          ("stream_drafts", params.stream_drafts), ("canvas", params.canvas is not None),
+                          ("stop", params.stop is not None), ("ignore_eos", params.ignore_eos)):  # fmt: skip
+            if bad:
+                raise ApiError(400, f"{name}: not supported with suffix (insert mode)", name, "unsupported_parameter")
+        if params.suffix is None:
+            raise ApiError(400, "span_length needs suffix (insert mode)", "span_length", "invalid_value")
+        try:
+            lengths = span_lengths(params.span_length, params.max_tokens, self.canvas)
+            end_tokens = self.model.end_tokens()
+        except (InsertError, ValueError) as e:
+            raise ApiError(400, str(e), getattr(e, "param", "suffix"), "invalid_value") from None
+        suffix = await asyncio.to_thread(self._encode_text, params.suffix)
+        config = self.generation_config(params, prompt, self.canvas).with_overrides(eos_token_ids=())
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(SEED_LIMIT)
+        if not self.engine_thread.alive:
+            raise ApiError(503, "the engine is not running", code="engine_stopped")
+        started = time.perf_counter()
+        try:
+            found = await insert(self.engine_thread, prompt.input_ids, suffix, lengths, config, seed, self.canvas,
+                                 self.model.config.vocab_size, end_tokens)  # fmt: skip
+        except QueueFull as e:
+            raise ApiError(429, str(e), None, "queue_full") from None
+        except EngineFailure as e:
+            raise ApiError(500, f"generation failed: {e}", code="engine_error") from None
+        with self.metrics.lock:
+            self.metrics.requests.inc(finish_reason="stop")
+            self.metrics.request_seconds.observe(time.perf_counter() - started)
+        text = self.tokenizer.decode(found.tokens)
+        prompt_len = len(prompt.input_ids)
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": found.span_length,
+                 "total_tokens": prompt_len + found.span_length, "decoder_passes": found.decoder_passes,
+                 "span_length": found.span_length}  # fmt: skip
+        envelope = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": self.name}
+        if not params.stream:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+            return json_response({**envelope, "choices": [choice], "usage": usage})
+
+        def chunks():
+            yield _sse({**envelope, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]})
+            yield _sse({**envelope, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]})
+            if params.stream_options and params.stream_options.include_usage:
+                yield _sse({**envelope, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def check_choices(self, params: _Params) -> None:
         """`n` within what one request may ask: MAX_CHOICES and --max-active (the choices
@@ -1082,12 +1147,17 @@ def create_app(
             prompt = ModelInputs(await asyncio.to_thread(service.completion_prompt, params.prompt))
             max_tokens = params.max_tokens
         fmt = output_format(params, spec) or (service.forced_call_format(spec) if spec is not None else None)
+        if not chat and (params.suffix is not None or params.span_length is not None):
+            if fmt is not None:
+                raise ApiError(400, f"{fmt.param}: not supported with suffix (insert mode)", fmt.param, "unsupported_parameter")
+            return await service.insertion(request, params, prompt)
         grammar = None if fmt is None else await asyncio.to_thread(service.grammar, fmt)
+        first_canvas = None if chat else service.first_canvas(params, grammar)
         thinking = chat and service.thinks(prompt)
         if request_top_logprobs(params) is not None:
             await asyncio.to_thread(service.token_texts)  # built once (reads tokenizer.json): off the loop
         gens = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
-                             thinking=thinking)  # fmt: skip
+                             thinking=thinking, first_canvas=first_canvas)  # fmt: skip
         responder = _Responder(service, chat, prompt, gens, params, spec, thinking)
         if params.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

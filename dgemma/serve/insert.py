@@ -1,0 +1,102 @@
+"""OpenAI's insert mode on /v1/completions (`suffix`), and fixed canvas tokens (`canvas`): the
+server side of dgemma/infill.py.
+
+With `suffix`, the completion is the text between the prompt and the suffix: one engine request
+per candidate span length (`span_length`, or infill.DEFAULT_LENGTHS within max_tokens), each a
+single canvas whose span denoises beside the fixed suffix; the most likely canvas wins, as in
+`Model.infill`. With `canvas` (canvas_length entries, a token id to fix or null), the request's
+first canvas keeps those tokens fixed and generation goes on as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.constraints import CanvasConstraints, FirstCanvas
+from ..engine.events import Block, Finished
+from ..infill import DEFAULT_LENGTHS, infill_plan
+
+
+class InsertError(ValueError):
+    """A suffix / span_length / canvas field the server refuses: a 400 naming `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Insertion:
+    tokens: list[int]  # the span
+    span_length: int
+    decoder_passes: int
+    scores: dict[int, float]
+
+
+def span_lengths(span_length: Any, max_tokens: int | None, canvas_length: int) -> list[int]:
+    """The candidate span lengths of an insert request, checked."""
+    if span_length is not None:
+        if isinstance(span_length, bool) or not isinstance(span_length, int) or not 1 <= span_length < canvas_length:
+            raise InsertError("span_length", f"span_length must be an integer from 1 to {canvas_length - 1} (the canvas "
+                                             f"holds {canvas_length} tokens, one at least for the suffix); got {span_length!r}")  # fmt: skip
+        if max_tokens is not None and span_length > max_tokens:
+            raise InsertError("span_length", f"span_length={span_length} is more than max_tokens={max_tokens}")
+        return [span_length]
+    limit = canvas_length - 1 if max_tokens is None else min(canvas_length - 1, max_tokens)
+    return [n for n in DEFAULT_LENGTHS if n <= limit] or [limit]
+
+
+def fixed_canvas(canvas: Any, canvas_length: int, vocab_size: int) -> FirstCanvas:
+    """The `canvas` field (canvas_length entries: a token id to fix, or null) as constraints."""
+    if not isinstance(canvas, list) or len(canvas) != canvas_length:
+        raise InsertError("canvas", f"canvas must be a list of {canvas_length} entries (a token id to fix, or null); "
+                                    f"got {type(canvas).__name__} of length {len(canvas) if isinstance(canvas, list) else '-'}")  # fmt: skip
+    fixed = {}
+    for i, t in enumerate(canvas):
+        if t is None:
+            continue
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InsertError(f"canvas[{i}]", f"canvas[{i}] must be a token id in [0, {vocab_size}) or null (got {t!r})")
+        fixed[i] = t
+    if not fixed:
+        raise InsertError("canvas", "canvas fixes no position (every entry is null)")
+    return FirstCanvas(CanvasConstraints.build(canvas_length, vocab_size, fixed=fixed))
+
+
+async def insert(engine_thread, prompt: list[int], suffix: list[int], lengths: list[int], config, seed: int,
+                 canvas_length: int, vocab_size: int, end_tokens: tuple[int, int]) -> Insertion:  # fmt: skip
+    """Denoise one infill canvas per candidate length (side by side in the engine) and keep the
+    most likely; `config` is the request's GenerationConfig for one canvas without EOS."""
+    jobs = []
+    try:
+        for n in lengths:
+            plan = infill_plan(prompt, suffix, n, canvas_length, *end_tokens)
+            constraints = FirstCanvas(plan.constraints(vocab_size))
+            jobs.append(engine_thread.submit(plan.prompt, config, seed, constraints=constraints, top_logprobs=0))
+        blocks = await asyncio.gather(*(_block_of(job) for job in jobs))
+    except BaseException:
+        for job in jobs:
+            engine_thread.cancel(job)
+        raise
+    scores = {n: sum(t.logprob for t in b.logprobs) / len(b.logprobs) for n, (b, _) in zip(lengths, blocks)}
+    best = max(lengths, key=lambda n: scores[n])
+    block, _ = blocks[lengths.index(best)]
+    passes = sum(p for _, p in blocks)
+    return Insertion(block.tokens[:best], best, passes, scores)
+
+
+async def _block_of(job) -> tuple[Block, int]:
+    """The job's one committed block and its decoder passes (its events, to the end)."""
+    block = None
+    while True:
+        ev = await job.events.get()
+        if isinstance(ev, Exception):
+            raise ev
+        if isinstance(ev, Block):
+            block = ev
+        elif isinstance(ev, Finished):
+            if block is None:
+                raise RuntimeError(f"the infill request ended ({ev.reason}) without a block")
+            return block, ev.decoder_passes
