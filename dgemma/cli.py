@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.set_defaults(func=cmd_memory)
 
     # Subcommands that live with their concern: each module defines add_cli(subparsers).
-    for module in ("serve.server", "bench", "train.trainer", "quant.cli"):
+    for module in ("serve.server", "bench", "train.trainer", "quant.cli", "chat"):
         if importlib.util.find_spec(f"dgemma.{module}") is not None:
             importlib.import_module(f"dgemma.{module}").add_cli(sub)
     return parser

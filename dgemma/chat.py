@@ -1,0 +1,284 @@
+"""`dgemma chat`: an interactive multi-turn session in the terminal (issue #16).
+
+Line editing and history come from Python's readline; the live canvas view is rich's Live, fed by
+`Model.stream(..., drafts=True)`. The model's engine (and its prefix cache) persists across
+turns, so turn N encodes only the prompt tokens the cache does not hold. Not a TTY (a pipe):
+one user message per input line, the answer as plain text per turn, figures on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+HISTORY_FILE = Path.home() / ".cache" / "dgemma" / "chat_history"
+
+# /set NAME VALUE: the sampler knobs (Model.stream's keyword arguments) and the seed
+KNOBS = {
+    "steps": ("max_denoising_steps", int),
+    "entropy-bound": ("entropy_bound", float),
+    "t-min": ("t_min", float),
+    "t-max": ("t_max", float),
+    "max-new-tokens": ("max_new_tokens", int),
+    "seed": ("seed", int),
+}
+
+HELP = """commands:
+  /reset              forget the conversation (the system prompt stays)
+  /system TEXT        set the system prompt (empty: none)
+  /save FILE          write the conversation as JSON messages
+  /load FILE          read a conversation written by /save
+  /set NAME VALUE     a sampler knob: steps, entropy-bound, t-min, t-max, max-new-tokens, seed
+                      (VALUE "default": the checkpoint's generation_config.json)
+  /help               this text
+Ctrl-C stops a generation (the partial answer stays in the conversation) or clears the line;
+Ctrl-D leaves."""
+
+
+class Session:
+    def __init__(self, model, system: str | None, knobs: dict, seed: int | None, canvas: bool, tty: bool):
+        self.model, self.tok = model, model.tokenizer
+        self.system = system or None
+        self.messages: list[dict] = []
+        self.knobs = {k: v for k, v in knobs.items() if v is not None}
+        self.seed = seed
+        self.tty = tty
+        self.canvas = canvas and tty
+        self.console = None
+        if tty:
+            from rich.console import Console
+
+            self.console = Console()
+
+    # ---------------------------------------------------------------- output
+    def say(self, text: str, style: str | None = None) -> None:
+        """A status line: styled on the terminal, on stderr for a pipe."""
+        if self.console is not None:
+            self.console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+        else:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    # ---------------------------------------------------------------- commands
+    def command(self, line: str) -> None:
+        name, _, rest = line[1:].partition(" ")
+        rest = rest.strip()
+        if name == "help":
+            self.say(HELP)
+        elif name == "reset":
+            self.messages = []
+            self.say("conversation cleared", "dim")
+        elif name == "system":
+            self.system = rest or None
+            self.say(f"system prompt {'set' if rest else 'cleared'}", "dim")
+        elif name == "save":
+            if not rest:
+                return self.say("usage: /save FILE", "red")
+            try:
+                Path(rest).write_text(json.dumps(self.conversation(), indent=2, ensure_ascii=False) + "\n")
+            except OSError as e:
+                return self.say(f"cannot save: {e}", "red")
+            self.say(f"saved {len(self.conversation())} messages to {rest}", "dim")
+        elif name == "load":
+            self.load(rest)
+        elif name == "set":
+            self.set(rest)
+        else:
+            self.say(f"unknown command /{name} (/help lists them)", "red")
+
+    def conversation(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+
+    def load(self, path: str) -> None:
+        if not path:
+            return self.say("usage: /load FILE", "red")
+        try:
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, list) or not all(
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+                for m in data
+            ):
+                raise ValueError("expected a JSON list of {role, content} messages")
+        except (OSError, ValueError) as e:
+            return self.say(f"cannot load {path}: {e}", "red")
+        systems = [m["content"] for m in data if m["role"] == "system"]
+        self.system = systems[-1] if systems else None
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in data if m["role"] != "system"]
+        self.say(f"loaded {len(data)} messages from {path}", "dim")
+
+    def set(self, rest: str) -> None:
+        parts = rest.split()
+        if len(parts) != 2 or parts[0] not in KNOBS:
+            return self.say(f"usage: /set NAME VALUE, NAME one of {', '.join(KNOBS)}", "red")
+        name, value = parts
+        dest, kind = KNOBS[name]
+        if value == "default":
+            parsed = None
+        else:
+            try:
+                parsed = kind(value)
+            except ValueError:
+                return self.say(f"/set {name}: {value!r} is not a{'n integer' if kind is int else ' number'}", "red")
+        if dest == "seed":
+            self.seed = parsed
+        elif parsed is None:
+            self.knobs.pop(dest, None)
+        else:
+            try:  # the model's own check of the value
+                self.model.sampling_request(1, **{**self.knobs, dest: parsed})
+            except ValueError as e:
+                return self.say(f"/set {name}: {e}", "red")
+            self.knobs[dest] = parsed
+        self.say(f"{name} = {value}", "dim")
+
+    # ---------------------------------------------------------------- a turn
+    def turn(self, text: str) -> None:
+        from .engine.events import Block, Draft
+
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.tok.apply_chat_template(self.conversation(), add_generation_prompt=True)
+        try:
+            events = self.model.stream(prompt, drafts=self.canvas, seed=self.seed, **self.knobs)
+        except ValueError as e:
+            self.messages.pop()
+            return self.say(f"error: {e}", "red")
+        stats = self.model.engine.stats
+        before = (stats.prompt_tokens, stats.cached_tokens, stats.encoded_tokens)
+        tokens: list[int] = []
+        passes, first_block, interrupted = 0, None, False
+        start = time.perf_counter()
+        live = None
+        if self.canvas:
+            from rich.live import Live
+            from rich.text import Text
+
+            live = Live(Text(""), console=self.console, refresh_per_second=20, transient=False)
+            live.start()
+        printed = ""
+        try:
+            for ev in events:
+                if isinstance(ev, Block):
+                    first_block = first_block if first_block is not None else time.perf_counter() - start
+                    tokens += ev.tokens
+                    passes += ev.decoder_passes
+                    answer = self.tok.decode(tokens)
+                    if live is not None:
+                        live.update(Text(answer))
+                    elif self.tty:  # the answer as blocks commit
+                        sys.stdout.write(answer[len(printed):] if answer.startswith(printed) else "\n" + answer)
+                        sys.stdout.flush()
+                        printed = answer
+                elif isinstance(ev, Draft) and live is not None:
+                    view = Text(self.tok.decode(tokens))
+                    view.append(self.tok.decode(ev.canvas, skip_special_tokens=False), style="dim cyan")
+                    view.append(f"\n[block {ev.block + 1}, step {ev.step}]", style="dim")
+                    live.update(view)
+        except KeyboardInterrupt:
+            interrupted = True
+            events.close()  # cancels the request in the engine
+        finally:
+            if live is not None:
+                if interrupted:
+                    live.update(Text(self.tok.decode(tokens)))
+                live.stop()
+        elapsed = time.perf_counter() - start
+        answer = self.tok.decode(tokens).strip()
+        self.messages.append({"role": "assistant", "content": answer})
+        if self.tty:
+            if live is None:
+                sys.stdout.write("\n")
+            if interrupted:
+                self.say("[generation stopped; the partial answer stays in the conversation]", "yellow")
+        else:
+            sys.stdout.write(re.sub(r"[\r\n\x0b\x0c\x1c-\x1e\x85\u2028\u2029]+", " ", answer) + "\n")  # one line a turn
+            sys.stdout.flush()
+        prompt_new = stats.prompt_tokens - before[0]
+        cached = stats.cached_tokens - before[1]
+        encoded = stats.encoded_tokens - before[2]
+        figures = [
+            f"{len(tokens)} tokens",
+            f"{len(tokens) / passes:.2f} tokens/forward" if passes else "- tokens/forward",
+            f"{len(tokens) / elapsed:.1f} tok/s" if elapsed > 0 else "- tok/s",
+            f"first block {first_block:.2f}s" if first_block is not None else "no block",
+            f"encoded {prompt_new - cached} new prompt tokens ({cached} cached)",
+            f"{encoded} encoder tokens in all",
+        ]
+        self.say("[" + ", ".join(figures) + "]", "dim")
+
+
+def read_lines(session: Session):
+    """User lines: readline-edited input() on a terminal, stdin lines from a pipe."""
+    if not session.tty:
+        for line in sys.stdin:
+            yield line.rstrip("\n")
+        return
+    while True:
+        try:
+            yield input(">>> ")
+        except KeyboardInterrupt:  # clears the line
+            sys.stdout.write("\n")
+        except EOFError:
+            sys.stdout.write("\n")
+            return
+
+
+def setup_readline() -> None:
+    try:
+        import atexit
+        import readline
+    except ImportError:
+        return
+    try:
+        HISTORY_FILE.parent.mkdir(parents=True, exist_ok=True)
+        if HISTORY_FILE.exists():
+            readline.read_history_file(HISTORY_FILE)
+        readline.set_history_length(1000)
+    except OSError:
+        pass
+
+    def save():
+        try:
+            readline.write_history_file(HISTORY_FILE)
+        except OSError:
+            pass
+
+    atexit.register(save)
+
+
+def cmd_chat(args) -> int:
+    from .cli import CliError, engine_options, load_model, sampler_knobs
+
+    model = load_model(args)
+    model.configure_engine(engine_options(args))
+    if model.tokenizer is None:
+        raise CliError(f"{model.path} has no tokenizer.json: `dgemma chat` needs one")
+    tty = sys.stdin.isatty() and sys.stdout.isatty()
+    session = Session(model, args.system, sampler_knobs(args), args.seed, canvas=args.canvas, tty=tty)
+    if tty:
+        setup_readline()
+        session.say(f"dgemma chat with {model.path}: /help for commands, Ctrl-D to leave", "dim")
+    for line in read_lines(session):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            session.command(line)
+        else:
+            session.turn(line)
+    return 0
+
+
+def add_cli(sub) -> None:
+    from .cli import add_engine_flags, add_model_flags, add_sampler_flags
+
+    p = sub.add_parser("chat", help="an interactive multi-turn chat in the terminal (live canvas view)")
+    add_model_flags(p)
+    add_sampler_flags(p)
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-canvas", dest="canvas", action="store_false", help="do not draw the canvas while it denoises")
+    add_engine_flags(p)
+    p.set_defaults(func=cmd_chat)
