@@ -24,6 +24,7 @@ KNOBS = {
     "t-max": ("t_max", float),
     "max-new-tokens": ("max_new_tokens", int),
     "seed": ("seed", int),
+    "eos": ("eos_token_ids", None),  # "off": generate past EOS (long answers, benchmarks)
 }
 
 HELP = """commands:
@@ -31,7 +32,8 @@ HELP = """commands:
   /system TEXT        set the system prompt (empty: none)
   /save FILE          write the conversation as JSON messages
   /load FILE          read a conversation written by /save
-  /set NAME VALUE     a sampler knob: steps, entropy-bound, t-min, t-max, max-new-tokens, seed
+  /set NAME VALUE     a sampler knob: steps, entropy-bound, t-min, t-max, max-new-tokens, seed,
+                      eos (off: answers run to max-new-tokens)
                       (VALUE "default": the checkpoint's generation_config.json)
   /help               this text
 Ctrl-C stops a generation (the partial answer stays in the conversation) or clears the line;
@@ -117,6 +119,10 @@ class Session:
         dest, kind = KNOBS[name]
         if value == "default":
             parsed = None
+        elif kind is None:  # eos
+            if value != "off":
+                return self.say(f"/set {name}: only 'off' or 'default'", "red")
+            parsed = []
         else:
             try:
                 parsed = kind(value)

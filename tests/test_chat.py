@@ -73,6 +73,8 @@ def test_chat_in_a_terminal(tmp_path):
         child.expect_exact("max-new-tokens = 1024")
         child.sendline("/set steps 48")
         child.expect_exact("steps = 48")
+        child.sendline("/set eos off")  # no EOS: the answer cannot end before the Ctrl-C
+        child.expect_exact("eos = off")
         child.expect_exact(PROMPT)
         child.sendline("Tell me a very long story about a dragon.")
         child.expect(r"\[block [3-9], step")  # blocks 1 and 2 committed: there is a partial answer
