@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -264,6 +265,9 @@ def cmd_chat(args) -> int:
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     session = Session(model, args.system, sampler_knobs(args), args.seed, canvas=args.canvas, tty=tty)
     if tty:
+        # Ctrl-C stops a generation: a shell that starts us in the background (no job control)
+        # hands SIGINT down ignored, and Python then leaves it ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         setup_readline()
         session.say(f"dgemma chat with {model.path}: /help for commands, Ctrl-D to leave", "dim")
     for line in read_lines(session):
