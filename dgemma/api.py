@@ -13,7 +13,7 @@ import torch
 from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
 from .engine.client import EngineClient
 from .engine.constraints import CanvasConstraints, FirstCanvas
-from .infill import DEFAULT_LENGTHS, EditResult, InfillResult, edit_plan, infill_plan, snap_spans
+from .infill import DEFAULT_LENGTHS, EditResult, InfillResult, edit_plan, infill_plan, most_likely_span, snap_spans
 from .engine.engine import Engine, EngineOptions
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
 from .engine.grammar import Grammar, GrammarCompiler, GrammarError
@@ -411,8 +411,7 @@ class Model:
         prefix_ids, suffix_ids = tok.encode(prefix), tok.encode(suffix, add_special_tokens=False)
         plans = [infill_plan(prefix_ids, suffix_ids, n, c, *self.end_tokens()) for n in candidates]
         blocks = self._seeded_blocks(plans, seed, **knobs)
-        scores = {n: sum(t.logprob for t in b.logprobs) / len(b.logprobs) for n, b in zip(candidates, blocks)}
-        best = max(candidates, key=lambda n: scores[n])
+        best, scores = most_likely_span(candidates, blocks)
         tokens = blocks[candidates.index(best)].tokens[:best]
         return InfillResult(tok.decode(tokens), tokens, best, scores)
 

@@ -59,6 +59,13 @@ class EditResult:
     replacements: list[str]  # what each snapped span became
 
 
+def most_likely_span(lengths: list[int], blocks: list) -> tuple[int, dict[int, float]]:
+    """The span length whose committed canvas (`blocks[i]`, an engine Block with logprobs) has the
+    highest mean log probability, and every candidate's score."""
+    scores = {n: sum(t.logprob for t in b.logprobs) / len(b.logprobs) for n, b in zip(lengths, blocks)}
+    return max(lengths, key=lambda n: scores[n]), scores
+
+
 def infill_plan(prefix: list[int], suffix: list[int], span_length: int, canvas_length: int, eos: int, pad: int) -> CanvasPlan:
     """The canvas of an infill: `span_length` free positions, then the suffix (fixed), then EOS
     and pad where the suffix ends inside the canvas."""

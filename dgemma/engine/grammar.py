@@ -118,7 +118,7 @@ class GrammarCompiler:
         text = grammar_text(kind, spec, lenient)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
         if is_error:
-            raise GrammarError(f"invalid {kind.replace('_', ' ')}: {_first_line(messages[0])}")
+            raise GrammarError(f"invalid {Grammar(kind, text).describe()}: {_first_line(messages[0])}")
         return Grammar(kind, text)
 
     def canvas(self, grammar: Grammar, canvas_length: int) -> "CanvasGrammar":

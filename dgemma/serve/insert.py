@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine.constraints import CanvasConstraints, FirstCanvas
 from ..engine.events import Block, Finished
-from ..infill import DEFAULT_LENGTHS, infill_plan
+from ..infill import DEFAULT_LENGTHS, infill_plan, most_likely_span
 
 
 class InsertError(ValueError):
@@ -80,8 +80,7 @@ async def insert(engine_thread, prompt: list[int], suffix: list[int], lengths: l
         for job in jobs:
             engine_thread.cancel(job)
         raise
-    scores = {n: sum(t.logprob for t in b.logprobs) / len(b.logprobs) for n, (b, _) in zip(lengths, blocks)}
-    best = max(lengths, key=lambda n: scores[n])
+    best, scores = most_likely_span(lengths, [b for b, _ in blocks])
     block, _ = blocks[lengths.index(best)]
     passes = sum(p for _, p in blocks)
     return Insertion(block.tokens[:best], best, passes, scores)
