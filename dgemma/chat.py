@@ -33,6 +33,8 @@ HELP = """commands:
   /system TEXT        set the system prompt (empty: none)
   /save FILE          write the conversation as JSON messages
   /load FILE          read a conversation written by /save
+  /image PATH         attach an image (PNG, JPEG, WebP, GIF) to your next message (a model
+                      with a vision tower); /image clear drops the attached ones
   /set NAME VALUE     a sampler knob: steps, entropy-bound, t-min, t-max, max-new-tokens, seed,
                       eos (off: answers run to max-new-tokens)
                       (VALUE "default": the checkpoint's generation_config.json)
@@ -41,11 +43,46 @@ Ctrl-C stops a generation (the partial answer stays in the conversation) or clea
 Ctrl-D leaves."""
 
 
+def entropy_style(entropy: float) -> str:
+    """A canvas position's colour by its entropy (nats): green when the model is sure, red when not."""
+    return "green" if entropy < 0.5 else "yellow" if entropy < 2.0 else "red"
+
+
+def canvas_frame(pieces: list[str], accepted: list[bool], entropy: list[float]):
+    """One draft as the terminal draws it (rich Text): accepted positions bold, re-noised ones
+    dim, each coloured by its entropy."""
+    from rich.text import Text
+
+    view = Text()
+    for piece, kept, h in zip(pieces, accepted, entropy):
+        view.append(piece, style=("bold " if kept else "dim ") + entropy_style(h))
+    return view
+
+
+def plain_frame(pieces: list[str], accepted: list[bool], noise: str = "░") -> str:
+    """One draft as plain text: accepted positions as their tokens, re-noised ones as `noise`
+    (one per character of the token they show), so a sequence of frames reads as noise
+    resolving into text."""
+    return "".join(p if kept else noise * max(1, len(p.replace("\n", ""))) for p, kept in zip(pieces, accepted))
+
+
+def _content_ok(content) -> bool:
+    """A message's content as /save writes it: text, or a list of text and image parts."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and (p.get("type") == "text" and isinstance(p.get("text"), str)
+                                 or p.get("type") == "image" and isinstance(p.get("image"), str))  # fmt: skip
+        for p in content
+    )
+
+
 class Session:
     def __init__(self, model, system: str | None, knobs: dict, seed: int | None, canvas: bool, tty: bool):
         self.model, self.tok = model, model.tokenizer
         self.system = system or None
         self.messages: list[dict] = []
+        self.images: list[str] = []  # paths attached to the next user message (/image)
         self.knobs = {k: v for k, v in knobs.items() if v is not None}
         self.seed = seed
         self.tty = tty
@@ -89,8 +126,36 @@ class Session:
             self.load(rest)
         elif name == "set":
             self.set(rest)
+        elif name == "image":
+            self.attach(rest)
         else:
             self.say(f"unknown command /{name} (/help lists them)", "red")
+
+    def attach(self, path: str) -> None:
+        """An image for the next user message, decoded now so that a bad file is named at once."""
+        from .media.inputs import MediaError
+
+        if not path:
+            return self.say("usage: /image PATH (or /image clear)", "red")
+        if path == "clear":
+            self.images = []
+            return self.say("attached images dropped", "dim")
+        if not self.model.supports_images:
+            return self.say(f"/image: {self.model.path or 'this model'} has no vision tower: it cannot take images", "red")
+        try:
+            self.model.processor.image(Path(path).expanduser())
+        except (MediaError, OSError) as e:
+            return self.say(f"/image: {e}", "red")
+        self.images.append(str(Path(path).expanduser()))
+        self.say(f"{len(self.images)} image(s) attached to your next message", "dim")
+
+    def prompt(self):
+        """The conversation as the model's prompt: token ids, or the processor's ModelInputs when
+        a message holds images."""
+        conversation = self.conversation()
+        if any(isinstance(m["content"], list) for m in conversation):
+            return self.model.processor.apply_chat_template(conversation, add_generation_prompt=True)
+        return self.tok.apply_chat_template(conversation, add_generation_prompt=True)
 
     def conversation(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -101,10 +166,12 @@ class Session:
         try:
             data = json.loads(Path(path).read_text())
             if not isinstance(data, list) or not all(
-                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and _content_ok(m.get("content"))
                 for m in data
             ):
-                raise ValueError("expected a JSON list of {role, content} messages")
+                raise ValueError("expected a JSON list of {role, content} messages (content: text, or text and image parts)")
+            if any(isinstance(m["content"], list) for m in data) and not self.model.supports_images:
+                raise ValueError("it holds images and this model has no vision tower")
         except (OSError, ValueError) as e:
             return self.say(f"cannot load {path}: {e}", "red")
         systems = [m["content"] for m in data if m["role"] == "system"]
@@ -141,17 +208,22 @@ class Session:
             self.knobs[dest] = parsed
         self.say(f"{name} = {value}", "dim")
 
+    def pieces(self, canvas: list[int]) -> list[str]:
+        """Each canvas token's text (special tokens by name)."""
+        return [self.tok.decode([t], skip_special_tokens=False) for t in canvas]
+
     # ---------------------------------------------------------------- a turn
     def turn(self, text: str) -> None:
         from .engine.events import Block, Draft
 
-        self.messages.append({"role": "user", "content": text})
-        prompt = self.tok.apply_chat_template(self.conversation(), add_generation_prompt=True)
+        content = [{"type": "image", "image": p} for p in self.images] + [{"type": "text", "text": text}]
+        self.messages.append({"role": "user", "content": content if self.images else text})
         try:
-            events = self.model.stream(prompt, drafts=self.canvas, seed=self.seed, **self.knobs)
-        except ValueError as e:
+            events = self.model.stream(self.prompt(), drafts=self.canvas, seed=self.seed, **self.knobs)
+        except ValueError as e:  # MediaError and ConfigError are ValueErrors: the message is not sent
             self.messages.pop()
             return self.say(f"error: {e}", "red")
+        self.images = []
         stats = self.model.engine.stats
         before = (stats.prompt_tokens, stats.cached_tokens, stats.encoded_tokens)
         tokens: list[int] = []
@@ -180,8 +252,8 @@ class Session:
                         printed = answer
                 elif isinstance(ev, Draft) and live is not None:
                     view = Text(self.tok.decode(tokens))
-                    view.append(self.tok.decode(ev.canvas, skip_special_tokens=False), style="dim cyan")
-                    view.append(f"\n[block {ev.block + 1}, step {ev.step}]", style="dim")
+                    view.append_text(canvas_frame(self.pieces(ev.canvas), ev.accepted, ev.entropy))
+                    view.append(f"\n[block {ev.block + 1}, step {ev.step}: {sum(ev.accepted)}/{len(ev.accepted)} accepted]", style="dim")
                     live.update(view)
         except KeyboardInterrupt:
             interrupted = True

@@ -117,3 +117,33 @@ def test_chat_through_a_pipe(tmp_path):
     assert len(out.stdout.splitlines()) == 2  # one answer a turn, plain text
     assert "\x1b" not in out.stdout and ">>>" not in out.stdout
     assert "steps = 3" in out.stderr and len(FIGURES.findall(out.stderr)) == 2
+
+
+def test_chat_with_an_image(tmp_path):
+    """/image attaches to the next message; the saved conversation holds the part; the next turn
+    finds the image's prefix in the cache; bad files and text-only models are named."""
+    from PIL import Image
+    from vision_checkpoint import write_vision_checkpoint
+
+    write_vision_checkpoint(tmp_path / "vision")
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (200, 30, 60)).save(picture)
+    (tmp_path / "bad.png").write_bytes(b"no pixels here")
+    saved = tmp_path / "chat.json"
+    lines = [f"/image {tmp_path / 'bad.png'}", f"/image {picture}", "what is this?", "and its colour?", f"/save {saved}"]
+    cmd = [sys.executable, "-m", "dgemma.cli", "chat", "--model", str(tmp_path / "vision"), "--steps", "2",
+           "--max-new-tokens", "8", "--seed", "0", "--no-canvas"]  # fmt: skip
+    out = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "/image: " in out.stderr and "not an image" in out.stderr and "1 image(s) attached" in out.stderr
+    turns = [tuple(int(g) for g in m) for m in FIGURES.findall(out.stderr)]
+    assert len(turns) == 2 and turns[1][2] >= turns[0][1] - 32  # turn 2: the image turn's whole blocks were cached
+    messages = json.loads(saved.read_text())
+    assert messages[0]["content"] == [{"type": "image", "image": str(picture)}, {"type": "text", "text": "what is this?"}]
+    assert messages[2]["content"] == "and its colour?"
+    # the saved conversation loads back and goes on
+    out = subprocess.run(cmd, input=f"/load {saved}\nmore?\n", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))
+    assert out.returncode == 0 and "loaded 4 messages" in out.stderr and len(FIGURES.findall(out.stderr)) == 1, out.stderr
+    text_only = subprocess.run(CHAT + ["--no-canvas"], input=f"/image {picture}\n", capture_output=True, text=True, timeout=60,
+                               env=chat_env(tmp_path))  # fmt: skip
+    assert text_only.returncode == 0 and "has no vision tower" in text_only.stderr

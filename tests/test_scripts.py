@@ -64,3 +64,12 @@ def test_dgemma_bench_refuses_a_size_that_does_not_fit(monkeypatch, capsys):
     assert main(["bench", "--size", "real"]) != 0
     err = capsys.readouterr().err
     assert "25.3 B parameters" in err and "8 GiB available" in err and "Traceback" not in err
+
+
+def test_canvas_frames_script_shows_noise_resolving():
+    run = subprocess.run([sys.executable, "scripts/canvas_frames.py", "--prompt", "import os\nimport sys", "--seed", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    frames = run.stdout.split("--- block 1, step")[1:]
+    assert len(frames) >= 3 and "░" in frames[0] and "=== block 1 committed" in run.stdout
+    assert frames[0].count("░") > frames[-1].split("===")[0].count("░")  # fewer re-noised positions by the end

@@ -164,6 +164,18 @@ def test_chat_stream_with_drafts_and_usage(model, client):
     drafts = [c.choices[0].model_extra["draft"] for c in chunks if c.choices and "draft" in c.choices[0].model_extra]
     assert drafts and {d["block"] for d in drafts} == {0, 1}
     assert all(1 <= d["step"] <= 6 and isinstance(d["text"], str) for d in drafts)
+    # each frame is the library's draft of that step, position by position, with its token texts
+    ids = model.tokenizer.apply_chat_template(messages)
+    library = {(d.block, d.step): d for d in model.stream(ids, drafts=True, seed=2, max_new_tokens=64,
+                                                          max_denoising_steps=6, eos_token_ids=[]) if hasattr(d, "step")}  # fmt: skip
+    c = model.config.canvas_length
+    for d in drafts:
+        mine = library[(d["block"], d["step"])]
+        assert (d["tokens"], d["accepted"], d["entropy"]) == (mine.canvas, mine.accepted, mine.entropy)
+        assert len(d["pieces"]) == c
+        for token, piece in zip(d["tokens"], d["pieces"]):  # as logprobs show tokens (part of a character: \xNN)
+            alone = model.tokenizer.decode([token], skip_special_tokens=False)
+            assert piece == alone or not alone or "\ufffd" in alone
     # drafts carry no content; committed text is the same as without drafts
     assert all(not c.choices[0].delta.content for c in chunks if c.choices and "draft" in c.choices[0].model_extra)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -8,12 +8,20 @@ from typing import Iterator
 
 @dataclass
 class Draft:
-    """The argmax canvas of one request after a denoising step."""
+    """One request's canvas after a denoising step: what a live view draws.
+
+    `canvas` is the argmax canvas (what would commit if the block ended now); `accepted[i]` says
+    whether position i keeps a token into the next step (sampled under the entropy bound, or fixed
+    by the canvas constraints) rather than being re-noised; `entropy[i]` is the position's entropy
+    in nats at the step's temperature (0 where a constraint fixes it).
+    """
 
     row: int  # prompt index (generate) or request id (engine)
     block: int
     step: int  # 1-based step within the block
     canvas: list[int]
+    accepted: list[bool] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
 
 
 @dataclass

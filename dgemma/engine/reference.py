@@ -114,6 +114,7 @@ def reference_events(
             stop, history = sampler.stable_and_confident(
                 history, new_argmax, entropy, gen.stability_threshold, gen.confidence_threshold
             )
+            converged = finished_denoising.clone()  # rows that kept their canvas this step
             finished_denoising |= stop
             sc_logits = processed.to(model.dtype)
             canvas, argmax_canvas = new_canvas, new_argmax
@@ -121,7 +122,9 @@ def reference_events(
                 step = gen.max_denoising_steps - steps_remaining + 1
                 for r in range(batch):
                     if not results[r].done:
-                        yield Draft(r, block, step, argmax_canvas[r].tolist())
+                        kept = (accepted[r] | converged[r]).tolist()
+                        view = [round(e, 4) for e in entropy[r].tolist()]
+                        yield Draft(r, block, step, argmax_canvas[r].tolist(), kept, view)
             if bool(finished_denoising.all()):
                 break
         passes += block_passes

@@ -242,8 +242,10 @@ class Runner:
             histories.append(history)
         stops = torch.cat(stops).tolist()
         logprobs = self._logprobs(group, argmax, weights, stops)
+        # what a draft shows: fixed positions keep their tokens, with nothing left to decide (entropy 0)
+        kept, shown = (accepted, entropy) if free is None else (accepted | ~free, entropy * free)
         return [
-            DecodeResult(r, canvas[i], argmax[i], soft_next[i], histories[i], stop, logprobs[i])
+            DecodeResult(r, canvas[i], argmax[i], soft_next[i], histories[i], stop, logprobs[i], kept[i], shown[i])
             for i, (r, stop) in enumerate(zip(group, stops))
         ]
 

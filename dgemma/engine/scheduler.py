@@ -57,6 +57,16 @@ class DecodeResult:
     history: torch.Tensor | None
     stop: bool  # stable and confident
     logprobs: list[TokenLogprob] | None = None  # [C], when the request asks and the pass ends its block
+    accepted: torch.Tensor | None = None  # [C] bool: keeps its token into the next step (sampled or fixed)
+    entropy: torch.Tensor | None = None  # [C] at the step's temperature (0 at fixed positions)
+
+
+def _draft_view(res: DecodeResult) -> tuple[list[bool], list[float]]:
+    """A draft's accepted mask and entropies as lists (read from the device only for requests
+    that stream drafts); entropies to 4 decimals, which is all a view shows."""
+    accepted = res.accepted.tolist() if res.accepted is not None else []
+    entropy = [round(e, 4) for e in res.entropy.tolist()] if res.entropy is not None else []
+    return accepted, entropy
 
 
 @dataclass
@@ -227,7 +237,7 @@ class Scheduler:
             req.block_passes += 1
             self.stats.decoder_passes += 1
             if req.drafts:
-                events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist()))
+                events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist(), *_draft_view(res)))
             if last:
                 req.canvas_logprobs = res.logprobs
                 converged.append(req)

@@ -245,6 +245,7 @@ class Update:
     text: str
     block: int
     step: int = 0
+    draft: Draft | None = None  # the engine's draft (kind "draft"): the canvas position by position
 
 
 class Generation:
@@ -293,7 +294,7 @@ class Generation:
                 continue  # stopped: drain until Finished
             if isinstance(ev, Draft):
                 if self.job.events.empty():  # a slow reader gets the latest draft only
-                    yield Update("draft", self.text.draft(ev.canvas), ev.block, ev.step)
+                    yield Update("draft", self.text.draft(ev.canvas), ev.block, ev.step, ev)
             elif isinstance(ev, Block):
                 if self.first_block_at is None:
                     self.first_block_at = time.perf_counter()

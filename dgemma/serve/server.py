@@ -1,7 +1,7 @@
 """`dgemma serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`,
-`GET /metrics` (Prometheus text). Request bodies are parsed and validated here, strictly, so that
+`GET /metrics` (Prometheus text), and the playground page at `GET /` (playground/). Request bodies are parsed and validated here, strictly, so that
 anything a client sends gets a 4xx with an OpenAI-style error body naming the problem; the engine
 only ever sees requests that fit. Chat messages may carry images and video (media.py: where they
 may come from; the checkpoint's processor: what they become). See docs/server.md for the fields
@@ -38,6 +38,7 @@ from ..engine.engine import Engine, EngineOptions
 from ..engine.events import TokenLogprob
 from ..engine.grammar import Grammar, GrammarError
 from ..media.inputs import MediaError, ModelInputs
+from .playground import add_playground
 from . import media
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
 from .logprobs import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
@@ -887,6 +888,7 @@ class _Responder:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.texts = service.token_texts() if request_top_logprobs(params) is not None else None
+        self.pieces = service.token_texts() if params.stream_drafts else None  # draft frames' token texts
         offsets = (lambda g: TextOffsets(g.text.decode)) if self.texts is not None and not chat else (lambda g: None)
         self.choices = [_Choice(i, g, spec, thinking, offsets(g)) for i, g in enumerate(gens)]
 
@@ -972,7 +974,7 @@ class _Responder:
             yield self._chunk(choice, None, role=True)
         async for update in choice.gen.updates():
             if update.kind == "draft":
-                yield self._chunk(choice, None, draft={"block": update.block, "step": update.step, "text": update.text})
+                yield self._chunk(choice, None, draft=self._draft_frame(update))
                 continue
             for k, item in enumerate(choice.items(update.text)):
                 yield self._item(choice, item, choice.new_logprobs() if k == 0 else None)
@@ -981,6 +983,14 @@ class _Responder:
         reason = choice.reason()
         choice.record(self.service, reason)
         yield self._chunk(choice, None, finish_reason=reason, logprobs=choice.new_logprobs() or None)
+
+    def _draft_frame(self, update: Update) -> dict:
+        """A draft frame (docs/server.md): the text that would commit now, and the whole canvas
+        position by position: token ids, their texts, accepted or re-noised, entropy."""
+        draft = update.draft
+        return {"block": update.block, "step": update.step, "text": update.text, "tokens": draft.canvas,
+                "pieces": [self.pieces(t)[0] for t in draft.canvas], "accepted": draft.accepted,
+                "entropy": draft.entropy}  # fmt: skip
 
     async def _pump(self, choice: _Choice, out: asyncio.Queue) -> None:
         """A choice's chunks into the response's queue (the reader's pace: one waits at a time),
@@ -1063,12 +1073,14 @@ def create_app(
     max_context: int | None = None,
     options: EngineOptions | None = None,
     media_policy: MediaPolicy | None = None,
+    ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up.
 
     `max_context` caps prompt plus output per request (default: the model's
     max_position_embeddings; the KV cache's size decides what fits at once). `media_policy`:
-    where images and video may come from and how large (default: data URLs only)."""
+    where images and video may come from and how large (default: data URLs only). `ui`: the
+    playground page at `GET /` (playground/)."""
     if max_active < 1 or max_queue < 0:
         raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
     context = model.config.max_position_embeddings if max_context is None else max_context
@@ -1114,9 +1126,13 @@ def create_app(
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def model_card() -> dict:
+    gen = model.generation_config
+    defaults = {k: getattr(gen, k) for k in ("max_denoising_steps", "entropy_bound", "t_min", "t_max")}
+
+    def model_card() -> dict:  # OpenAI's fields, vLLM's max_model_len, and what the playground shows
         return {"id": service.name, "object": "model", "created": service.created, "owned_by": "dgemma",
-                "max_model_len": service.context}  # fmt: skip
+                "max_model_len": service.context, "canvas_length": model.config.canvas_length,
+                "vision": model.supports_images, "sampler_defaults": defaults}  # fmt: skip
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -1126,6 +1142,9 @@ def create_app(
     async def model_info(name: str) -> Response:
         service.check_model(name)
         return json_response(model_card())
+
+    if ui:
+        add_playground(app)
 
     async def run(request: Request, chat: bool) -> Response:
         body = await read_json(request)
@@ -1154,7 +1173,7 @@ def create_app(
         grammar = None if fmt is None else await asyncio.to_thread(service.grammar, fmt)
         first_canvas = None if chat else service.first_canvas(params, grammar)
         thinking = chat and service.thinks(prompt)
-        if request_top_logprobs(params) is not None:
+        if request_top_logprobs(params) is not None or params.stream_drafts:
             await asyncio.to_thread(service.token_texts)  # built once (reads tokenizer.json): off the loop
         gens = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
                              thinking=thinking, first_canvas=first_canvas)  # fmt: skip
@@ -1237,6 +1256,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_media_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--no-ui", dest="ui", action="store_false", help="no playground page at GET / (the API only)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -1284,7 +1304,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
     try:
         policy = media_policy(args)
-        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy)
+        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy, args.ui)
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
@@ -1298,7 +1318,8 @@ def cmd_serve(args) -> int:
     print(
         f"dgemma: serving '{name}' on http://{host}:{port} (max-active {args.max_active}, max-queue {args.max_queue}, "
         f"context {app.state.service.context}, KV blocks of {engine.options.block_size}: {kv}; "
-        f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; {media_summary(model, policy)}; device {model.device})",
+        f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; {media_summary(model, policy)}; device {model.device})"
+        + (f"; playground at http://{host}:{port}/" if args.ui else ""),
         flush=True,
     )
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5)
