@@ -269,6 +269,34 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def print_memory_plan(config, args) -> int:
+    """`dgemma memory --card SIZE`: what serving takes on a device of SIZE bytes, by part, and
+    whether it fits (the check `dgemma serve --device cuda` makes before loading)."""
+    from .api import resolve_dtype
+    from .engine.memory_plan import check_fits, plan_memory
+
+    dtype = resolve_dtype(args.dtype)
+    try:
+        plan = plan_memory(config, dtype, args.quantization, args.group_size, args.max_active, args.max_context)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    gib = 2**30
+    print(f"serving {args.model or args.size} on a {args.card / gib:.1f} GiB device, {args.dtype}, "
+          f"{plan.scheme or 'unquantised'} weights, batch {plan.batch}, context {plan.context}:")  # fmt: skip
+    for part, size in plan.weights.items():
+        print(f"  weights: {part:<12} {size / gib:8.2f} GiB")
+    for name, size in (("KV cache", plan.kv_cache), ("step buffers", plan.step_buffers), ("reserve", plan.reserve)):
+        print(f"  {name:<21} {size / gib:8.2f} GiB")
+    print(f"  {'total':<21} {plan.total / gib:8.2f} GiB")
+    try:
+        check_fits(plan, args.card, config, dtype, args.group_size)
+    except ValueError as e:
+        print(f"does not fit: {e}")
+        return 1
+    print("fits")
+    return 0
+
+
 def cmd_memory(args) -> int:
     """KV cache bytes of one request: the paged layout against preallocated rows."""
     from .api import resolve_dtype
@@ -286,6 +314,8 @@ def cmd_memory(args) -> int:
         config = make_config(**PRESETS[args.size])
     if args.tokens < 1:
         raise CliError(f"--tokens must be positive (got {args.tokens})")
+    if args.card is not None:
+        return print_memory_plan(config, args)
     r = kv_report(config, args.tokens, resolve_dtype(args.dtype), args.block_size)
     unit, scale = ("GiB", 2**30) if r["dense_total"] >= 2**30 else ("MiB", 2**20)
     print(f"KV cache for one request of {r['tokens']} tokens, {args.dtype}, blocks of {r['block_size']} positions "
@@ -350,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--tokens", type=int, default=131072)
     mem.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     mem.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
+    mem.add_argument("--card", type=parse_size, default=None,
+                     help="plan serving on a device of this many bytes (e.g. 24GB, 80GiB): weights, KV, step buffers, fit")  # fmt: skip
+    mem.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4", "nvfp4"], help="with --card: the scheme")
+    mem.add_argument("--group-size", type=int, default=None, help="with --card: int4's group size (default 64)")
+    mem.add_argument("--max-active", type=int, default=8, help="with --card: canvases denoised at once (default 8)")
+    mem.add_argument("--max-context", type=int, default=None,
+                     help="with --card: positions of the longest request (default: max_position_embeddings)")  # fmt: skip
     mem.set_defaults(func=cmd_memory)
 
     # Subcommands that live with their concern: each module defines add_cli(subparsers).

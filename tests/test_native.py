@@ -189,27 +189,35 @@ def test_a_failed_build_or_dgemma_native_0_falls_back_with_one_line(monkeypatch,
     assert native.extension.__wrapped__() is None
 
 
-def test_a_build_is_announced_whenever_torch_will_build(monkeypatch, caplog, tmp_path):
-    """None cached, one made from another checkout's sources, or sources newer than it: one line."""
+def test_builds_live_by_source_content_and_stale_locks_are_removed(monkeypatch, caplog, tmp_path):
+    """Another checkout's sources (other content) build elsewhere, the same content in the same
+    place; a build is announced when nothing is built there; a dead build's lock is removed."""
     import os
+    import time
 
     import torch.utils.cpp_extension as cpp
 
-    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp, "get_default_build_root", lambda: str(tmp_path))
+    here = native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS)
+    other = tmp_path / "elsewhere.cpp"
+    other.write_text("// another checkout's source\n")
+    assert native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS) == here
+    assert native.build_directory("dgemma_native", [*native.SOURCES[:-1], other], native.CFLAGS) != here
+    assert native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS[:-1]) != here
+    monkeypatch.setattr(cpp, "load", lambda *a, **k: k["build_directory"])
 
-    def announced() -> bool:
+    def build() -> str:
         caplog.clear()
         with caplog.at_level("WARNING", logger="dgemma"):
-            native._announce_build("dgemma_native")
-        return "building dgemma's native CPU kernels" in caplog.text
+            assert native.build("dgemma_native", native.SOURCES, native.CFLAGS, "native CPU kernels (x") == str(here)
+        return caplog.text
 
-    assert announced()  # nothing built
-    so, ninja = tmp_path / "dgemma_native.so", tmp_path / "build.ninja"
-    so.write_bytes(b"")
-    ninja.write_text("build x.o: compile /elsewhere/dgemma/kernels/csrc/bindings.cpp\n")
-    assert announced()  # built from another checkout
-    ninja.write_text(f"build x.o: compile {native.SOURCES[0]}\n")
-    assert not announced()  # this checkout's build, newer than its sources
-    old = min(s.stat().st_mtime for s in native.SOURCES) - 60
-    os.utime(so, (old, old))
-    assert announced()  # a source changed since
+    assert "building dgemma's native CPU kernels" in build()  # nothing built
+    (here / "dgemma_native.so").write_bytes(b"")
+    assert build() == ""  # built: silent
+    lock = here / "lock"
+    lock.write_bytes(b"")
+    assert build() == "" and lock.exists()  # a build in progress elsewhere: its lock stays
+    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert "did not finish" in build() and not lock.exists()

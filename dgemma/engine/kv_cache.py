@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..model.attention import decoder_mask, encoder_mask, within_images
+from ..model.attention import attend_then_sdpa, decoder_mask, encoder_mask, within_images
 from ..config import ModelConfig
 
 
@@ -59,6 +59,9 @@ class CachePass:
         plan = self.sliding if sliding else self.full
         keys, values = self.cache.store_and_view(layer, k, v, self, plan)
         return keys, values, plan.mask, plan.is_causal
+
+    def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend_then_sdpa(self, layer, sliding, q, k, v)
 
     def see_within_images(self, groups: torch.Tensor) -> None:
         """Let each image's tokens in this encoder pass attend to each other (attention.within_images)."""

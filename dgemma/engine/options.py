@@ -32,7 +32,12 @@ class EngineOptions:
     - batch_invariant: a request's tokens do not depend on what runs beside it or on the prefix
       cache: passes run one request at a time and encoder passes are whole aligned blocks
       (default on CPU). Off: canvases run as one batched decoder pass (default on GPU).
-    - cuda_graphs: capture decoder steps as CUDA graphs (default on CUDA).
+    - cuda_graphs: capture decoder steps as CUDA graphs (default on CUDA; with the Triton
+      kernels, one graph per batch-size bucket, replayed for any prefix length).
+    - triton: the GPU step kernels (kernels/triton_step.py, triton_attention.py, triton_layer.py:
+      full-vocab statistics, sampling from Philox streams on the device, paged canvas attention,
+      fused norm + RoPE + cache write, the MoE pieces); default on CUDA where triton imports.
+      True elsewhere runs them in Triton's interpreter (TRITON_INTERPRET=1: tests only).
     """
 
     block_size: int | None = None
@@ -42,6 +47,7 @@ class EngineOptions:
     max_active: int | None = None
     batch_invariant: bool | None = None
     cuda_graphs: bool | None = None
+    triton: bool | None = None
 
     def resolve(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> "EngineOptions":
         block = config.canvas_length if self.block_size is None else self.block_size
@@ -60,8 +66,15 @@ class EngineOptions:
         elif memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive (got {memory})")
         graphs = device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+        from ..kernels import triton_step
+
+        kernels = self.triton
+        if kernels is None:
+            kernels = device.type == "cuda" and triton_step.available(device)
+        elif kernels and not triton_step.available(device):
+            raise ValueError(f"triton: the Triton step kernels need a CUDA device or TRITON_INTERPRET=1 (device {device})")
         return replace(self, block_size=block, prefill_chunk=chunk, kv_cache_memory=int(memory),
-                       batch_invariant=invariant, cuda_graphs=graphs)  # fmt: skip
+                       batch_invariant=invariant, cuda_graphs=graphs, triton=kernels)  # fmt: skip
 
     def max_span(self, config: ModelConfig) -> int:
         """Most positions a request encodes in one step: a prefill chunk, a committed canvas

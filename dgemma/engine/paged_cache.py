@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GLOBAL, SLIDING, ModelConfig
-from ..model.attention import encoder_mask, within_images
+from ..model.attention import attend_then_sdpa, encoder_mask, within_images
 
 KINDS = (SLIDING, GLOBAL)
 
@@ -62,9 +62,22 @@ class PagedPass:
     ranges: dict[str, list[KeyRange]]
     masks: dict[str, torch.Tensor | None]
     causal: dict[str, bool]
+    # a canvas pass whose attention reads the pool in place (`plan_canvas`): per kind, the block
+    # tables int32 [n, width], lo and start int32 [n], all on the device
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def attend(self, layer: int, sliding: bool, k: torch.Tensor, v: torch.Tensor):
         return self.cache.attend(self, layer, SLIDING if sliding else GLOBAL, k, v)
+
+    def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[n, C, H, D]: the gathered keys and SDPA, or (`tables`) the Triton kernel that reads
+        the row's blocks where they are (kernels/triton_attention.py)."""
+        if self.tables is None:
+            return attend_then_sdpa(self, layer, sliding, q, k, v)
+        from ..kernels.triton_attention import paged_canvas_attention
+
+        tables, lo, start = self.tables[SLIDING if sliding else GLOBAL]
+        return paged_canvas_attention(q, k, v, self.cache.keys[layer], self.cache.values[layer], tables, lo, start)
 
     def see_within_images(self, groups: torch.Tensor) -> None:
         """Let each image's tokens in this encoder pass attend to each other (attention.within_images)."""
@@ -169,6 +182,54 @@ class PagedKVCache:
     def plan_decoder(self, canvas_length: int, rows: list[SequenceBlocks]) -> PagedPass:
         """A bidirectional pass over a canvas placed right after each row's prefix."""
         return self._plan(rows, [canvas_length] * len(rows), canvas_length, encoder=False)
+
+    def plan_canvas(self, canvas_length: int, rows: list[SequenceBlocks], out: PagedPass | None = None) -> PagedPass:
+        """A decoder pass like `plan_decoder`'s whose attention reads the rows' blocks in place:
+        block tables, key ranges and positions as device tensors, so the same tensors serve any
+        prefix length. With `out` (a pass planned before, e.g. the static inputs of a captured
+        CUDA graph) its tensors are overwritten instead: rows beyond `rows` get an empty prefix,
+        and tables are as wide as `out`'s."""
+        n = len(rows) if out is None else out.positions.shape[0]
+        starts = [r.length for r in rows] + [0] * (n - len(rows))
+        if out is None:
+            width = max([1] + [len(r.tables[kind]) for r in rows for kind in KINDS])
+        else:
+            width = out.tables[GLOBAL][0].shape[1]
+        positions = torch.tensor(starts)[:, None] + torch.arange(canvas_length)
+        tables = {}
+        for kind in KINDS:
+            table = torch.full((n, width), -1, dtype=torch.int32)
+            lo = torch.tensor([self._lo(kind, start) for start in starts], dtype=torch.int32)
+            for i, r in enumerate(rows):
+                ids = r.tables[kind]
+                if len(ids) > width:
+                    raise RuntimeError(f"{kind} block table of {len(ids)} blocks is wider than the planned {width}")
+                if any(ids[j] < 0 for j in range(lo[i] // self.block_size, -(-starts[i] // self.block_size))):
+                    raise RuntimeError(f"{kind} block released while still in view (positions {int(lo[i])}..{starts[i]})")
+                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            tables[kind] = (table, lo, torch.tensor(starts, dtype=torch.int32))
+        if out is None:
+            moved = {kind: tuple(t.to(self.device) for t in parts) for kind, parts in tables.items()}
+            return PagedPass(self, list(rows), [canvas_length] * n, positions.to(self.device), False, {}, {}, {}, moved)
+        for kind in KINDS:
+            for dest, src in zip(out.tables[kind], tables[kind]):
+                dest.copy_(src, non_blocking=True)
+        out.positions.copy_(positions, non_blocking=True)
+        out.rows = list(rows)
+        return out
+
+    def canvas_buffers(self, rows: int, canvas_length: int, width: int) -> PagedPass:
+        """A `plan_canvas` pass of `rows` empty rows with block tables `width` blocks wide: the
+        static inputs a captured decoder step reads (fill them with `plan_canvas(..., out=)`)."""
+        empty = [SequenceBlocks() for _ in range(rows)]
+        tables = {
+            kind: (torch.full((rows, width), -1, dtype=torch.int32, device=self.device),
+                   torch.zeros(rows, dtype=torch.int32, device=self.device),
+                   torch.zeros(rows, dtype=torch.int32, device=self.device))
+            for kind in KINDS
+        }  # fmt: skip
+        positions = torch.arange(canvas_length, device=self.device).repeat(rows, 1)
+        return PagedPass(self, empty, [canvas_length] * rows, positions, False, {}, {}, {}, tables)
 
     def commit(self, cache_pass: PagedPass) -> None:
         """Advance each row's computed length after an encoder pass."""

@@ -4,13 +4,19 @@ This is the one place that decides which kernels run:
 - `engine_net(net)`: on CPU a copy of the network with packed weights (oneDNN, or dgemma's AMX
   kernels where they run; `kernels/cpu.py`), elsewhere the network itself;
 - the step statistics: dgemma's native kernel on a CPU with AVX-512 (softcap, argmax, entropy
-  and exp weights in two sweeps per row), torch elsewhere; both honour allowed-token masks;
-- CUDA graphs for the decoder step on GPU (`DecoderGraphs`; eager where a capture fails).
+  and exp weights in two sweeps per row), the Triton kernels on a GPU (`options.triton`:
+  kernels/triton_step.py, which also samples from each request's Philox stream on the device),
+  torch elsewhere; all honour allowed-token masks;
+- attention of a canvas: gathered keys and SDPA, or (Triton) a kernel reading the paged pool in
+  place (`PagedKVCache.plan_canvas`);
+- CUDA graphs for the decoder step on GPU (`DecoderGraphs`: one per batch-size bucket, replayed
+  for any prefix length; eager where a capture fails).
 
 A step runs the plan's encoder work (prefill chunks, committed blocks) through `prefill`, then one
 decoder pass per denoising canvas, each followed by the sampler: entropy-bound acceptance,
 sampling of the accepted positions, renoising of the others, the stopping rule. Every random
-number comes from the request's own generator, a fixed amount per step.
+number comes from the request's own stream (its torch generator; on GPU with Triton, its Philox
+stream), a fixed amount per step.
 
 With `batch_invariant` (CPU default) each request's passes run as a batch of one and encoder
 passes are whole aligned blocks, so its tokens are bit-identical whatever else runs and whatever
@@ -24,7 +30,7 @@ from typing import Iterable
 
 import torch
 
-from ..kernels import native
+from ..kernels import native, triton_step
 from ..kernels.cpu import packed_copy
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
@@ -48,14 +54,20 @@ def engine_net(net: DiffusionGemma) -> DiffusionGemma:
 
 class Runner:
     def __init__(self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int], stats: EngineStats | None = None):
+        if options.triton:  # attention's norms + RoPE and the MoE block on the Triton kernels (kernels/gpu.py)
+            from ..kernels.gpu import triton_modules
+
+            net = triton_modules(net)
         self.net, self.config, self.options = net, net.config, options
         self.stats = stats if stats is not None else EngineStats()
         self.vision_cache = VisionCache()
         self.cache = PagedKVCache(net.config, num_blocks, options.block_size, net.device, net.dtype)
         cpu = net.device.type == "cpu"
         self.pass_tokens = options.block_size if options.batch_invariant else None
-        self.native = native.extension() if cpu and self.config.vocab_size % 16 == 0 else None
-        self.graphs = DecoderGraphs() if options.cuda_graphs else None
+        self.triton = bool(options.triton)  # GPU: the Triton step kernels (statistics, Philox sampling, attention)
+        self.native = native.extension() if cpu and not self.triton and self.config.vocab_size % 16 == 0 else None
+        # graphs replay for any prefix length only where attention reads the block tables on the device
+        self.graphs = DecoderGraphs() if options.cuda_graphs and self.triton and not cpu else None
         # GPU: sample every position (no host sync); CPU: only the accepted ones. Same tokens either way.
         self.sample_all_positions = not cpu
         self.reuse_buffers = cpu
@@ -116,7 +128,9 @@ class Runner:
             out = self.graphs.run(self, group, canvas, soft, temps)
             if out is not None:
                 return out
-        plan = self.cache.plan_decoder(self.config.canvas_length, [r.kv for r in group])
+        rows = [r.kv for r in group]
+        c = self.config.canvas_length
+        plan = self.cache.plan_canvas(c, rows) if self.triton else self.cache.plan_decoder(c, rows)
         return self.decoder_step(canvas, soft, temps, plan, allowed)
 
     def _temperatures(self, group: list[Request]) -> torch.Tensor:
@@ -157,12 +171,20 @@ class Runner:
     ) -> tuple[torch.Tensor, ...]:
         """Decoder pass + everything the sampler needs from the logits, with no host synchronisation.
 
-        Returns argmax [n, C], entropy [n, C], weights [n*C, V] (unnormalised probabilities) and the
-        next step's self-conditioning input [n, C, H]. The [n*C, V] logits do not outlive this call.
+        Returns argmax [n, C], entropy [n, C], weights [n*C, V] (unnormalised probabilities), their
+        totals [n*C] and the next step's self-conditioning input [n, C, H]. The [n*C, V] logits do
+        not outlive this call.
         """
         n, c = canvas.shape
         hidden = self.net.decode(canvas, plan, soft)
-        if self.native is not None:
+        if self.triton:  # one kernel for the statistics, one writing the probabilities in the model's dtype
+            raw = self.net.lm_head(hidden.view(n * c, -1))
+            low = self.net.dtype in (torch.bfloat16, torch.float16)
+            argmax, entropy, total, probs = triton_step.step_statistics(
+                raw, temps, self.config.final_logit_softcapping or 0.0, allowed, self.net.dtype if low else torch.float32
+            )
+            stats, soft_input = sampler.StepStatistics(argmax, entropy, probs, total), probs
+        elif self.native is not None:
             stats, soft_input = self._native_statistics(hidden.view(n * c, -1), temps, allowed)
         else:
             # CPU: the [n * C, vocab] float32 logits and weights live in buffers reused every step (a
@@ -175,7 +197,7 @@ class Runner:
             del logits
             soft_input = stats.weights
         soft_next = self.net.soft_embed(soft_input.view(n, c, -1), stats.total.view(n, c))
-        return stats.argmax.view(n, c), stats.entropy.view(n, c), stats.weights, soft_next
+        return stats.argmax.view(n, c), stats.entropy.view(n, c), stats.weights, stats.total, soft_next
 
     def _native_statistics(
         self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None
@@ -202,14 +224,15 @@ class Runner:
         return buf[:rows]
 
     # ---------------------------------------------------------------- the sampler
-    def _advance(self, group: list[Request], argmax, entropy, weights, soft_next) -> list[DecodeResult]:
+    def _advance(self, group: list[Request], argmax, entropy, weights, total, soft_next) -> list[DecodeResult]:
         """Sampler decisions for a group after its pass.
 
-        Randomness comes from each request's own generator, a fixed amount per step. On CPU only
-        the accepted positions are sampled; on GPU every position is (no host sync), and the
-        unaccepted samples are discarded. Fixed positions of the canvas constraints are excluded
-        from acceptance (entropy 0 counts nothing against the bound) and from the stopping
-        statistics, and keep their tokens.
+        Randomness comes from each request's own stream, a fixed amount per step: its torch
+        generator, or with the Triton kernels its Philox stream on the device (keyed by its seed,
+        at its pass count). On CPU only the accepted positions are sampled; on GPU every position
+        is (no host sync), and the unaccepted samples are discarded. Fixed positions of the
+        canvas constraints are excluded from acceptance (entropy 0 counts nothing against the
+        bound) and from the stopping statistics, and keep their tokens.
         """
         c, vocab, device = self.config.canvas_length, self.config.vocab_size, self.net.device
         fixed = self._fixed(group)
@@ -218,15 +241,7 @@ class Runner:
         accepted = sampler.entropy_bound_accept(entropy if free is None else entropy * free, bounds)
         if free is not None:
             accepted &= free
-        uniforms = torch.stack([torch.rand(c, generator=r.generator) for r in group]).to(device, non_blocking=True)
-        noise = torch.stack([torch.randint(0, vocab, (c,), generator=r.generator) for r in group])
-        canvas = noise.to(device, non_blocking=True)
-        if not self.sample_all_positions:
-            picked = accepted.view(-1).nonzero().squeeze(-1)
-            canvas.view(-1)[picked] = sampler.sample_from_weights(weights[picked], uniforms.view(-1)[picked])
-        else:
-            sampled = sampler.sample_from_weights(weights, uniforms.view(-1)).view(len(group), c)
-            canvas = torch.where(accepted, sampled, canvas)
+        canvas = self._sample(group, accepted, weights, total)
         argmax, soft_next = argmax.clone(), soft_next.clone()  # graph outputs are overwritten by the next replay
         if fixed is not None:
             canvas = torch.where(free, canvas, fixed)
@@ -248,6 +263,26 @@ class Runner:
             DecodeResult(r, canvas[i], argmax[i], soft_next[i], histories[i], stop, logprobs[i], kept[i], shown[i])
             for i, (r, stop) in enumerate(zip(group, stops))
         ]
+
+    def _sample(self, group: list[Request], accepted: torch.Tensor, weights: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """The next input canvas [n, C]: each accepted position's token sampled from the pass's
+        weights, every other position a uniform random token (re-noised)."""
+        c, vocab, device = self.config.canvas_length, self.config.vocab_size, self.net.device
+        if self.triton:  # the request's Philox stream, at its pass count: drawn on the device
+            seeds = torch.tensor([r.seed for r in group], dtype=torch.long).to(device, non_blocking=True)
+            passes = torch.tensor([r.passes + r.block_passes for r in group], dtype=torch.long).to(device, non_blocking=True)
+            uniforms, noise = triton_step.philox_draws(seeds, passes, c, vocab)
+            sampled = triton_step.sample_rows(weights, total, uniforms.view(-1)).view(len(group), c)
+            return torch.where(accepted, sampled, noise)
+        uniforms = torch.stack([torch.rand(c, generator=r.generator) for r in group]).to(device, non_blocking=True)
+        noise = torch.stack([torch.randint(0, vocab, (c,), generator=r.generator) for r in group])
+        canvas = noise.to(device, non_blocking=True)
+        if not self.sample_all_positions:
+            picked = accepted.view(-1).nonzero().squeeze(-1)
+            canvas.view(-1)[picked] = sampler.sample_from_weights(weights[picked], uniforms.view(-1)[picked])
+            return canvas
+        sampled = sampler.sample_from_weights(weights, uniforms.view(-1)).view(len(group), c)
+        return torch.where(accepted, sampled, canvas)
 
     def _logprobs(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor, stops: list[bool]) -> list:
         """Per request, the log probabilities of its argmax canvas (the final one: after `_refine`)
@@ -295,68 +330,100 @@ class Runner:
 
 
 class DecoderGraphs:
-    """CUDA-graph captures of `Runner.decoder_step`, one per group of requests.
+    """CUDA graphs of `Runner.decoder_step`, one per batch-size bucket (1, 2, 4, 8), captured once.
 
-    A decoder step's shapes and key views are fixed while a group's requests keep their prefix
-    lengths, i.e. for the whole of a block: the step is captured once and replayed every step of
-    the block, and captured again when a request commits. If a capture fails, the runner falls
-    back to eager steps for good (with a warning). Not yet exercised on a GPU.
+    A captured step reads static inputs: canvases, self-conditioning inputs, temperatures, and a
+    `plan_canvas` pass whose block tables, key ranges and positions are device tensors (the Triton
+    attention reads the pool through them). Before each replay they are overwritten with the
+    group's values; rows past the group get an empty prefix, token 0 and temperature 1, and their
+    outputs are dropped. So one graph serves every group of up to its size at any prefix lengths.
+    Groups larger than the largest bucket, and passes with allowed-token masks, run eagerly; if a
+    capture fails, the runner runs eagerly for good (with a warning). The buckets' graphs share one
+    memory pool: only one replays at a time, and its outputs are read before the next replay.
+    `capture` is how a step is captured (default: a CUDA graph; `eager_capture` replays it eagerly,
+    which the tests use to check the static inputs on a CPU).
     """
 
-    def __init__(self, max_graphs: int = 8):
-        self.max_graphs = max_graphs
-        self.captured: dict[tuple, tuple] = {}  # request ids -> (lengths, graph, inputs, outputs)
+    BUCKETS = (1, 2, 4, 8)
+
+    def __init__(self, buckets: tuple[int, ...] = BUCKETS, capture=None):
+        self.buckets = tuple(sorted(buckets))
+        self.captured: dict[int, _CapturedStep] = {}
         self.failed = False
+        self.capture = capture or cuda_capture
+        self.pool = None  # the graphs' shared memory pool (CUDA)
 
     def run(self, runner: Runner, group: list[Request], canvas, soft, temps):
-        if self.failed:
+        size = next((b for b in self.buckets if b >= len(group)), None)
+        if self.failed or size is None:
             return None
-        ids = tuple(r.request_id for r in group)
-        lengths = tuple(r.kv.length for r in group)
-        entry = self.captured.get(ids)
-        if entry is None or entry[0] != lengths:
-            self.captured.pop(ids, None)
-            while len(self.captured) >= self.max_graphs:
-                self.captured.pop(next(iter(self.captured)))
+        entry = self.captured.get(size)
+        if entry is None:
             try:
-                entry = (lengths, *self._capture(runner, group, canvas, soft, temps))
+                entry = self.captured[size] = _CapturedStep(runner, size, self)
             except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
                 log.warning("CUDA graph capture failed, running eagerly: %s", e)
                 self.failed, self.captured = True, {}
                 return None
-            self.captured[ids] = entry
-        _, graph, inputs, outputs = entry
-        inputs["canvas"].copy_(canvas)
-        inputs["temps"].copy_(temps)
-        if soft is None:
-            inputs["soft"].zero_()
-        else:
-            inputs["soft"].copy_(soft)
-        graph.replay()
-        return outputs
+        return entry.replay(runner, group, canvas, soft, temps)
 
-    @staticmethod
-    def _capture(runner: Runner, group: list[Request], canvas, soft, temps):
-        torch.cuda.empty_cache()
+
+class _CapturedStep:
+    """One bucket's captured decoder step: its static inputs and outputs."""
+
+    def __init__(self, runner: Runner, size: int, graphs: DecoderGraphs):
+        cfg, device = runner.config, runner.net.device
+        c = cfg.canvas_length
+        self.size = size
+        self.canvas = torch.zeros(size, c, dtype=torch.long, device=device)
+        self.soft = torch.zeros(size, c, cfg.hidden_size, dtype=runner.net.dtype, device=device)
+        self.temps = torch.ones(size * c, 1, dtype=torch.float32, device=device)
+        width = -(-cfg.max_position_embeddings // runner.cache.block_size)  # any sequence's table fits
+        self.plan = runner.cache.canvas_buffers(size, c, width)
+        self._replay, self.outputs = graphs.capture(
+            lambda: runner.decoder_step(self.canvas, self.soft, self.temps, self.plan), graphs
+        )
+
+    def replay(self, runner: Runner, group: list[Request], canvas, soft, temps):
         n, c = canvas.shape
-        inputs = {
-            "canvas": canvas.clone(),
-            "temps": temps.clone(),
-            "soft": soft.clone() if soft is not None else torch.zeros(
-                n, c, runner.config.hidden_size, dtype=runner.net.dtype, device=canvas.device
-            ),
-        }
-        plan = runner.cache.plan_decoder(c, [r.kv for r in group])
+        self.canvas[:n].copy_(canvas)
+        self.canvas[n:].zero_()
+        if soft is None:
+            self.soft.zero_()  # exactly "no self-conditioning"
+        else:
+            self.soft[:n].copy_(soft)
+            self.soft[n:].zero_()
+        self.temps[: n * c].copy_(temps)
+        self.temps[n * c :].fill_(1.0)
+        runner.cache.plan_canvas(c, [r.kv for r in group], out=self.plan)
+        self._replay()
+        argmax, entropy, weights, total, soft_next = self.outputs
+        return argmax[:n], entropy[:n], weights[: n * c], total[: n * c], soft_next[:n]
 
-        def step():
-            return runner.decoder_step(inputs["canvas"], inputs["soft"], inputs["temps"], plan)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # warm-up outside the capture (allocator, kernel selection)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = step()
-        return graph, inputs, outputs
+def cuda_capture(step, graphs: DecoderGraphs):
+    """Capture `step()` as a CUDA graph (after a warm-up run on a side stream, which settles the
+    allocator and kernel choices): (replay, the graph's output tensors)."""
+    if graphs.pool is None:
+        graphs.pool = torch.cuda.graph_pool_handle()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=graphs.pool):
+        outputs = step()
+    return graph.replay, outputs
+
+
+def eager_capture(step, graphs: DecoderGraphs | None = None):
+    """What a graph replay does, run eagerly: every replay recomputes `step()` from the static
+    inputs into the first run's output tensors. Lets a CPU test check the bucket logic."""
+    outputs = step()
+
+    def replay():
+        for dest, src in zip(outputs, step()):
+            dest.copy_(src)
+
+    return replay, outputs

@@ -21,7 +21,7 @@ import torch
 
 from ..quant import formats
 from ..quant.formats import QTensor
-from .native import _announce_build, _cpu_flags, log
+from .native import _cpu_flags, build, log
 
 NAME = "dgemma_dequant"
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("dequant.cpp", "gemm_avx2.cpp")]
@@ -39,12 +39,8 @@ def extension() -> ModuleType | None:
     if missing:
         log.info("native dequantisation off: this CPU lacks %s", ", ".join(sorted(missing)))
         return None
-    _announce_build(NAME, SOURCES, "native dequantisation kernels (under a minute")
     try:
-        from torch.utils.cpp_extension import load
-
-        # -fopenmp: at::parallel_for is inlined here and runs on torch's (same libgomp) threads
-        return load(NAME, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+        return build(NAME, SOURCES, CFLAGS, "native dequantisation kernels (under a minute")
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
         lines = str(e).strip().splitlines() or ["?"]
         first_error = next((line for line in lines if "error" in line), lines[-1])

@@ -9,8 +9,8 @@
 All are optional. Where the CPU lacks AVX-512 (BF16) or AMX, no C++ compiler is found, or the
 build fails, `extension()` / `amx()` return None and the engine keeps its torch / oneDNN path,
 with one logged line saying why. `DGEMMA_NATIVE=0` keeps them off. The build (~1 min, once) is
-cached by torch under `~/.cache/torch_extensions` (or `TORCH_EXTENSIONS_DIR`) and redone when a
-source changes.
+cached under `~/.cache/torch_extensions` (or `TORCH_EXTENSIONS_DIR`), in a directory named by a
+hash of the sources (`build_directory`): a changed source builds anew beside the old build.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -41,26 +42,43 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _announce_build(name: str, sources: list[Path] = SOURCES, what: str = "native CPU kernels (about a minute") -> None:
-    """Say so before a build that will take a minute, so a `dgemma run` does not look hung: when
-    no build is cached, when the cached one was made from sources elsewhere (another checkout)
-    or when a source changed since (torch then rebuilds)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
+STALE_LOCK_SECONDS = 600  # a build takes about a minute; a lock this old was left by one that died
 
-        directory = Path(_get_build_directory(name, verbose=False))
-        built = sorted(directory.glob("*.so"), key=lambda f: f.stat().st_mtime)
-        ninja = directory / "build.ninja"
-        stale = (
-            not built
-            or not ninja.exists()
-            or str(sources[0]) not in ninja.read_text()
-            or max(src.stat().st_mtime for src in sources) > built[-1].stat().st_mtime
-        )
-        if stale:
-            log.warning("building dgemma's %s; cached afterwards) in %s", what, directory)
-    except Exception:  # noqa: BLE001 - a private torch helper; the message is a courtesy
+
+def build_directory(name: str, sources: list[Path], cflags: list[str]) -> Path:
+    """Where `name` is built: one directory per content of its sources and flags (and torch and
+    Python versions) below torch's extension root, so that checkouts with other sources never
+    rebuild over each other's build, and the same sources anywhere reuse one build."""
+    import hashlib
+    import sys
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha1(" ".join([*cflags, torch.__version__, sys.version]).encode())
+    for src in sources:
+        digest.update(src.read_bytes())
+    return Path(get_default_build_root()) / f"{name}-{digest.hexdigest()[:12]}"
+
+
+def build(name: str, sources: list[Path], cflags: list[str], what: str) -> ModuleType:
+    """torch's extension build of `sources` into `build_directory`, said so first when nothing is
+    built there yet (a `dgemma run` that builds for a minute does not look hung); a lock left by
+    a build that died (torch would wait on it forever) is removed."""
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory(name, sources, cflags)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            log.warning("removing %s, left by a build of dgemma's %s that did not finish", lock, what.split(" (")[0])
+            lock.unlink()
+    except FileNotFoundError:
         pass
+    if not any(directory.glob("*.so")):
+        log.warning("building dgemma's %s; cached afterwards) in %s", what, directory)
+    # -fopenmp: at::parallel_for is inlined here and runs on torch's (same libgomp) threads
+    return load(name, [str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(directory))
 
 
 @functools.cache
@@ -72,12 +90,8 @@ def extension() -> ModuleType | None:
     if missing:
         log.info("native CPU kernels off: this CPU lacks %s", ", ".join(sorted(missing)))
         return None
-    _announce_build("dgemma_native")
     try:
-        from torch.utils.cpp_extension import load
-
-        # -fopenmp: at::parallel_for is inlined here and runs on torch's (same libgomp) threads
-        return load("dgemma_native", [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+        return build("dgemma_native", SOURCES, CFLAGS, "native CPU kernels (about a minute")
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
         lines = str(e).strip().splitlines() or ["?"]
         first_error = next((line for line in lines if "error" in line), lines[-1])

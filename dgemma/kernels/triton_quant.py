@@ -44,6 +44,8 @@ import functools
 
 import torch
 
+from .triton_support import interpreted, runs_on
+
 from ..quant.formats import FP8_MAX, NVFP4_GROUP, QTensor
 
 try:  # optional: absent on macOS / Windows wheels, and then `available()` is False
@@ -155,22 +157,15 @@ if HAVE_TRITON:
         y = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
-    try:
-        from triton.runtime.interpreter import InterpretedFunction as _Interpreted
-    except ImportError:  # pragma: no cover - a triton without the interpreter
-        _Interpreted = ()
-    # whether the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 when this
-    # module was imported): then they run on CPU tensors too
-    INTERPRETED = isinstance(_quant_matmul_kernel, _Interpreted)
+    INTERPRETED = interpreted(_quant_matmul_kernel)
 else:  # pragma: no cover
     INTERPRETED = False
 
 
 # ------------------------------------------------------------------------------- device checks
 def available(device: torch.device | str) -> bool:
-    """Whether the Triton kernels can run on `device`: triton is importable and the device is
-    CUDA (ROCm builds report "cuda" too), or the kernels were built for the interpreter."""
-    return HAVE_TRITON and (INTERPRETED or torch.device(device).type == "cuda")
+    """Whether these kernels can run on `device` (triton_support.runs_on)."""
+    return runs_on(device, INTERPRETED)
 
 
 @functools.cache

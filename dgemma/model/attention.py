@@ -90,6 +90,13 @@ def sdpa(
     return out.transpose(1, 2)
 
 
+def attend_then_sdpa(cache_pass, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The usual way a cache pass attends: it stores k/v and hands back the keys/values to attend
+    over with their mask (`cache_pass.attend`), then `sdpa`. -> [B, Q, H, D]"""
+    k_all, v_all, mask, is_causal = cache_pass.attend(layer, sliding, k, v)
+    return sdpa(q, k_all, v_all, mask, is_causal)
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     b, h, s, d = x.shape
     return x[:, :, None, :, :].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)

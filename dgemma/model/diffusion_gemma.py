@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import rope
-from .attention import sdpa
 from ..config import LayerSpec, ModelConfig
 
 
@@ -76,8 +75,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache_pass) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
-        k_all, v_all, mask, is_causal = cache_pass.attend(layer, self.spec.is_sliding, k, v)
-        out = sdpa(q, k_all, v_all, mask, is_causal)
+        out = cache_pass.attention(layer, self.spec.is_sliding, q, k, v)  # the pass knows how its cache is read
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
 

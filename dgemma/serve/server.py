@@ -1293,6 +1293,30 @@ def media_summary(model, policy: MediaPolicy) -> str:
     return f"images and video from {', '.join(sources)}"
 
 
+def check_device_memory(args) -> None:
+    """Refuse, before loading, a plan that cannot fit the GPU (engine/memory_plan.py), saying
+    what would."""
+    import torch
+
+    from ..api import default_model_dir, resolve_dtype
+    from ..cli import CliError
+    from ..config import load_model_config
+    from ..engine.memory_plan import check_fits, plan_memory
+
+    if not torch.cuda.is_available():
+        raise CliError(f"--device {args.device}: torch sees no CUDA device")
+    config = load_model_config(args.model or default_model_dir())
+    dtype = resolve_dtype(args.dtype)
+    device = torch.device(args.device)
+    total = torch.cuda.get_device_properties(device.index or 0).total_memory
+    plan = plan_memory(config, dtype, getattr(args, "quantization", None), getattr(args, "group_size", None),
+                       args.max_active, args.max_context, args.kv_cache_memory, args.prefill_chunk)  # fmt: skip
+    try:
+        check_fits(plan, total, config, dtype, getattr(args, "group_size", None))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -1300,6 +1324,8 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if str(args.device).startswith("cuda"):
+        check_device_memory(args)
     model = load_model(args)
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
     try:

@@ -1,0 +1,346 @@
+"""A denoising canvas's attention over its paged prefix, reading K/V blocks where they lie.
+
+A decoder (canvas) pass attends, per row, to the row's committed positions [lo, start) in the
+layer's block pool and then to the canvas's own C keys, bidirectionally (every canvas query sees
+the same keys; sliding-window layers just have lo > 0). `PagedKVCache.attend` gathers those
+blocks into a contiguous buffer per row (`_row_keys`), pads the rows to the longest and calls
+`attention.sdpa` with a mask: host-side ranges and shapes that change with every prefix length,
+so nothing of it can be captured once in a CUDA graph. `paged_canvas_attention` replaces that
+gather + mask + SDPA with one Triton kernel whose only prefix-dependent inputs are device tensors
+(block tables, lo, start): one captured graph replays for any prefix length.
+
+Layout (PagedKVCache): one layer's pool is [num_blocks, block_size, Hkv, D]; logical block j of
+row i (positions j * block_size ..) is pool block block_tables[i, j], so position p sits at
+(block_tables[i, p // block_size], p % block_size). Table entries outside [lo, start) are never
+read (a released sliding block reads -1 there). Canvas keys/values are scratch [n, Hkv, C, D],
+never in the pool.
+
+The kernel: a program takes one row, one KV head and BLOCK_M of the G * C queries that share the
+head (GQA: query head h reads KV head h // G, G = H / Hkv; the group's heads are packed along M,
+so each K/V tile is loaded once for all of them). It streams keys in tiles of BLOCK_N, first the
+prefix (the tile's block ids read from the table, keys gathered slot by slot), then the canvas,
+with an online softmax: a running row maximum m, sum l and float32 accumulator acc, rescaled by
+exp(m_old - m_new) whenever the maximum grows; out = acc / l. Scale is 1.0 (q and k are
+RMS-normed), as in `sdpa`. Every tile the loops visit holds at least one valid key, so m is
+finite after the first and no NaN arises from -inf - -inf.
+
+Split-K (flash-decoding): with one row and few KV heads there are too few programs to fill a
+GPU, so the prefix can be cut into `num_splits` equal chunks (chunk length computed on the device
+from lo / start, so still graph-safe) handled by separate programs that write (m, l, acc) in
+float32; the last split also takes the canvas keys, and a second kernel combines the splits
+(weights exp(m_s - max m)). The default picks the split count from shapes only (rows, heads,
+table width, the GPU's SM count), never from the prefix length.
+
+Precision: bf16 / fp16 tiles go to tl.dot as they are (tensor cores, float32 accumulation), the
+probabilities cast to V's dtype for the P @ V product, as FlashAttention does; float32 inputs use
+input_precision="ieee" (no TF32). Under Triton's interpreter a bf16 x bf16 tl.dot multiplies the
+raw bits, so there both operands are upcast to float32 first (the same products: bf16 x bf16 is
+exact in float32). Pointer offsets into the pool are int64 (a pool passes 2^31 elements easily).
+
+Block sizes (`pick_blocks`) are heuristics, not timed on hardware: the largest tiles whose sm90
+compile neither spills registers nor overflows shared memory, for D up to 512; the interpreter
+uses 16 x 16 tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .triton_support import interpreted, runs_on
+
+try:  # optional: absent on macOS / Windows wheels, and then `available()` is False
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is not installed
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 512
+MAX_SPLITS = 8
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _attend_tile(q, k, v, valid, m_i, l_i, acc, UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """One online-softmax step: scores q [BM, D] @ k [BN, D].T (keys not `valid` -> -inf),
+        the running max / sum rescaled, acc [BM, D] += p @ v. Returns (m, l, acc)."""
+        if UPCAST_DOT:  # the interpreter multiplies bf16's raw bits: the same products in float32
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        p = p.to(v.dtype)  # as tensor cores take it (a no-op in float32)
+        if UPCAST_DOT:
+            acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, v, acc, input_precision=INPUT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_canvas_kernel(
+        q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, table_ptr, lo_ptr, start_ptr, out_ptr, part_ptr, m_ptr, l_ptr,
+        C, G, HKV,
+        sq_b, sq_h, sq_c, sq_d,
+        skc_b, skc_h, skc_c, skc_d,
+        svc_b, svc_h, svc_c, svc_d,
+        skp_n, skp_s, skp_h, skp_d,
+        svp_n, svp_s, svp_h, svp_d,
+        st_b, st_j,
+        so_b, so_c, so_h, so_d,
+        POOL_BLOCK: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (query tiles, n * Hkv, splits): BLOCK_M of the G * C queries of row b, KV head kvh,
+        over split `pid_s`'s share of the prefix (and, for the last split, the canvas)."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        b = pid_bh // HKV
+        kvh = pid_bh % HKV
+        b64 = b.to(tl.int64)
+        kvh64 = kvh.to(tl.int64)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (head in group, canvas index)
+        row_ok = rows < G * C
+        head = (kvh * G + rows // C).to(tl.int64)
+        cidx = (rows % C).to(tl.int64)
+        d = tl.arange(0, D)
+        qd_mask = row_ok[:, None] & (d[None, :] < D)
+        q_off = b64 * sq_b + head[:, None] * sq_h + cidx[:, None] * sq_c + d[None, :] * sq_d
+        q = tl.load(q_ptr + q_off, mask=qd_mask, other=0.0)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+
+        # this split's share of the prefix [lo, start): equal chunks, whole tiles
+        lo = tl.load(lo_ptr + b)
+        start = tl.load(start_ptr + b)
+        if NUM_SPLITS == 1:
+            s_lo = lo
+            s_hi = start
+        else:
+            per = (start - lo + NUM_SPLITS - 1) // NUM_SPLITS
+            chunk = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            s_lo = lo + pid_s * chunk
+            s_hi = tl.minimum(s_lo + chunk, start)
+        kp_head = kp_ptr + kvh64 * skp_h
+        vp_head = vp_ptr + kvh64 * svp_h
+        table_row = table_ptr + b64 * st_b
+        n_off = tl.arange(0, BLOCK_N)
+        for k0 in range(s_lo, s_hi, BLOCK_N):
+            pos = k0 + n_off
+            ok = pos < s_hi
+            blk = tl.load(table_row + (pos // POOL_BLOCK) * st_j, mask=ok, other=0).to(tl.int64)
+            slot = (pos % POOL_BLOCK).to(tl.int64)
+            kd_mask = ok[:, None] & (d[None, :] < D)
+            k = tl.load(kp_head + (blk * skp_n + slot * skp_s)[:, None] + d[None, :] * skp_d, mask=kd_mask, other=0.0)
+            v = tl.load(vp_head + (blk * svp_n + slot * svp_s)[:, None] + d[None, :] * svp_d, mask=kd_mask, other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, UPCAST_DOT, INPUT_PRECISION)
+
+        # then the canvas's own keys (the last split only)
+        c_end = tl.where(pid_s == NUM_SPLITS - 1, C, 0)
+        kc_head = kc_ptr + b64 * skc_b + kvh64 * skc_h
+        vc_head = vc_ptr + b64 * svc_b + kvh64 * svc_h
+        for c0 in range(0, c_end, BLOCK_N):
+            kc = c0 + n_off
+            ok = kc < C
+            kc64 = kc.to(tl.int64)
+            kd_mask = ok[:, None] & (d[None, :] < D)
+            k = tl.load(kc_head + kc64[:, None] * skc_c + d[None, :] * skc_d, mask=kd_mask, other=0.0)
+            v = tl.load(vc_head + kc64[:, None] * svc_c + d[None, :] * svc_d, mask=kd_mask, other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, UPCAST_DOT, INPUT_PRECISION)
+
+        if NUM_SPLITS == 1:
+            o = acc / l_i[:, None]
+            o_off = b64 * so_b + cidx[:, None] * so_c + head[:, None] * so_h + d[None, :] * so_d
+            tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=qd_mask)
+        else:  # partials [n, H, C, S] (m, l) and [n, H, C, S, D] (acc), float32, contiguous
+            part_row = ((b64 * (G * HKV) + head) * C + cidx) * NUM_SPLITS + pid_s
+            tl.store(m_ptr + part_row, m_i, mask=row_ok)
+            tl.store(l_ptr + part_row, l_i, mask=row_ok)
+            tl.store(part_ptr + part_row[:, None] * D + d[None, :], acc, mask=qd_mask)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_ptr, m_ptr, l_ptr, out_ptr,
+        C, H,
+        so_b, so_c, so_h, so_d,
+        D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    ):  # fmt: skip
+        """One query (b, h, c) per program: out = sum_s w_s acc_s / sum_s w_s l_s with
+        w_s = exp(m_s - max m) (a split that saw no key has m = -inf: weight 0)."""
+        r = tl.program_id(0).to(tl.int64)
+        b = r // (H * C)
+        h = (r // C) % H
+        c = r % C
+        s = tl.arange(0, SPLITS_P2)
+        s_ok = s < NUM_SPLITS
+        d = tl.arange(0, D)
+        m = tl.load(m_ptr + r * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+        l = tl.load(l_ptr + r * NUM_SPLITS + s, mask=s_ok, other=0.0)
+        acc = tl.load(part_ptr + (r * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
+        w = tl.exp(m - tl.max(m, 0))
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(out_ptr + b * so_b + c * so_c + h * so_h + d * so_d, o.to(out_ptr.dtype.element_ty))
+
+    INTERPRETED = interpreted(_paged_canvas_kernel)
+else:  # pragma: no cover
+    INTERPRETED = False
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether these kernels can run on `device` (triton_support.runs_on)."""
+    return runs_on(device, INTERPRETED)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pick_blocks(rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` = G * C packed queries of a KV head.
+    The [BLOCK_M, D] float32 accumulator lives in registers and the K / V tiles (times the
+    pipeline's stages) in shared memory, so wider heads get fewer query rows or key tiles. Chosen
+    from sm90 compiles (triton 3.9's ptxas) as the largest without register spills, bf16:
+    D <= 128: 64 x 64, 4 warps, 3 stages (~230 registers, 112 KiB shared at D = 128);
+    D = 256: 64 x 32, 8 warps, 3 stages (~210, 128 KiB); D = 512: 32 x 32, 8 warps, 2 stages
+    (~200, 98 KiB; 64 rows spill). float32 (ieee products, no tensor cores: a correctness path)
+    16 x 16. tl.dot needs every dimension >= 16; the interpreter uses 16 x 16."""
+    if INTERPRETED:
+        return 16, 16, 4, 1
+    if dtype == torch.float32:
+        return 16, 16, 4 if head_dim <= 256 else 8, 2
+    cap_m, block_n, num_warps, num_stages = (64, 64, 4, 3) if head_dim <= 128 else (64, 32, 8, 3) if head_dim <= 256 else (32, 32, 8, 2)
+    return min(cap_m, max(16, triton.next_power_of_2(rows))), block_n, num_warps, num_stages
+
+
+def pick_splits(device: torch.device, programs: int, max_prefix: int, block_n: int) -> int:
+    """Prefix splits for a grid of `programs` (query tiles x rows x KV heads), from shapes only
+    (graph-safe): enough to give every SM a program, at most MAX_SPLITS, and no more than the
+    table's capacity `max_prefix` fills with 4 key tiles a split. 1 under the interpreter."""
+    if INTERPRETED or device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(MAX_SPLITS, triton.cdiv(sms, programs), max_prefix // (4 * block_n)))
+
+
+def _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start) -> None:
+    """Shapes, dtypes and devices the kernel relies on (it does no bounds checks of its own)."""
+    names = ("q", "k_canvas", "v_canvas", "k_pool", "v_pool")
+    for name, t in zip(names, (q, k_canvas, v_canvas, k_pool, v_pool)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4D, got shape {tuple(t.shape)}")
+    n, h, c, d = q.shape
+    hkv = k_canvas.shape[1]
+    if tuple(k_canvas.shape) != (n, hkv, c, d) or tuple(v_canvas.shape) != (n, hkv, c, d):
+        raise ValueError(
+            f"k_canvas / v_canvas must be [n, Hkv, C, D] = [{n}, Hkv, {c}, {d}] like q [n, H, C, D], "
+            f"got {tuple(k_canvas.shape)} and {tuple(v_canvas.shape)}"
+        )
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q's {h} heads do not divide into {hkv} KV heads")
+    if k_pool.shape != v_pool.shape or tuple(k_pool.shape[2:]) != (hkv, d):
+        raise ValueError(
+            f"k_pool / v_pool must both be [num_blocks, block_size, Hkv, D] with Hkv={hkv}, D={d}, "
+            f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+        )
+    if d < 16 or d > MAX_HEAD_DIM or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two in 16..{MAX_HEAD_DIM}, got {d}")
+    if c < 1:
+        raise ValueError("the canvas must have at least one position (C >= 1)")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    for name, t in zip(names[1:], (k_canvas, v_canvas, k_pool, v_pool)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} is {t.dtype}, q is {q.dtype}: all of q, k/v canvas and pools must share a dtype")
+    if block_tables.dim() != 2 or block_tables.shape[0] != n or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [n={n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    for name, t in (("lo", lo), ("start", start)):
+        if tuple(t.shape) != (n,) or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [n={n}], got {t.dtype} {tuple(t.shape)}")
+    for name, t in zip(names[1:] + ("block_tables", "lo", "start"), (k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def paged_canvas_attention(
+    q: torch.Tensor,
+    k_canvas: torch.Tensor,
+    v_canvas: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    lo: torch.Tensor,
+    start: torch.Tensor,
+    blocks: tuple[int, int] | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Canvas attention over the paged prefix, without gathering it: row i's queries q[i]
+    [H, C, D] attend to pool positions [lo[i], start[i]) (block_tables[i, p // block_size],
+    slot p % block_size) and then to the canvas's keys k_canvas[i] [Hkv, C, D]; scale 1.0,
+    GQA (query head h reads KV head h // (H / Hkv)). -> [n, C, H, D] in q's dtype, as `sdpa`.
+
+    lo / start / block_tables are read on the device only (no host sync, no shape depends on
+    the prefix), so a captured CUDA graph replays for any prefix length up to the table's width.
+    `blocks` = (BLOCK_M, BLOCK_N), powers of two >= 16 (None: `pick_blocks`); `num_splits`
+    splits the prefix across programs (None: `pick_splits`, from shapes only)."""
+    _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start)
+    if not available(q.device):
+        why = "triton is not installed" if not HAVE_TRITON else f"the device is {q.device.type}, not CUDA"
+        raise RuntimeError(f"no Triton paged attention here ({why}); use PagedKVCache.attend and sdpa")
+    n, h, c, d = q.shape
+    hkv = k_canvas.shape[1]
+    g = h // hkv
+    out = torch.empty(n, c, h, d, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = pick_blocks(g * c, d, q.dtype)
+    if blocks is not None:
+        block_m, block_n = blocks
+        if min(blocks) < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
+            raise ValueError(f"blocks must be powers of two >= 16, got {blocks}")
+    m_tiles = triton.cdiv(g * c, block_m)
+    pool_block = k_pool.shape[1]
+    if num_splits is None:
+        num_splits = pick_splits(q.device, m_tiles * n * hkv, block_tables.shape[1] * pool_block, block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits > 1:
+        part = torch.empty(n, h, c, num_splits, d, dtype=torch.float32, device=q.device)
+        m_part = torch.empty(n, h, c, num_splits, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+    else:
+        part = m_part = l_part = out  # unused
+    _paged_canvas_kernel[(m_tiles, n * hkv, num_splits)](
+        q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start, out, part, m_part, l_part,
+        c, g, hkv,
+        *q.stride(), *k_canvas.stride(), *v_canvas.stride(), *k_pool.stride(), *v_pool.stride(),
+        *block_tables.stride(), *out.stride(),
+        POOL_BLOCK=pool_block, D=d, NUM_SPLITS=num_splits,
+        UPCAST_DOT=INTERPRETED and q.dtype == torch.bfloat16,  # the interpreter multiplies bf16's raw bits
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=True,  # triton's default until 3.10 (3.9 warns when it is left unsaid)
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(n * h * c,)](
+            part, m_part, l_part, out, c, h, *out.stride(),
+            D=d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+            num_warps=4 if d <= 256 else 8, enable_fp_fusion=True,
+        )  # fmt: skip
+    return out

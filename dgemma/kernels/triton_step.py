@@ -1,0 +1,240 @@
+"""The sampler's full-vocabulary work on a GPU, in Triton: what `runner.decoder_step` and
+`runner._advance` do with torch ops over the [rows, vocab] logits.
+
+Each denoising step reads the LM head's output (rows = canvas positions, vocab 262144 on the
+released model: 256 MB per canvas in float32) and needs, per row, the argmax, the entropy at the
+step's temperature, and unnormalised probabilities for the self-conditioning matmul and for
+sampling. In torch that is a chain of full-vocab passes (softcap, max, subtract, divide, clamp,
+exp, sum, multiply, sum; then a cumsum and a search to sample). Here:
+
+- `step_statistics`: one kernel reads each row once (vocab tiled, one program per row) and keeps an
+  online maximum, argmax, sum of exp(d) and sum of d * exp(d), with d = (softcap(z) - max) / T,
+  rescaling both sums when the maximum moves (as an online softmax does); entropy =
+  log(sum e) - sum(d e) / sum e. A second kernel writes the unnormalised probabilities
+  exp(max(d, EXP_FLOOR)) in the dtype the self-conditioning matmul reads (bf16 for a bf16 model),
+  reading the row a second time. Allowed-token masks (the packed bitmask of `sampler.pack_token_mask`)
+  are honoured in both: a banned token is never the argmax and weighs exactly 0.
+- `philox_draws`: each request's uniforms and re-noising tokens from its own Philox stream
+  (`tl.rand` / `tl.randint` keyed by the request's seed, at offsets step * C + position), drawn on
+  the device: no host round trip, and a captured graph replays with new step counters.
+- `sample_rows`: inverse-CDF sampling over the unnormalised probabilities, vocab tiled with a
+  running float32 cumulative sum: the first token whose cumulative weight exceeds u x total,
+  never a zero-weight one.
+
+Rounding: softcap's tanh is computed as 1 - 2 / (exp(2x) + 1) (float32), and sums are taken tile
+by tile, so values differ from torch's by float32 rounding (tests: argmax equal, entropy and
+total within 1e-5 relative, weights within 1e-4 relative, as exp((z - max) / T) amplifies
+tanh's rounding by up to 2 cap / T; samples equal except where u x total falls within float32
+rounding of a cumulative-weight boundary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_support import interpreted, runs_on
+
+from ..engine.sampler import EXP_FLOOR
+
+try:  # optional: absent on macOS / Windows wheels, and then `available()` is False
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is not installed
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _softcapped(z, CAP: tl.constexpr):
+        """cap * tanh(z / cap) (CAP 0: z), with tanh(x) = 1 - 2 / (exp(2x) + 1): exact at the
+        extremes (exp overflows to inf: 1; underflows to 0: -1) and portable across Triton versions."""
+        if CAP > 0:
+            z = CAP * (1.0 - 2.0 / (tl.exp(2.0 * z / CAP) + 1.0))
+        return z
+
+    @triton.jit
+    def _allowed(mask_ptr, row, cols, valid, words, HAS_MASK: tl.constexpr):
+        """Whether each token of `cols` is allowed in `row` (bit t % 32 of word t // 32)."""
+        if HAS_MASK:
+            word = tl.load(mask_ptr + row * words + cols // 32, mask=valid, other=0)
+            valid = valid & (((word >> (cols % 32)) & 1) != 0)
+        return valid
+
+    @triton.jit
+    def _stats_kernel(
+        z_ptr, mask_ptr, temps_ptr, argmax_ptr, entropy_ptr, max_ptr, total_ptr,
+        V, stride_z, words,
+        CAP: tl.constexpr, HAS_MASK: tl.constexpr, FLOOR: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        inv_t = 1.0 / tl.load(temps_ptr + row).to(tl.float32)
+        base = z_ptr + row.to(tl.int64) * stride_z
+        best = -float("inf")
+        best_index = 0
+        s = 0.0  # sum of exp(d), d relative to `best`
+        t = 0.0  # sum of d * exp(d)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            valid = _allowed(mask_ptr, row, cols, cols < V, words, HAS_MASK)
+            z = _softcapped(tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32), CAP)
+            z = tl.where(valid, z, -float("inf"))
+            tile_best = tl.max(z, axis=0)
+            tile_index = tl.argmax(z, axis=0) + v0
+            new_best = tl.maximum(best, tile_best)
+            best_index = tl.where(tile_best > best, tile_index, best_index)  # ties: the first tile's
+            # rescale the sums to the new maximum: d' = d + delta, delta = (best - new_best) / T <= 0
+            # (no inf - inf anywhere: where nothing is allowed yet, best and new_best are both -inf)
+            ref = tl.where(new_best == -float("inf"), 0.0, new_best)
+            delta = (tl.where(best == -float("inf"), ref, best) - ref) * inv_t
+            alpha = tl.exp(delta)
+            t = alpha * (t + delta * s)
+            s = alpha * s
+            d = tl.maximum((z - ref) * inv_t, FLOOR)
+            e = tl.where(valid, tl.exp(d), 0.0)
+            s += tl.sum(e, axis=0)
+            t += tl.sum(tl.where(valid, d * e, 0.0), axis=0)
+            best = new_best
+        entropy = tl.maximum(tl.log(s) - t / s, 0.0)
+        entropy = tl.where(s > 0, entropy, 0.0)  # a row allowing nothing (the caller's error)
+        tl.store(argmax_ptr + row, best_index)
+        tl.store(entropy_ptr + row, entropy)
+        tl.store(max_ptr + row, best)
+        tl.store(total_ptr + row, s)
+
+    @triton.jit
+    def _weights_kernel(
+        z_ptr, mask_ptr, temps_ptr, max_ptr, w_ptr,
+        V, stride_z, stride_w, words,
+        CAP: tl.constexpr, HAS_MASK: tl.constexpr, FLOOR: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        tile = tl.program_id(1)
+        inv_t = 1.0 / tl.load(temps_ptr + row).to(tl.float32)
+        best = tl.load(max_ptr + row)
+        best = tl.where(best == -float("inf"), 0.0, best)  # a row allowing nothing: all weights 0 below
+        cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        inside = cols < V
+        valid = _allowed(mask_ptr, row, cols, inside, words, HAS_MASK)
+        z = _softcapped(tl.load(z_ptr + row.to(tl.int64) * stride_z + cols, mask=inside, other=0.0).to(tl.float32), CAP)
+        e = tl.where(valid, tl.exp(tl.maximum((z - best) * inv_t, FLOOR)), 0.0)
+        tl.store(w_ptr + row.to(tl.int64) * stride_w + cols, e.to(w_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _sample_kernel(w_ptr, total_ptr, u_ptr, out_ptr, V, stride_w, BLOCK_V: tl.constexpr):
+        row = tl.program_id(0)
+        target = tl.load(u_ptr + row).to(tl.float32) * tl.load(total_ptr + row).to(tl.float32)
+        base = w_ptr + row.to(tl.int64) * stride_w
+        running = 0.0
+        found = V  # the first index whose cumulative weight exceeds target (V: none yet)
+        last_nonzero = 0
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            w = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            cdf = tl.cumsum(w, axis=0) + running
+            hit = tl.min(tl.where((cdf > target) & (w > 0), cols, V), axis=0)
+            found = tl.minimum(found, hit)
+            last_nonzero = tl.maximum(last_nonzero, tl.max(tl.where(w > 0, cols, 0), axis=0))
+            running += tl.sum(w, axis=0)
+        # u x total at or past the last cumulative weight (rounding): the last token that weighs anything
+        tl.store(out_ptr + row, tl.where(found < V, found, last_nonzero))
+
+    @triton.jit
+    def _philox_kernel(seeds_ptr, steps_ptr, u_ptr, noise_ptr, C, vocab, BLOCK_C: tl.constexpr):
+        row = tl.program_id(0)
+        seed = tl.load(seeds_ptr + row)
+        step = tl.load(steps_ptr + row)
+        pos = tl.arange(0, BLOCK_C)
+        inside = pos < C
+        offsets = (step * C + pos).to(tl.uint32)
+        # one Philox call gives four 32-bit words per offset: the first makes the uniform, the second the noise token
+        r0, r1, _, _ = tl.randint4x(seed, offsets)
+        tl.store(u_ptr + row * C + pos, tl.random.uint_to_uniform_float(r0), mask=inside)
+        tl.store(noise_ptr + row * C + pos, (r1.to(tl.uint32) % vocab.to(tl.uint32)).to(tl.int64), mask=inside)
+
+    INTERPRETED = interpreted(_stats_kernel)
+else:  # pragma: no cover
+    INTERPRETED = False
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether these kernels can run on `device` (triton_support.runs_on)."""
+    return runs_on(device, INTERPRETED)
+
+
+def _block(vocab: int) -> int:
+    return 128 if INTERPRETED else min(4096, triton.next_power_of_2(vocab))
+
+
+def _check_rows(name: str, rows: int, t: torch.Tensor) -> None:
+    if t.dim() != 1 or t.shape[0] != rows:
+        raise ValueError(f"{name} must be [{rows}] (one per row), got {list(t.shape)}")
+
+
+def step_statistics(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    softcap: float = 0.0,
+    allowed: torch.Tensor | None = None,
+    probs_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """argmax [N], entropy [N], total [N] and unnormalised probabilities [N, V] (`probs_dtype`) of
+    softcap(logits) / temps, as `sampler.step_statistics` gives them for already-softcapped logits.
+
+    logits: [N, V] float32 / bf16 / fp16, the LM head's raw output (softcapped here: `softcap` > 0);
+    temps: [N] (or [N, 1]) each row's temperature; allowed: int32 [N, ceil(V / 32)] or None."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be [rows, vocab] with contiguous rows, got {list(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    rows, vocab = logits.shape
+    temps = temps.reshape(-1).to(device=logits.device, dtype=torch.float32).contiguous()
+    _check_rows("temps", rows, temps)
+    words = -(-vocab // 32)
+    if allowed is not None:
+        if allowed.dtype != torch.int32 or tuple(allowed.shape) != (rows, words):
+            raise ValueError(f"allowed must be int32 [{rows}, {words}], got {allowed.dtype} {list(allowed.shape)}")
+        allowed = allowed.contiguous()
+    mask = allowed if allowed is not None else torch.empty(1, dtype=torch.int32, device=logits.device)
+    argmax = torch.empty(rows, dtype=torch.long, device=logits.device)
+    entropy = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    best = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    total = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    probs = torch.empty(rows, vocab, dtype=probs_dtype, device=logits.device)
+    block, cap = _block(vocab), float(softcap or 0.0)
+    common = dict(CAP=cap, HAS_MASK=allowed is not None, FLOOR=EXP_FLOOR, BLOCK_V=block)
+    _stats_kernel[(rows,)](logits, mask, temps, argmax, entropy, best, total, vocab, logits.stride(0), words, **common)
+    _weights_kernel[(rows, triton.cdiv(vocab, block))](
+        logits, mask, temps, best, probs, vocab, logits.stride(0), probs.stride(0), words, **common
+    )
+    return argmax, entropy, total, probs
+
+
+def sample_rows(weights: torch.Tensor, total: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of unnormalised `weights` [N, V] (any float dtype; summed in float32)
+    given u ~ U(0, 1) [N] and each row's total weight [N]: `sampler.sample_from_weights`."""
+    if weights.dim() != 2 or weights.stride(-1) != 1:
+        raise ValueError(f"weights must be [rows, vocab] with contiguous rows, got {list(weights.shape)}")
+    rows, vocab = weights.shape
+    total, uniforms = total.reshape(-1).float().contiguous(), uniforms.reshape(-1).contiguous()
+    _check_rows("total", rows, total)
+    _check_rows("uniforms", rows, uniforms)
+    out = torch.empty(rows, dtype=torch.long, device=weights.device)
+    _sample_kernel[(rows,)](weights, total, uniforms, out, vocab, weights.stride(0), BLOCK_V=_block(vocab))
+    return out
+
+
+def philox_draws(seeds: torch.Tensor, steps: torch.Tensor, canvas_length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms [n, C] in [0, 1) and re-noising tokens [n, C] in [0, vocab) for n requests, each
+    from its own Philox stream: `seeds` [n] (int64, a request's seed), `steps` [n] (int64, how
+    many steps it has drawn for; step x C wraps at 2^32): a request draws the same numbers
+    whatever runs beside it."""
+    n = seeds.shape[0]
+    _check_rows("steps", n, steps)
+    u = torch.empty(n, canvas_length, dtype=torch.float32, device=seeds.device)
+    noise = torch.empty(n, canvas_length, dtype=torch.long, device=seeds.device)
+    block = triton.next_power_of_2(canvas_length)
+    _philox_kernel[(n,)](seeds.contiguous(), steps.contiguous(), u, noise, canvas_length, vocab, BLOCK_C=block)
+    return u, noise

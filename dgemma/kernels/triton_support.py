@@ -1,0 +1,29 @@
+"""What every Triton kernel module asks: is triton there, were its kernels built for Triton's
+interpreter (TRITON_INTERPRET=1 when the module was imported: then they run on CPU tensors too),
+and can they run on a device."""
+
+from __future__ import annotations
+
+import torch
+
+try:  # optional: absent on macOS / Windows wheels
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is not installed
+    HAVE_TRITON = False
+
+
+def interpreted(kernel) -> bool:
+    """Whether a @triton.jit kernel was built for the interpreter."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - a triton without the interpreter
+        return False
+    return isinstance(kernel, InterpretedFunction)
+
+
+def runs_on(device: torch.device | str, interpreted_kernels: bool) -> bool:
+    """triton is importable and the device is CUDA (ROCm builds report "cuda" too), or the
+    kernels were built for the interpreter."""
+    return HAVE_TRITON and (interpreted_kernels or torch.device(device).type == "cuda")
