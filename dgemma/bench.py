@@ -219,7 +219,7 @@ def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
         raise ValueError(
             f"--size {size} has {params / 1e9:.1f} B parameters: building its random weights needs ~{need / 2**30:.0f} GiB "
             f"of memory and this machine has {have / 2**30:.0f} GiB available; use a smaller --size "
-            f"(mid is the CPU benchmark), or scripts/gpu_bench.py on a GPU for the real size"
+            f"(mid is the CPU benchmark), or scripts/gpu_check.py on a GPU for the real size"
         )
     model = random_model(config, seed=seed, std=0.02)
     return save_checkpoint(model, directory / size, tokenizer=byte_tokenizer())

@@ -1,7 +1,7 @@
 """Named model sizes: keyword arguments of `dgemma.model.checkpoint.make_config`.
 
 One table for every tool that builds a model from a name: `dgemma train --config NAME`,
-`dgemma bench --size NAME`, `dgemma make-tiny` ("micro"), scripts/gpu_bench.py and
+`dgemma bench --size NAME`, `dgemma make-tiny` ("micro"), scripts/gpu_check.py and
 scripts/step_breakdown.py. Plain data (no torch), so that anything can import it.
 """
 
