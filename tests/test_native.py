@@ -119,7 +119,8 @@ def test_engine_step_with_native_statistics_matches_the_torch_step(ref_gqa):
         kv = engine.encode_prefix(prompt)
         plan = runner.cache.plan_decoder(model.config.canvas_length, [kv])
         outputs.append(runner.decoder_step(canvas, soft, temps, plan))
-    (argmax, entropy, weights, soft_next), (argmax_t, entropy_t, weights_t, soft_next_t) = outputs
+    (argmax, entropy, weights, total, soft_next), (argmax_t, entropy_t, weights_t, total_t, soft_next_t) = outputs
+    assert torch.allclose(total, total_t, rtol=1e-5)
     assert torch.equal(argmax, argmax_t)
     assert torch.allclose(entropy, entropy_t, atol=1e-5)
     assert torch.allclose(weights, weights_t, rtol=1e-4, atol=1e-30)
