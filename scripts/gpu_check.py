@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -158,11 +159,6 @@ def engine_step_and_graphs(device: torch.device) -> None:
     c = cfg.canvas_length
     rows = [engine.encode_prefix(list(range(k, k + length))) for k, length in ((3, 11), (5, 47), (9, 2))]
     g = torch.Generator().manual_seed(2)
-
-    class Req:
-        def __init__(self, kv):
-            self.kv = kv
-
     graphs = DecoderGraphs(buckets=(4,), capture=cuda_capture if device.type == "cuda" else eager_capture)
     worst_graph, agree = 0.0, []
     for group in ([rows[1]], [rows[2], rows[0], rows[1]], [rows[0], rows[2]]):
@@ -172,7 +168,7 @@ def engine_step_and_graphs(device: torch.device) -> None:
         kernel = runner.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(c, group))
         gathered = runner.decoder_step(canvas, soft, temps, runner.cache.plan_decoder(c, group))
         agree.append(float((kernel[0] == gathered[0]).float().mean()))
-        replayed = [t.clone() for t in graphs.run(runner, [Req(kv) for kv in group], canvas, soft, temps)]
+        replayed = [t.clone() for t in graphs.run(runner, [SimpleNamespace(kv=kv) for kv in group], canvas, soft, temps)]
         # relative to each output's scale: padded rows change a matmul's blocking, hence its rounding
         worst_graph = max(worst_graph, max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
                                            for a, b in zip(replayed, kernel)))  # fmt: skip
@@ -233,12 +229,7 @@ def step_ms(engine: Engine, kv, batch: int, graphs: bool, iters: int) -> float:
     soft = torch.zeros(batch, c, cfg.hidden_size, device=device, dtype=runner.net.dtype)
     temps = torch.full((batch * c, 1), 0.6, device=device)
 
-    class Req:
-        pass
-
-    group = [Req() for _ in range(batch)]
-    for r in group:
-        r.kv = kv
+    group = [SimpleNamespace(kv=kv) for _ in range(batch)]  # what the graphs read of a request
     if graphs:
         buckets = DecoderGraphs(buckets=(batch,), capture=cuda_capture if device.type == "cuda" else eager_capture)
 

@@ -4,10 +4,11 @@ generations, and the bucketed CUDA-graph logic replayed eagerly (`eager_capture`
 
 What a CPU can check: a one-step first block (the first pass's argmax over the first canvas,
 which both paths draw alike) is exactly the torch path's; the Philox path is
-reproducible and batch-invariant; a bucket's static inputs, refilled for another group and other
+batch-invariant and its own stream; a bucket's static inputs, refilled for another group and other
 prefix lengths, give the eager step's outputs. A real graph capture needs CUDA (scripts/gpu_check.py)."""
 
 import os
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
@@ -69,15 +70,12 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
     graphs = DecoderGraphs(buckets=(4,), capture=eager_capture)
     g = torch.Generator().manual_seed(0)
 
-    class Req:  # what the graphs read of a request
-        def __init__(self, kv):
-            self.kv = kv
-
     for group in ([rows[1]], [rows[2], rows[0], rows[1]]):
         canvas = torch.randint(0, vocab, (len(group), c), generator=g)
         soft = torch.randn(len(group), c, model.config.hidden_size, generator=g).to(runner.net.dtype) * 0.1
         temps = torch.rand(len(group) * c, 1, generator=g) + 0.2
-        replayed = graphs.run(runner, [Req(kv) for kv in group], canvas, soft, temps)
+        requests = [SimpleNamespace(kv=kv) for kv in group]  # what the graphs read of a request
+        replayed = graphs.run(runner, requests, canvas, soft, temps)
         eager = runner.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(c, group))
         gathered = runner.decoder_step(canvas, soft, temps, runner.cache.plan_decoder(c, group))
         for a, b, d in zip(replayed, eager, gathered):
@@ -87,7 +85,7 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
             else:
                 assert torch.allclose(a, b, rtol=1e-5, atol=1e-6) and torch.allclose(a, d, rtol=1e-3, atol=1e-4)  # kernel vs SDPA
     assert list(graphs.captured) == [4]  # one capture served both groups
-    assert graphs.run(runner, [Req(rows[0])] * 5, *(None,) * 3) is None  # larger than the bucket: eager
+    assert graphs.run(runner, [SimpleNamespace(kv=rows[0])] * 5, *(None,) * 3) is None  # larger than the bucket: eager
     for kv in rows:
         engine.release_prefix(kv)
 

@@ -234,7 +234,7 @@ class Runner:
         canvas constraints are excluded from acceptance (entropy 0 counts nothing against the
         bound) and from the stopping statistics, and keep their tokens.
         """
-        c, vocab, device = self.config.canvas_length, self.config.vocab_size, self.net.device
+        device = self.net.device
         fixed = self._fixed(group)
         free = None if fixed is None else fixed < 0
         bounds = torch.tensor([[r.config.entropy_bound] for r in group], device=device)

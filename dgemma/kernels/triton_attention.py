@@ -48,16 +48,8 @@ import functools
 
 import torch
 
-from .triton_support import interpreted, runs_on
+from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
 
-try:  # optional: absent on macOS / Windows wheels, and then `available()` is False
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is not installed
-    triton = None
-    tl = None
-
-HAVE_TRITON = triton is not None
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 512
 MAX_SPLITS = 8

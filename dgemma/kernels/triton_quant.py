@@ -44,18 +44,10 @@ import functools
 
 import torch
 
-from .triton_support import interpreted, runs_on
+from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
 
 from ..quant.formats import FP8_MAX, NVFP4_GROUP, QTensor
 
-try:  # optional: absent on macOS / Windows wheels, and then `available()` is False
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is not installed
-    triton = None
-    tl = None
-
-HAVE_TRITON = triton is not None
 SCHEME_IDS = {"int4": 0, "int8": 1, "fp8": 2, "nvfp4": 3}
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -32,18 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import interpreted, runs_on
+from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
 
 from ..engine.sampler import EXP_FLOOR
 
-try:  # optional: absent on macOS / Windows wheels, and then `available()` is False
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is not installed
-    triton = None
-    tl = None
-
-HAVE_TRITON = triton is not None
 
 if HAVE_TRITON:
 

@@ -1,4 +1,5 @@
-"""What every Triton kernel module asks: is triton there, were its kernels built for Triton's
+"""What every Triton kernel module asks (and imports from here: `triton`, `tl`, None without
+triton): is triton there, were its kernels built for Triton's
 interpreter (TRITON_INTERPRET=1 when the module was imported: then they run on CPU tensors too),
 and can they run on a device."""
 
@@ -6,12 +7,14 @@ from __future__ import annotations
 
 import torch
 
-try:  # optional: absent on macOS / Windows wheels
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
+try:  # optional: absent on macOS / Windows wheels, and then every module's `available()` is False
+    import triton
+    import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is not installed
-    HAVE_TRITON = False
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
 
 
 def interpreted(kernel) -> bool:
