@@ -59,6 +59,11 @@ def canvas_frame(pieces: list[str], accepted: list[bool], entropy: list[float]):
     return view
 
 
+def token_pieces(tokenizer, canvas: list[int]) -> list[str]:
+    """Each canvas token's text on its own (special tokens by name): a frame's cells."""
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in canvas]
+
+
 def plain_frame(pieces: list[str], accepted: list[bool], noise: str = "░") -> str:
     """One draft as plain text: accepted positions as their tokens, re-noised ones as `noise`
     (one per character of the token they show), so a sequence of frames reads as noise
@@ -208,10 +213,6 @@ class Session:
             self.knobs[dest] = parsed
         self.say(f"{name} = {value}", "dim")
 
-    def pieces(self, canvas: list[int]) -> list[str]:
-        """Each canvas token's text (special tokens by name)."""
-        return [self.tok.decode([t], skip_special_tokens=False) for t in canvas]
-
     # ---------------------------------------------------------------- a turn
     def turn(self, text: str) -> None:
         from .engine.events import Block, Draft
@@ -252,7 +253,7 @@ class Session:
                         printed = answer
                 elif isinstance(ev, Draft) and live is not None:
                     view = Text(self.tok.decode(tokens))
-                    view.append_text(canvas_frame(self.pieces(ev.canvas), ev.accepted, ev.entropy))
+                    view.append_text(canvas_frame(token_pieces(self.tok, ev.canvas), ev.accepted, ev.entropy))
                     view.append(f"\n[block {ev.block + 1}, step {ev.step}: {sum(ev.accepted)}/{len(ev.accepted)} accepted]", style="dim")
                     live.update(view)
         except KeyboardInterrupt:

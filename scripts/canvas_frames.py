@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import dgemma
-from dgemma.chat import plain_frame
+from dgemma.chat import plain_frame, token_pieces
 from dgemma.engine.events import Block, Draft
 
 
@@ -28,7 +28,7 @@ def main() -> None:
     for ev in model.stream(args.prompt, drafts=True, seed=args.seed, max_new_tokens=args.blocks * c):
         if isinstance(ev, Draft):
             end = next((i + 1 for i, t in enumerate(ev.canvas) if t in model.generation_config.eos_token_ids), c)
-            pieces = [tok.decode([t], skip_special_tokens=False) for t in ev.canvas[:end]]  # no pad after EOS
+            pieces = token_pieces(tok, ev.canvas[:end])  # no pad after EOS
             print(f"--- block {ev.block + 1}, step {ev.step:2d}: {sum(ev.accepted):2d}/{c} accepted, "
                   f"mean entropy {sum(ev.entropy) / c:.2f}")  # fmt: skip
             print(committed + plain_frame(pieces, ev.accepted))

@@ -24,6 +24,11 @@ class Draft:
     entropy: list[float] = field(default_factory=list)
 
 
+def shown_entropy(entropy: list[float]) -> list[float]:
+    """A draft's entropies as it carries them: 4 decimals, all a view shows (and a frame's bytes)."""
+    return [round(e, 4) for e in entropy]
+
+
 @dataclass
 class TokenLogprob:
     """A committed token's log probability under the decoder pass that fixed it (its block's

@@ -4,9 +4,10 @@ step buffers at the chosen batch; and whether that fits a card, with what would 
 Pure arithmetic on the config (parameters counted on the meta device, nothing allocated), so
 `dgemma serve --device cuda` can refuse a plan before it loads a byte, and `dgemma memory --card`
 prints the same plan anywhere. The figures are estimates of what is allocated, not measurements:
-weights exactly as the formats store them (compressed-tensors layouts, scales in the model's
-dtype), the KV pool as `plan_blocks` sizes it, step buffers from the tensors a decoder pass and a
-prefill chunk create at their largest, and a fixed reserve for the CUDA context and allocator.
+weights exactly as the formats store them (compressed-tensors layouts: float32 per-channel
+scales, int4 group scales in the model's dtype), a KV pool holding one request of the context
+(sliding layers: their window), step buffers from the tensors a decoder pass and a prefill chunk
+create at their largest, and a fixed reserve for the CUDA context and allocator.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class EngineOptions:
       kernels, one graph per batch-size bucket, replayed for any prefix length).
     - triton: the GPU step kernels (kernels/triton_step.py, triton_attention.py, triton_layer.py:
       full-vocab statistics, sampling from Philox streams on the device, paged canvas attention,
-      fused norm + RoPE + cache write, the MoE pieces); default on CUDA where triton imports.
+      fused norm + RoPE, the MoE pieces); default on CUDA where triton imports.
       True elsewhere runs them in Triton's interpreter (TRITON_INTERPRET=1: tests only).
     """
 

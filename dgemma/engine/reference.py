@@ -22,7 +22,7 @@ import torch
 from ..config import GenerationConfig
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
-from .events import Block, Draft, GenerationOutput, cut_block
+from .events import Block, Draft, GenerationOutput, cut_block, shown_entropy
 from .kv_cache import DenseKVCache
 from .prefill import PlacedImage, prefill
 from .request import validate_prompts
@@ -123,8 +123,7 @@ def reference_events(
                 for r in range(batch):
                     if not results[r].done:
                         kept = (accepted[r] | converged[r]).tolist()
-                        view = [round(e, 4) for e in entropy[r].tolist()]
-                        yield Draft(r, block, step, argmax_canvas[r].tolist(), kept, view)
+                        yield Draft(r, block, step, argmax_canvas[r].tolist(), kept, shown_entropy(entropy[r].tolist()))
             if bool(finished_denoising.all()):
                 break
         passes += block_passes

@@ -25,7 +25,7 @@ import torch
 from ..config import ModelConfig
 from ..media.inputs import image_safe_end, splits_image
 from .block_manager import BlockManager, extend_hashes
-from .events import Block, Draft, Finished, TokenLogprob, cut_block
+from .events import Block, Draft, Finished, TokenLogprob, cut_block, shown_entropy
 from .options import EngineOptions
 from .request import Request, image_spans, max_sequence_length
 
@@ -63,9 +63,9 @@ class DecodeResult:
 
 def _draft_view(res: DecodeResult) -> tuple[list[bool], list[float]]:
     """A draft's accepted mask and entropies as lists (read from the device only for requests
-    that stream drafts); entropies to 4 decimals, which is all a view shows."""
+    that stream drafts)."""
     accepted = res.accepted.tolist() if res.accepted is not None else []
-    entropy = [round(e, 4) for e in res.entropy.tolist()] if res.entropy is not None else []
+    entropy = shown_entropy(res.entropy.tolist()) if res.entropy is not None else []
     return accepted, entropy
 
 
