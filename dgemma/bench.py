@@ -11,7 +11,6 @@ The reference peer needs `transformers` (a test dependency); it is skipped when 
 from __future__ import annotations
 
 import json
-import math
 import resource
 import statistics
 import tempfile
@@ -100,7 +99,7 @@ def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode
     prompt, as the other peers do (with the cache, runs after the first would skip it)."""
     from .engine.ar import ar_events
     from .engine.client import EngineClient
-    from .engine.engine import Engine, EngineOptions, Request
+    from .engine.engine import Engine, Request
 
     device = model.device
     knobs = dict(max_new_tokens=new_tokens, eos_token_ids=())
@@ -208,9 +207,15 @@ def run_reference(ref, prompts, new_tokens: int, steps: int, adaptive: bool) -> 
     return result
 
 
-def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
-    """Random weights of a named size, written as a checkpoint (so every peer loads the same file)."""
-    from .model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
+def synthetic_checkpoint(size: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Random weights of a named size, written in `dtype` as a checkpoint (so every peer loads the
+    same file, stored as the released model is for bf16).
+
+    Built in a child process: the random weights are drawn in float32, and in this process they
+    would set its peak RSS (twice a bf16 model's bytes) above what loading and running take."""
+    import multiprocessing
+
+    from .model.checkpoint import make_config
 
     config = make_config(**PRESETS[size])
     params = config.num_parameters()
@@ -221,8 +226,15 @@ def synthetic_checkpoint(size: str, directory: Path, seed: int = 0) -> Path:
             f"of memory and this machine has {have / 2**30:.0f} GiB available; use a smaller --size "
             f"(mid is the CPU benchmark), or scripts/gpu_check.py on a GPU for the real size"
         )
-    model = random_model(config, seed=seed, std=0.02)
-    return save_checkpoint(model, directory / size, tokenizer=byte_tokenizer())
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return Path(pool.apply(_write_random_checkpoint, (size, str(directory), seed, dtype)))
+
+
+def _write_random_checkpoint(size: str, directory: str, seed: int, dtype: torch.dtype) -> str:
+    from .model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint
+
+    model = random_model(make_config(**PRESETS[size]), seed=seed, std=0.02, dtype=dtype)
+    return str(save_checkpoint(model, Path(directory) / size, tokenizer=byte_tokenizer()))
 
 
 def quantized_synthetic_model(size: str, scheme: str, group_size: int | None, dtype: torch.dtype):
@@ -238,22 +250,31 @@ def quantized_synthetic_model(size: str, scheme: str, group_size: int | None, dt
     return Model(net, GenerationConfig(eos_token_ids=(1,), pad_token_id=0))
 
 
-def memory_report(model) -> str:
-    """Weight bytes by part, KV pool bytes and the process's peak resident memory."""
-    import resource
-
+def memory_figures(model) -> dict:
+    """Weight bytes by part, the KV pool's reserved bytes and the process's resident bytes (peak, now)."""
     from .quant.modules import weight_bytes
 
     parts = weight_bytes(model.net)
     parts["packed copies"] = engine_copies_bytes(model.net, model.engine_net)
-    kv = sum(t.numel() * t.element_size() for t in model.engine.runner.cache.keys + model.engine.runner.cache.values)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-    by_part = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+    cache = model.engine.runner.cache
     now = resident_bytes()
-    # the peak includes building --size's random weights (in float32) where there was no --model
-    return (f"weights: {gib(sum(parts.values()))} ({by_part}); KV pool reserved {gib(kv)} (untouched pages are not resident); "
-            f"peak RSS {gib(peak)}" + (f"; RSS after the runs {gib(now)}" if now is not None else ""))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB, updated lazily
+    return {
+        "weights": parts,
+        "kv_reserved": sum(t.numel() * t.element_size() for t in cache.keys + cache.values),
+        "peak_rss": max(peak, now or 0),
+        "rss_now": now,
+    }
+
+
+def memory_report(figures: dict) -> str:
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    parts = figures["weights"]
+    by_part = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+    now = figures["rss_now"]
+    return (f"weights: {gib(sum(parts.values()))} ({by_part}); KV pool reserved {gib(figures['kv_reserved'])} "
+            f"(untouched pages are not resident); peak RSS {gib(figures['peak_rss'])}"
+            + (f"; RSS after the runs {gib(now)}" if now is not None else ""))
 
 
 def engine_copies_bytes(net, engine_net) -> int:
@@ -342,7 +363,7 @@ def cmd_bench(args) -> int:
         if args.quantization is not None and not args.model:
             path, model = None, quantized_synthetic_model(args.size, args.quantization, args.group_size, dtype)
         else:
-            path = Path(args.model) if args.model else synthetic_checkpoint(args.size, Path(tmp))
+            path = Path(args.model) if args.model else synthetic_checkpoint(args.size, Path(tmp), dtype=dtype)
             model = load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size)
         ref = load_reference(path, device, dtype) if "reference" in peers else None
         if "reference" in peers and ref is None:
@@ -368,7 +389,7 @@ def cmd_bench(args) -> int:
                     results.append(once(peer))
                     bar.update()
     rows = summarize(results)
-    memory = memory_report(model)
+    memory = memory_figures(model)
     header = (
         f"{args.model or args.size} | {device} {args.dtype} | batch {args.batch} | prompt {args.prompt_len} | "
         f"{args.new_tokens} new | {'adaptive' if args.adaptive else f'{args.steps} fixed'} steps | "
@@ -376,9 +397,9 @@ def cmd_bench(args) -> int:
         f"kernels: {cpu_kernels.describe(model.engine_net)}"
     )
     if args.json:
-        print(json.dumps({"setup": header, "memory": memory, "rows": rows, "runs": [asdict(r) for r in results]}, indent=2))
+        print(json.dumps({"setup": header, "memory": memory_report(memory), "memory_bytes": memory, "rows": rows, "runs": [asdict(r) for r in results]}, indent=2))
     else:
-        print(memory)
+        print(memory_report(memory))
         print_table(rows, header)
     return 0
 

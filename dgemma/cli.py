@@ -176,7 +176,7 @@ def run_suffix(args) -> str | None:
 
 def cmd_infill(model, args, suffix: str) -> int:
     """`dgemma run PREFIX --suffix TEXT`: print the text between them (see infill.py)."""
-    from .engine.events import Block, Draft
+    from .engine.events import Draft
 
     knobs = {k: v for k, v in sampler_knobs(args).items() if k != "max_new_tokens"}
     try:

@@ -343,7 +343,7 @@ def main() -> None:
         "bf16 probs [256, vocab] @ E": amx_soft,
     })
     print(f"threads {torch.get_num_threads()}, best of {args.repeats}")
-    print(f"| work | baseline | ms | dgemma | ms | speed-up |\n|---|---|---:|---|---:|---:|")
+    print("| work | baseline | ms | dgemma | ms | speed-up |\n|---|---|---:|---|---:|---:|")
     for title, fns in groups.items():
         if not fns:
             continue

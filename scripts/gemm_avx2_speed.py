@@ -21,29 +21,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from dgemma.kernels import cpu, dequant
+from dgemma.kernels.native import cpu_model
 from dgemma.kernels.widened import WidenedLinear, WidenedSoftEmbed
 from dgemma.quant import formats
 
 SHAPES = [(32, 1024, 1024), (32, 512, 1024), (256, 1024, 1024), (256, 1024, 2048), (256, 2048, 1024), (256, 1024, 32768)]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def timer(fn, clock, min_seconds: float = 0.15, min_calls: int = 2) -> list[float]:

@@ -38,7 +38,6 @@ if SMOKE:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from dgemma.config import GenerationConfig  # noqa: E402
 from dgemma.engine import sampler  # noqa: E402

@@ -10,7 +10,6 @@ each soft-token budget, square, real patches only, as the engine runs it (packed
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from dgemma.config import VisionConfig
 from dgemma.kernels.cpu import packed_modules
 from dgemma.kernels.cpu import supported as cpu_supported
+from dgemma.kernels.native import cpu_model
 from dgemma.model.vision import Vision
 
 RELEASED_TOWER = dict(
@@ -27,16 +27,6 @@ RELEASED_TOWER = dict(
     hidden_activation="gelu_pytorch_tanh", use_clipped_linears=False, standardize=True, output_dims=1152,
     image_token_id=0, boi_token_id=0, eoi_token_id=0, bidirectional=True,
 )  # fmt: skip
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def square_patches(soft_tokens: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +42,7 @@ def main() -> None:
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     cfg = VisionConfig(**RELEASED_TOWER)
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)

@@ -46,8 +46,30 @@ def test_dgemma_bench_reports_every_peer_with_ratios(capsys):
     assert all(r["output_tok_s"] > 0 and r["ms_per_step"] > 0 for r in rows.values())
     assert "kernels: " in report["setup"] and "GEMMs" in report["setup"]  # which kernels the figures are for
     # weights by part, the engine's packed copies of them (float32 on oneDNN: one per weight), RSS
-    packed = float(report["memory"].split("packed copies ")[1].split(" GiB")[0])
-    assert packed > 0 and "RSS after the runs" in report["memory"]
+    memory = report["memory_bytes"]
+    assert memory["weights"]["packed copies"] > 0 and "packed copies" in report["memory"]
+    assert memory["kv_reserved"] > 0 and 0 < memory["rss_now"] <= memory["peak_rss"]
+
+
+def test_cpu_speed_compares_rows_within_each_round():
+    """scripts/cpu_speed.py (the AVX2-only measurement): every row ran, in the kernels it names,
+    with ratios to float32 taken round by round, and the widened bf16 row holds half the weights."""
+    argv = [sys.executable, "scripts/cpu_speed.py", "--size", "tiny", "--rounds", "2", "--rows", "float32,bfloat16",
+            "--steps", "2", "--new-tokens", "32", "--prompt-len", "32", "--emulate-avx2", "--json"]  # fmt: skip
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    rows = {r["row"]: r for r in report["rows"]}
+    assert report["mode"].startswith("emulated") and report["cpu"] and set(rows) == {"float32", "bfloat16"}
+    assert rows["float32"]["vs_float32"] == 1 and rows["bfloat16"]["ms_per_step"] > 0
+    lo, mid, hi = (rows["bfloat16"][k] for k in ("vs_float32_min", "vs_float32", "vs_float32_max"))
+    assert lo <= mid <= hi
+    assert "widened to float32" in rows["bfloat16"]["kernels"] and "widened" not in rows["float32"]["kernels"]
+    # float32 carries a packed copy of every weight besides; bf16 has half the bytes and none
+    assert rows["bfloat16"]["weights_gib"] < 0.3 * rows["float32"]["weights_gib"]
+    bad = subprocess.run([sys.executable, "scripts/cpu_speed.py", "--rows", "bfloat16,int3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--rows takes" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_dgemma_bench_refuses_a_size_that_does_not_fit(monkeypatch, capsys):

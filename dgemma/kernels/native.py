@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 from types import ModuleType
@@ -32,14 +33,31 @@ AVX512_FLAGS = {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16"}
 AMX_FLAGS = {"amx_tile", "amx_bf16"}
 
 
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it: every speed figure names the CPU it came from."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def _cpu_flags() -> set[str]:
+    """The CPU's feature flags. `DGEMMA_CPU_ISA=avx2` hides AVX-512 and AMX, so that dgemma picks
+    every kernel as on an AVX2-only CPU (to measure that path on a newer one: scripts/cpu_speed.py)."""
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                flags = set(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
-    return set()
+    if os.environ.get("DGEMMA_CPU_ISA", "").lower() == "avx2":
+        flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
+    return flags
 
 
 STALE_LOCK_SECONDS = 600  # a build takes about a minute; a lock this old was left by one that died

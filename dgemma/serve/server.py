@@ -40,7 +40,7 @@ from ..engine.grammar import Grammar, GrammarError
 from ..media.inputs import MediaError, ModelInputs
 from .playground import add_playground
 from . import media
-from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
+from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull, Update
 from .logprobs import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
 from .media import MediaPolicy, MediaRef, PartError
 from .metrics import Metrics
