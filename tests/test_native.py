@@ -205,14 +205,19 @@ def test_dgemma_cpu_isa_avx2_picks_kernels_as_an_avx2_only_cpu(monkeypatch):
 
 def test_builds_live_by_source_content_and_stale_locks_are_removed(monkeypatch, caplog, tmp_path):
     """Another checkout's sources (other content) build elsewhere, the same content in the same
-    place; a build is announced when nothing is built there; a dead build's lock is removed."""
+    place, below TORCH_EXTENSIONS_DIR where it is set (as torch reads it); a build is announced
+    when nothing is built there; a dead build's lock is removed."""
     import os
     import time
 
     import torch.utils.cpp_extension as cpp
 
     monkeypatch.setattr(cpp, "get_default_build_root", lambda: str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "chosen"))
+    assert native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS).parent == tmp_path / "chosen"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     here = native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS)
+    assert here.parent == tmp_path
     other = tmp_path / "elsewhere.cpp"
     other.write_text("// another checkout's source\n")
     assert native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS) == here

@@ -52,9 +52,9 @@ def test_dgemma_bench_reports_every_peer_with_ratios(capsys):
 
 
 def test_cpu_speed_compares_rows_within_each_round():
-    """scripts/cpu_speed.py (the AVX2-only measurement): every row ran, in the kernels it names,
-    with ratios to float32 taken round by round, and the widened bf16 row holds half the weights."""
-    argv = [sys.executable, "scripts/cpu_speed.py", "--size", "tiny", "--rounds", "2", "--rows", "float32,bfloat16",
+    """scripts/cpu_speed.py (the AVX2-only measurement): every row ran, in the kernels it names
+    (as an AVX2-only CPU picks them), and the widened bf16 row holds half the weights."""
+    argv = [sys.executable, "scripts/cpu_speed.py", "--size", "tiny", "--rounds", "1", "--rows", "float32,bfloat16",
             "--steps", "2", "--new-tokens", "32", "--prompt-len", "32", "--emulate-avx2", "--json"]  # fmt: skip
     run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -62,9 +62,9 @@ def test_cpu_speed_compares_rows_within_each_round():
     rows = {r["row"]: r for r in report["rows"]}
     assert report["mode"].startswith("emulated") and report["cpu"] and set(rows) == {"float32", "bfloat16"}
     assert rows["float32"]["vs_float32"] == 1 and rows["bfloat16"]["ms_per_step"] > 0
-    lo, mid, hi = (rows["bfloat16"][k] for k in ("vs_float32_min", "vs_float32", "vs_float32_max"))
-    assert lo <= mid <= hi
+    assert rows["bfloat16"]["vs_float32"] == pytest.approx(rows["bfloat16"]["ms_per_step"] / rows["float32"]["ms_per_step"])
     assert "widened to float32" in rows["bfloat16"]["kernels"] and "widened" not in rows["float32"]["kernels"]
+    assert all("torch statistics" in r["kernels"] for r in rows.values())  # no AVX-512 kernels under the emulation
     # float32 carries a packed copy of every weight besides; bf16 has half the bytes and none
     assert rows["bfloat16"]["weights_gib"] < 0.3 * rows["float32"]["weights_gib"]
     bad = subprocess.run([sys.executable, "scripts/cpu_speed.py", "--rows", "bfloat16,int3"], cwd=ROOT,

@@ -214,11 +214,20 @@ class SelfConditioning(nn.Module):
         return gated_mlp(self, x)
 
 
+def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """nn.Embedding's own init (normal) except on the meta device, where checkpoints are loaded
+    into the model: there torch's normal_ imports torch._dynamo, 2 s of every process's start."""
+    weight = torch.empty(vocab_size, hidden_size)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(vocab_size, hidden_size, _weight=weight)
+
+
 class DiffusionGemma(nn.Module):
     def __init__(self, config: ModelConfig, vision: bool = False):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Layer(config, spec) for spec in config.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
