@@ -81,9 +81,11 @@ def test_dgemma_checkpoint_loads_in_transformers(tiny):
 
 
 def test_runtime_never_imports_transformers(tiny):
+    # nor torch._dynamo: ~2 s of every process's start (a meta-device normal_ imported it)
     code = (
         "import sys, dgemma; m = dgemma.load(sys.argv[1]); m.generate(['x'], max_new_tokens=4, seed=0);"
-        "import dgemma.cli; assert 'transformers' not in sys.modules, 'transformers imported'"
+        "import dgemma.cli; assert 'transformers' not in sys.modules, 'transformers imported';"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'"
     )
     subprocess.run([sys.executable, "-c", code, str(tiny)], check=True)
     cfg = json.loads((tiny / "config.json").read_text())
