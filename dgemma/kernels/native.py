@@ -33,28 +33,26 @@ AVX512_FLAGS = {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16"}
 AMX_FLAGS = {"amx_tile", "amx_bf16"}
 
 
-def cpu_model() -> str:
-    """The CPU's name as /proc/cpuinfo gives it: every speed figure names the CPU it came from."""
+def _cpuinfo(field: str) -> str | None:
+    """The value of /proc/cpuinfo's first `field` line (Linux), else None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's name: every speed figure names the CPU it came from."""
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
 
 
 def _cpu_flags() -> set[str]:
     """The CPU's feature flags. `DGEMMA_CPU_ISA=avx2` hides AVX-512 and AMX, so that dgemma picks
     every kernel as on an AVX2-only CPU (to measure that path on a newer one: scripts/cpu_speed.py)."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = set((_cpuinfo("flags") or "").split())
     if os.environ.get("DGEMMA_CPU_ISA", "").lower() == "avx2":
         flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
     return flags
