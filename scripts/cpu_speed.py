@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dgemma.kernels.cpu import native_bf16  # noqa: E402
 from dgemma.kernels.native import _cpu_flags, cpu_model  # noqa: E402
 
 EMULATE_AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
@@ -72,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows takes {', '.join(ROWS)} and must include float32 (got {args.rows!r})")
 
     flags = _cpu_flags()
-    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
-    if native_bf16 and not args.emulate_avx2:
+    if native_bf16() and not args.emulate_avx2:
         print("note: this CPU has native bf16 (AVX-512 BF16 or AMX): these are its own figures, not an AVX2-only "
               "CPU's; --emulate-avx2 emulates one", file=sys.stderr)  # fmt: skip
     runs: dict[str, list[dict]] = {r: [] for r in rows}
