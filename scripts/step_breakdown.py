@@ -1,6 +1,6 @@
 """Where one engine step's time goes: decoder pass, logits + sampler statistics + self-conditioning, sampler decisions.
 
-    python scripts/step_breakdown.py [--size mid] [--dtype bfloat16] [--steps 8] [--modules] [--profile]
+    python scripts/step_breakdown.py [--size mid] [--dtype bfloat16] [--quantization int4] [--steps 8] [--modules] [--profile]
 
 Builds a random model of the named size (dgemma/model/presets.py, as `dgemma bench --size`),
 prefills a 512-token prompt, then times `--steps` engine steps (16 fixed denoising steps per
@@ -43,6 +43,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="mid", choices=list(PRESETS))
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, help="quantise at load (fp8, int8, int4, nvfp4), as bench's flag")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--modules", action="store_true")
@@ -50,7 +51,7 @@ def main() -> None:
     args = p.parse_args()
     keep_freed_memory()  # as the CLI does
     with tempfile.TemporaryDirectory() as tmp:
-        model = load(synthetic_checkpoint(args.size, Path(tmp)), dtype=args.dtype)
+        model = load(synthetic_checkpoint(args.size, Path(tmp)), dtype=args.dtype, quantization=args.quantization)
     net = model.engine_net
     cfg = model.generation_config.with_overrides(
         max_new_tokens=4 * model.config.canvas_length, eos_token_ids=(), max_denoising_steps=16,
@@ -75,7 +76,7 @@ def main() -> None:
         engine.step()
     wall = (time.perf_counter() - start) / args.steps * 1000
     ms = {k: v / args.steps * 1000 for k, v in totals.items()}
-    print(f"{args.size} {args.dtype}, threads {torch.get_num_threads()}: {wall:.1f} ms per engine step")
+    print(f"{args.size} {args.dtype}{' ' + args.quantization if args.quantization else ''}, threads {torch.get_num_threads()}: {wall:.1f} ms per engine step")
     print(f"  decoder pass                         {ms['decoder pass']:7.1f} ms")
     print(f"  logits, statistics, self-cond input  {ms['decoder step'] - ms['decoder pass']:7.1f} ms")
     print(f"  sampler decisions                    {ms['sampler decisions']:7.1f} ms")

@@ -147,6 +147,18 @@ def keep_freed_memory(mmap_threshold: int = 64 << 20, trim_threshold: int = 1 <<
         return False
 
 
+def release_freed_memory() -> bool:
+    """Give the pages of freed heap chunks back to the kernel (glibc `malloc_trim(0)`), keeping the
+    address space. Quantising a model at load leaves its temporaries' chunks free between the
+    quantised weights, where the heap cannot shrink: on the released size's int4 build, RSS fell
+    from 15.86 to 13.92 GiB when trimmed (13.60 GiB of weights). Called after each quantised layer,
+    so that free memory never piles up; a few ms. False where it does not apply (not glibc)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def _tree_copy(module: nn.Module) -> nn.Module:
     """A copy of the module tree that shares every parameter and buffer with the original."""
     clone = copy.copy(module)
@@ -256,8 +268,11 @@ def describe(net: nn.Module) -> str:
     quant = getattr(net, "quantization", None)
     parts = []
     if quant:
+        # (bf16 activations: each weight dequantised whole for its GEMM; float32 without the
+        # native GEMM: a tile at a time; quant/modules.cpu_quant_linear)
+        unit = "weight" if net.dtype == torch.bfloat16 else "tile"
         parts.append(f"{quant[0]} weights decoded inside the native AVX2 GEMM" if native_gemm
-                     else f"{quant[0]} weights dequantised per tile ({tiles})")  # fmt: skip
+                     else f"{quant[0]} weights dequantised per {unit} ({tiles})")  # fmt: skip
     if getattr(net, "compute_dtype", None) == torch.float32 and any(isinstance(m, widened.WidenedLinear) for m in net.modules()):
         how = "inside the native AVX2 GEMM" if native_gemm else "per tile (torch)"
         parts.append(f"bf16 weights widened to float32 {how} (this CPU has no native bf16)")
@@ -289,4 +304,4 @@ def packed_copy(net: DiffusionGemma) -> DiffusionGemma:
     return fast
 
 
-__all__ = ["describe", "keep_freed_memory", "native_bf16", "packed_copy", "packed_modules", "supported", "widened_copy", "PackedLinear", "PackedExperts", "grouped_matmul"]
+__all__ = ["describe", "keep_freed_memory", "native_bf16", "packed_copy", "packed_modules", "release_freed_memory", "supported", "widened_copy", "PackedLinear", "PackedExperts", "grouped_matmul"]
