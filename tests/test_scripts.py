@@ -72,6 +72,14 @@ def test_cpu_speed_compares_rows_within_each_round():
     assert bad.returncode == 2 and "--rows takes" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_step_breakdown_times_a_quantised_model_per_module():
+    argv = [sys.executable, "scripts/step_breakdown.py", "--size", "tiny", "--quantization", "int4", "--steps", "1",
+            "--prompt-len", "32", "--modules"]  # fmt: skip
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tiny bfloat16 int4" in run.stdout and "experts (QuantExperts)" in run.stdout
+
+
 def test_dgemma_bench_refuses_a_size_that_does_not_fit(monkeypatch, capsys):
     from dgemma import bench
     from dgemma.cli import main
