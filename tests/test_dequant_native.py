@@ -1,11 +1,13 @@
-"""Native dequantisation (kernels/csrc/dequant.cpp): every scheme into float32 and bfloat16 equals
-`formats.dequantize` exactly, on odd sizes, row tiles and experts of a stacked weight; misuse is a
-RuntimeError that says what is wrong; without the kernel the wrappers give the same values."""
+"""Native dequantisation (kernels/csrc/dequant.cpp, AVX2; into bf16 also dequant_avx512.cpp): every
+scheme into float32 and bfloat16 equals `formats.dequantize` exactly, on odd sizes, row tiles and
+experts of a stacked weight, on each kernel set this CPU runs; misuse is a RuntimeError that says
+what is wrong; without the kernel the wrappers give the same values."""
 
 import pytest
 import torch
 
 from dgemma.kernels import dequant
+from dgemma.kernels import native as avx512
 from dgemma.quant import formats
 from dgemma.quant.modules import quantize_stacked
 
@@ -14,6 +16,18 @@ needs_kernel = pytest.mark.skipif(
     reason="native dequantisation unavailable (CPU lacks AVX2/FMA/F16C, no C++ compiler, the build failed, or DGEMMA_NATIVE=0)",
 )
 OUT_DTYPES = [torch.float32, torch.bfloat16]
+AVX512_REASON = "the AVX-512 bf16 kernels need AVX-512 BF16 (native.py's extension), which this CPU lacks or did not build"
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def kernels(request, monkeypatch):
+    """Each kernel set a bf16 output can take: dequant.cpp's AVX2 kernels (also on an AVX-512 CPU,
+    where they are the float32 path), and dequant_avx512.cpp's where this CPU has them."""
+    if request.param == "avx2":
+        monkeypatch.setattr(dequant, "bf16_extension", dequant.extension)
+    elif avx512.extension() is None:
+        pytest.skip(AVX512_REASON)
+    return request.param
 
 
 def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -51,6 +65,8 @@ CASES = [
     *[("int4", 8, 72, s) for s in (torch.bfloat16, torch.float16, torch.float32)],
     *[("int4", 32, 96, s) for s in (torch.bfloat16, torch.float16, torch.float32)],
     *[("int4", 64, 192, s) for s in (torch.bfloat16, torch.float16, torch.float32)],
+    ("int4", 16, 48, torch.bfloat16),  # groups of 16 and of 40 (32 + 8): every step of a group's loop
+    ("int4", 40, 120, torch.bfloat16),
     ("nvfp4", None, 80, None),  # 5 groups of 16: an odd last group
     ("nvfp4", None, 256, None),
 ]
@@ -65,7 +81,7 @@ def case_id(case):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("n", [1, 37])
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
-def test_native_equals_reference(case, n, dtype):
+def test_native_equals_reference(case, n, dtype, kernels):
     scheme, group, k, scale_dtype = case
     q = formats.quantize(weight(n, k), scheme, group, scale_dtype or torch.float32)
     assert torch.equal(native(q, dtype), formats.dequantize(q, dtype))
@@ -75,7 +91,7 @@ def test_native_equals_reference(case, n, dtype):
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
-def test_per_channel_scales_in_the_model_dtype(scheme, scale_dtype, dtype):
+def test_per_channel_scales_in_the_model_dtype(scheme, scale_dtype, dtype, kernels):
     q = formats.quantize(weight(37, 75), scheme)
     q.parts["weight_scale"] = q.parts["weight_scale"].to(scale_dtype)
     assert torch.equal(native(q, dtype), formats.dequantize(q, dtype))
@@ -83,7 +99,7 @@ def test_per_channel_scales_in_the_model_dtype(scheme, scale_dtype, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
-def test_fp8_every_code(dtype):
+def test_fp8_every_code(dtype, kernels):
     """All 256 e4m3fn codes (subnormals, +-0, the two NaNs) at every position of a vector and the
     scalar tail, under scales that are negative, tiny (subnormal products) and huge."""
     codes = (torch.arange(6 * 263) % 256).to(torch.uint8).reshape(6, 263)
@@ -96,7 +112,7 @@ def test_fp8_every_code(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
-def test_every_code_of_the_packed_formats(dtype):
+def test_every_code_of_the_packed_formats(dtype, kernels):
     """int4 nibbles 0..15 and nvfp4 codes 0..15 (-0 included) in every position of their words."""
     g = torch.Generator().manual_seed(3)
     nibbles = torch.randint(0, 16, (9, 128), generator=g)
@@ -127,7 +143,7 @@ def test_every_code_of_the_packed_formats(dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
 @pytest.mark.parametrize("group", [8, 32])  # the arithmetic path and (into bf16) the table one
-def test_non_finite_and_negative_scales(dtype, group):
+def test_non_finite_and_negative_scales(dtype, group, kernels):
     """inf, NaN, negative, subnormal and huge scales give what the reference gives (zero signs and
     NaN places included), on every path the kernels take."""
     special = [float("inf"), float("nan"), -0.75, 1e-45, 3e38, -float("inf"), 0.0, -0.0]
@@ -140,7 +156,7 @@ def test_non_finite_and_negative_scales(dtype, group):
         q.parts["weight_scale"] = torch.tensor(special)[:, None]
         assert same_bits(native(q, dtype), formats.dequantize(q, dtype))
     q = formats.quantize(weight(8, 64), "nvfp4")
-    for global_scale in (0.0, float("inf"), -3.0):  # steps inf / NaN, 0, negative
+    for global_scale in (0.0, float("inf"), -3.0, 3e37):  # steps inf / NaN, 0, negative, subnormal products
         q.parts["weight_global_scale"] = torch.tensor([global_scale])
         assert same_bits(native(q, dtype), formats.dequantize(q, dtype))
 
@@ -148,7 +164,7 @@ def test_non_finite_and_negative_scales(dtype, group):
 @needs_kernel
 @pytest.mark.parametrize("scheme", formats.SCHEMES)
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
-def test_row_tiles_and_experts_of_a_stacked_weight(scheme, dtype):
+def test_row_tiles_and_experts_of_a_stacked_weight(scheme, dtype, kernels):
     experts = [weight(40, 128, seed=i) for i in range(3)]
     q = quantize_stacked(lambda i: experts[i], 3, scheme, 32, torch.bfloat16)
     for e in range(3):
@@ -162,7 +178,7 @@ def test_row_tiles_and_experts_of_a_stacked_weight(scheme, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
-def test_into_a_strided_output(dtype):
+def test_into_a_strided_output(dtype, kernels):
     q = formats.quantize(weight(24, 64), "int4", 32)
     big = torch.zeros(24, 96, dtype=dtype)
     dequant.dequantize_into(q, big[:, 16:80])
@@ -185,12 +201,33 @@ def test_widen_bf16_is_exact(k):
 
 
 @needs_kernel
-def test_large_tile_runs_in_parallel_chunks():
+def test_large_tile_runs_in_parallel_chunks(kernels):
     """Enough rows for the parallel split (chunks of >= 32K outputs), with a tail row."""
     q = formats.quantize(weight(301, 512), "nvfp4")
     assert torch.equal(native(q, torch.float32), formats.dequantize(q, torch.float32))
     q = formats.quantize(weight(301, 512), "int4", 64, torch.bfloat16)
     assert torch.equal(native(q, torch.bfloat16), formats.dequantize(q, torch.bfloat16))
+
+
+def test_bf16_outputs_take_the_avx512_kernels_where_the_cpu_has_them():
+    expected = avx512.extension() if avx512.extension() is not None else dequant.extension()
+    assert dequant.bf16_extension() is expected
+
+
+@pytest.mark.skipif(avx512.extension() is None, reason=AVX512_REASON)
+def test_avx512_kernels_refuse_what_the_avx2_ones_do_and_a_float32_out():
+    ext, out = avx512.extension(), torch.empty(4, 64, dtype=torch.bfloat16)
+    s = torch.ones(4, 1)
+    with pytest.raises(RuntimeError, match="out must be bfloat16"):
+        ext.dequant_int8(torch.zeros(4, 64, dtype=torch.int8), s, torch.empty(4, 64))
+    with pytest.raises(RuntimeError, match="weight must be int8"):
+        ext.dequant_int8(torch.zeros(4, 64), s, out)
+    with pytest.raises(RuntimeError, match="one per row"):
+        ext.dequant_fp8(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(3, 1), out)
+    with pytest.raises(RuntimeError, match="not a multiple of group_size"):
+        ext.dequant_int4(torch.zeros(4, 8, dtype=torch.int32), torch.ones(4, 2), 48, out)
+    with pytest.raises(RuntimeError, match=r"scale must be \[4, 4\]"):
+        ext.dequant_nvfp4(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8), 1.0, out)
 
 
 @needs_kernel

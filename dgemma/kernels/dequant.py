@@ -21,6 +21,7 @@ import torch
 
 from ..quant import formats
 from ..quant.formats import QTensor
+from . import native
 from .native import _cpu_flags, build, log
 
 NAME = "dgemma_dequant"
@@ -46,6 +47,13 @@ def extension() -> ModuleType | None:
         first_error = next((line for line in lines if "error" in line), lines[-1])
         log.warning("native dequantisation off: the build failed (%s)", first_error.strip())
         return None
+
+
+def bf16_extension() -> ModuleType | None:
+    """The kernels that dequantise into a bf16 `out` here: native.py's AVX-512 ones
+    (`csrc/dequant_avx512.cpp`: the same functions, 1.5-3x these AVX2 ones) where this CPU has
+    AVX-512 BF16 (the CPUs where bf16 activations run), else this module's."""
+    return native.extension() or extension()
 
 
 def _native_target(out: torch.Tensor) -> bool:
@@ -96,7 +104,7 @@ def dequantize_into(q: QTensor, out: torch.Tensor) -> torch.Tensor:
     A QTensor with leading dims ([E, N, K]) is done one 2D weight at a time."""
     if out.shape != q.shape:
         raise RuntimeError(f"dequantize_into: out has shape {tuple(out.shape)}, the weight {tuple(q.shape)}")
-    kernel = extension()
+    kernel = bf16_extension() if out.dtype == torch.bfloat16 else extension()
     if kernel is None or not _native_target(out) or out.dim() < 2 or not _native_parts(q):
         return out.copy_(formats.dequantize(q, out.dtype))
     if out.dim() > 2:
@@ -130,50 +138,73 @@ def widen_into(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QTensor) -> torch.Tensor | None:
-    """x [..., K] (float32) @ W.T -> [..., N] float32 with W [N, K] as stored: a bf16 tensor or a 2D
-    QTensor (any scheme), read in place by the native GEMM (`csrc/gemm_avx2.cpp`; float32
-    accumulation: `x @ formats.dequantize(W).T` up to float32 rounding, not bit for bit).
+def fused_bf16_extension() -> ModuleType | None:
+    """The kernels whose GEMMs dequantise inside for bf16 x: native.py's, on a CPU with AVX-512
+    BF16 but no AMX. With AMX, oneDNN's bf16 GEMM runs on AMX tiles, far above VDPBF16PS's
+    rate, so the weight is dequantised whole for it instead (not measured against each other:
+    no AMX CPU was at hand)."""
+    return native.extension() if native.amx() is None else None
 
-    None where the native GEMM does not apply (no extension, a tensor off the CPU, x not float32,
-    W not bf16 / a 2D QTensor, scales in a dtype the kernel does not read): the caller falls back."""
-    kernel = extension()
-    if kernel is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0:
+
+# bf16 x up to this many rows goes to the AVX-512 GEMM that dequantises inside; more rows to the
+# weight dequantised whole and oneDNN's GEMM (whose blocking wins there). int4 [M, 1024] @ [2048,
+# 1024]^T, AMD EPYC Zen 4: M = 32: 0.27 vs 0.36 ms; 64: 0.97 vs 1.16; 128: 1.90 vs 2.04-2.18; 256:
+# 3.64 vs 3.39-3.43. An MoE expert's rows (16-32 a step at the released and mid sizes) stay below.
+FUSED_BF16_ROWS = 128
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QTensor) -> torch.Tensor | None:
+    """x [..., K] @ W.T -> [..., N] with W [N, K] as stored, read in place by a native GEMM that
+    converts it inside (accumulation in float32: `x @ formats.dequantize(W).T` up to float32
+    rounding, not bit for bit):
+
+    - x float32, W a bf16 tensor or a 2D QTensor (any scheme): `csrc/gemm_avx2.cpp`, float32 out;
+    - x bf16 of at most FUSED_BF16_ROWS rows, W a 2D QTensor, on a CPU with AVX-512 BF16 and no
+      AMX (`fused_bf16_extension`): `csrc/dequant_avx512.cpp`'s GEMM, which dequantises four
+      weight rows at a time into L1 and multiplies them by VDPBF16PS; bf16 out.
+
+    None where no native GEMM applies (no extension, a tensor off the CPU, another dtype, W of
+    another kind, scales in a dtype the kernels do not read): the caller falls back."""
+    if x.device.type != "cpu" or x.dim() == 0:
+        return None
+    if x.dtype == torch.float32:
+        kernel = extension()
+    elif x.dtype == torch.bfloat16 and isinstance(weight, QTensor) and x.numel() <= FUSED_BF16_ROWS * x.shape[-1]:
+        kernel = fused_bf16_extension()
+    else:
+        return None
+    if kernel is None:
         return None
     k = x.shape[-1]
     if isinstance(weight, QTensor):
         if len(weight.shape) != 2 or weight.shape[-1] != k or not _native_parts(weight):
             return None
-        n = weight.shape[0]
-    elif isinstance(weight, torch.Tensor):
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[-1] != k:
-            return None
-        n = weight.shape[0]
-    else:
+    elif not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[-1] != k:  # fmt: skip
         return None
+    n = weight.shape[0]
     flat = x.reshape(-1, k).contiguous()
-    out = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    out = torch.empty(flat.shape[0], n, dtype=x.dtype)
     if isinstance(weight, torch.Tensor):
         kernel.gemm_bf16(flat, weight.contiguous(), out)
-    else:
-        p, scheme = weight.parts, weight.scheme
-        if scheme == "int8":
-            kernel.gemm_int8(flat, p["weight"].contiguous(), p["weight_scale"].contiguous(), out)
-        elif scheme == "int4":
-            scale = p["weight_scale"]
-            groups = scale.shape[-1]
-            group = k // groups if groups and k % groups == 0 else (weight.group_size or 0)
-            kernel.gemm_int4(flat, p["weight_packed"].contiguous(), scale.contiguous(), group, out)
-        elif scheme == "fp8":
-            kernel.gemm_fp8(flat, p["weight"].contiguous().view(torch.uint8), p["weight_scale"].contiguous(), out)
-        elif scheme == "nvfp4":
-            global_scale = p["weight_global_scale"]
-            if global_scale.numel() != 1:
-                return None
-            scale = p["weight_scale"].contiguous().view(torch.uint8)
-            kernel.gemm_nvfp4(flat, p["weight_packed"].contiguous(), scale, global_scale.item(), out)
-        else:
+        return out.view(*x.shape[:-1], n)
+    p, scheme = weight.parts, weight.scheme
+    if scheme == "int8":
+        kernel.gemm_int8(flat, p["weight"].contiguous(), p["weight_scale"].contiguous(), out)
+    elif scheme == "int4":
+        scale = p["weight_scale"]
+        groups = scale.shape[-1]
+        group = k // groups if groups and k % groups == 0 else (weight.group_size or 0)
+        kernel.gemm_int4(flat, p["weight_packed"].contiguous(), scale.contiguous(), group, out)
+    elif scheme == "fp8":
+        kernel.gemm_fp8(flat, p["weight"].contiguous().view(torch.uint8), p["weight_scale"].contiguous(), out)
+    elif scheme == "nvfp4":
+        global_scale = p["weight_global_scale"]
+        if global_scale.numel() != 1:
             return None
+        scale = p["weight_scale"].contiguous().view(torch.uint8)
+        kernel.gemm_nvfp4(flat, p["weight_packed"].contiguous(), scale, global_scale.item(), out)
+    else:
+        return None
     return out.view(*x.shape[:-1], n)
 
 

@@ -4,7 +4,9 @@
   activation, weighting and the top-k sum in one call), the dense gated MLP, plain linears;
 - `csrc/rms_norm.cpp`: RMSNorm in one pass per row;
 - `csrc/step_statistics.cpp`: softcap, argmax, entropy and the exp weights of a step's logits in
-  one pass per row.
+  one pass per row;
+- `csrc/dequant_avx512.cpp`: quantised weights dequantised into bf16 (`dequant.py` picks them
+  over its AVX2 kernels for a bf16 output).
 
 All are optional. Where the CPU lacks AVX-512 (BF16) or AMX, no C++ compiler is found, or the
 build fails, `extension()` / `amx()` return None and the engine keeps its torch / oneDNN path,
@@ -27,9 +29,12 @@ import torch
 from torch import nn
 
 log = logging.getLogger("dgemma")
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "amx_gemm.cpp", "rms_norm.cpp", "step_statistics.cpp")]
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
-AVX512_FLAGS = {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16"}
+SOURCES = [
+    Path(__file__).with_name("csrc") / name
+    for name in ("bindings.cpp", "amx_gemm.cpp", "rms_norm.cpp", "step_statistics.cpp", "dequant_avx512.cpp")
+]
+CFLAGS = ["-O3", "-fopenmp", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+AVX512_FLAGS = {"f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16"}
 AMX_FLAGS = {"amx_tile", "amx_bf16"}
 
 

@@ -59,10 +59,11 @@ WHOLE_WEIGHT_ELEMENTS = 1 << 23
 
 
 def cpu_quant_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
-    """x @ dequantize(q).T on the CPU: the native AVX2 GEMM (float32 activations; it decodes the
-    weight inside, `kernels/dequant.linear`) where it runs; bf16 activations: the weight
-    dequantised whole for one oneDNN GEMM; else a dequantised tile at a time."""
-    out = dequant.linear(x, q) if x.dtype == torch.float32 else None
+    """x @ dequantize(q).T on the CPU: a native GEMM that decodes the weight inside
+    (`kernels/dequant.linear`: AVX2 for float32 activations, AVX-512 BF16 for bf16 ones) where it
+    runs; else bf16 activations: the weight dequantised whole for one oneDNN GEMM; float32: a
+    dequantised tile at a time."""
+    out = dequant.linear(x, q)
     if out is not None:
         return out
     tile_elements = WHOLE_WEIGHT_ELEMENTS if x.dtype == torch.bfloat16 else None
