@@ -223,6 +223,15 @@ def test_builds_live_by_source_content_and_stale_locks_are_removed(monkeypatch, 
     assert native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS) == here
     assert native.build_directory("dgemma_native", [*native.SOURCES[:-1], other], native.CFLAGS) != here
     assert native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS[:-1]) != here
+    copy = tmp_path / "src"  # a header the sources include, changed: another build
+    copy.mkdir()
+    sources = [copy / src.name for src in native.SOURCES]
+    for src, dest in zip(native.SOURCES, sources):
+        dest.write_bytes(src.read_bytes())
+    (copy / "scales.h").write_text("// one version\n")
+    first = native.build_directory("dgemma_native", sources, native.CFLAGS)
+    (copy / "scales.h").write_text("// another version\n")
+    assert native.build_directory("dgemma_native", sources, native.CFLAGS) != first
     monkeypatch.setattr(cpp, "load", lambda *a, **k: k["build_directory"])
 
     def build() -> str:

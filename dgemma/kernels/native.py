@@ -67,17 +67,19 @@ STALE_LOCK_SECONDS = 600  # a build takes about a minute; a lock this old was le
 
 
 def build_directory(name: str, sources: list[Path], cflags: list[str]) -> Path:
-    """Where `name` is built: one directory per content of its sources and flags (and torch and
-    Python versions) below torch's extension root (`TORCH_EXTENSIONS_DIR`, as torch itself reads
-    it, else the user's cache), so that checkouts with other sources never rebuild over each
-    other's build, and the same sources anywhere reuse one build."""
+    """Where `name` is built: one directory per content of its sources, the headers beside them and
+    its flags (and torch and Python versions) below torch's extension root
+    (`TORCH_EXTENSIONS_DIR`, as torch itself reads it, else the user's cache), so that checkouts
+    with other sources never rebuild over each other's build, and the same sources anywhere
+    reuse one build."""
     import hashlib
     import sys
 
     from torch.utils.cpp_extension import get_default_build_root
 
     digest = hashlib.sha1(" ".join([*cflags, torch.__version__, sys.version]).encode())
-    for src in sources:
+    headers = sorted({h for src in sources for h in src.parent.glob("*.h")})  # what the sources include
+    for src in [*sources, *headers]:
         digest.update(src.read_bytes())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / f"{name}-{digest.hexdigest()[:12]}"
