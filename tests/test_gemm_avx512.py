@@ -161,3 +161,6 @@ def test_empty_sizes():
     q = quantized(torch.randn(5, 64), "int8")
     assert ext.gemm_int8(torch.empty(0, 64, dtype=torch.bfloat16), q.parts["weight"], q.parts["weight_scale"],
                          torch.empty(0, 5, dtype=torch.bfloat16)).shape == (0, 5)  # fmt: skip
+    out = torch.full((3, 5), float("nan"), dtype=torch.bfloat16)  # K = 0: an empty sum
+    empty = torch.zeros(5, 0, dtype=torch.int8)
+    assert torch.equal(ext.gemm_int8(torch.empty(3, 0, dtype=torch.bfloat16), empty, torch.ones(5, 1), out), torch.zeros(3, 5, dtype=torch.bfloat16))

@@ -51,7 +51,7 @@ def extension() -> ModuleType | None:
 
 def bf16_extension() -> ModuleType | None:
     """The kernels that dequantise into a bf16 `out` here: native.py's AVX-512 ones
-    (`csrc/dequant_avx512.cpp`: the same functions, 1.5-3x these AVX2 ones) where this CPU has
+    (`csrc/dequant_avx512.cpp`: the same functions, 1.3-2.8x these AVX2 ones) where this CPU has
     AVX-512 BF16 (the CPUs where bf16 activations run), else this module's."""
     return native.extension() or extension()
 
@@ -179,7 +179,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QTensor) -> torch.Tensor | No
     if isinstance(weight, QTensor):
         if len(weight.shape) != 2 or weight.shape[-1] != k or not _native_parts(weight):
             return None
-    elif not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[-1] != k:  # fmt: skip
+    elif not (
+        isinstance(weight, torch.Tensor)
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[-1] == k
+    ):
         return None
     n = weight.shape[0]
     flat = x.reshape(-1, k).contiguous()

@@ -315,6 +315,10 @@ template <typename Decode>
 void gemm_decoded(const at::Tensor& x, int64_t N, const at::Tensor& out, Decode decode) {
   const int64_t M = x.size(0), K = x.size(1), Kp = (K + 31) / 32 * 32;
   if (M == 0 || N == 0) return;
+  if (K == 0) {  // an empty sum
+    out.zero_();
+    return;
+  }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t chunk = std::max<int64_t>(MR, (int64_t{384} << 10) / (2 * std::max<int64_t>(K, 1)) / MR * MR);
