@@ -492,8 +492,11 @@ at::Tensor gemm_nvfp4_avx512(const at::Tensor& x, const at::Tensor& packed, cons
   const auto* sc = static_cast<const uint8_t*>(scale.data_ptr());
   const int64_t groups = K / 16;
   gemm_decoded(x, N, out, [&](int64_t n, uint16_t* dst) {
-    std::vector<float> step(groups);
-    nvfp4_row(w + n * (K / 2), sc + n * groups, global, step.data(), reinterpret_cast<at::BFloat16*>(dst), K);
+    // the row's steps on the stack (no allocation per row on this hot path) up to K = 16384
+    float local[1024];
+    std::vector<float> heap(groups > 1024 ? groups : 0);
+    nvfp4_row(w + n * (K / 2), sc + n * groups, global, groups > 1024 ? heap.data() : local,
+              reinterpret_cast<at::BFloat16*>(dst), K);
   });
   return out;
 }
