@@ -82,8 +82,12 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
             assert a.shape == b.shape
             if a.dtype == torch.long:  # vs SDPA: a near-tie of this random model may flip a token
                 assert torch.equal(a, b) and (a == d).float().mean() > 0.95
-            else:
-                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6) and torch.allclose(a, d, rtol=1e-3, atol=1e-4)  # kernel vs SDPA
+            else:  # vs SDPA: float32 rounding of another attention order, amplified by 1 / T up to 5; the
+                # self-conditioning input sums embeddings of scale ~15, so its near-zero entries carry
+                # the absolute error of the large ones: atol scales with the tensor (on an AVX2-only
+                # EPYC its worst entry was 2.8e-4 off, 1.8e-5 of its scale)
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                assert torch.allclose(a, d, rtol=1e-3, atol=1e-4 * max(1.0, d.abs().max().item()))
     assert list(graphs.captured) == [4]  # one capture served both groups
     assert graphs.run(runner, [SimpleNamespace(kv=rows[0])] * 5, *(None,) * 3) is None  # larger than the bucket: eager
     for kv in rows:
