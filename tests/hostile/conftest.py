@@ -1,0 +1,18 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serve_process import ServeProcess  # noqa: E402
+
+MODEL = "dgemma-tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """The shipped dgemma-tiny served by a subprocess (defaults otherwise), shared by the hostile tests
+    that do not need flags of their own. Tests that might crash it run against it on purpose."""
+    with ServeProcess(["--served-model-name", MODEL, "--max-active", "4"]) as server:
+        yield server
