@@ -7,6 +7,7 @@ same conventions as `transformers` (trim_blocks, lstrip_blocks, `raise_exception
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -123,16 +124,27 @@ class Tokenizer:
         """tokenizer.json's content (what llguidance reads)."""
         return self._tok.to_str()
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token: no token covers more characters of text
+        (the server's cap on prompt characters before tokenizing)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def _encoding(self, text: str, add_special_tokens: bool):
+        """tokenizers' Encoding of `text`. Through encode_batch, which releases the GIL while it
+        works (encode holds it: seconds for a long text, with every other thread stopped)."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, a leading <bos> if the tokenizer does not add one."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encoding(text, add_special_tokens).ids
         if add_special_tokens and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of `text` (no special tokens) and each token's [start, end) character span."""
-        enc = self._tok.encode(text, add_special_tokens=False)
+        enc = self._encoding(text, add_special_tokens=False)
         return list(enc.ids), [tuple(o) for o in enc.offsets]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -184,4 +196,4 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         if not tokenize:
             return text
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encoding(text, add_special_tokens=False).ids

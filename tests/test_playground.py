@@ -18,6 +18,7 @@ import pytest
 
 import browser as browser_tools
 import dgemma
+from dgemma.serve.access import Access
 from dgemma.serve.playground import STATIC
 from dgemma.serve.server import ServerThread, create_app
 
@@ -203,3 +204,25 @@ def test_an_image_goes_up_to_a_vision_model(browser, tmp_path):
         assert not answer.find_element(By.CLASS_NAME, "error").text
         assert re.search(r"\b\d+ image tokens", answer.find_element(By.CLASS_NAME, "figures").text)
         assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img")  # sent, not pending
+
+
+def test_the_page_asks_for_the_api_key_and_keeps_it_in_memory(browser, tiny):
+    from selenium.webdriver.common.by import By
+
+    with ServerThread(create_app(tiny, "dgemma-tiny", max_active=2, access=Access(api_key="s3cret"))) as s:
+        browser.get(s.url + "/")
+        wait_for(browser, lambda: browser.find_element(By.ID, "key-form").is_displayed(), "the key form")
+        assert "needs an API key" in browser.find_element(By.ID, "status").text
+        browser.find_element(By.ID, "api-key").send_keys("wrong")
+        browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait_for(browser, lambda: "wrong API key" in browser.find_element(By.ID, "status").text, "the refusal")
+        browser.find_element(By.ID, "api-key").send_keys("s3cret")
+        browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait_for(browser, lambda: "dgemma-tiny" in browser.find_element(By.ID, "model").text, "the model name")
+        fill(browser, {"max_tokens": 8, "max_denoising_steps": 2, "seed": 1})
+        send(browser, "hi")
+        answer = wait_for(browser, lambda: finished(browser, 1), "the answer")
+        assert not answer.find_element(By.CLASS_NAME, "error").text
+        # the key lives in the page's memory only: no storage, no cookie, not in the URL
+        stored = browser.execute_script("return [localStorage.length, sessionStorage.length, document.cookie, location.href]")
+        assert stored[:3] == [0, 0, ""] and "s3cret" not in stored[3]

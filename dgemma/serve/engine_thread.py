@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from ..config import GenerationConfig
@@ -50,7 +50,9 @@ class Job:
     top_logprobs: int | None = None  # log probabilities of the committed tokens, with this many alternatives
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: int | None = None  # the engine's id, once added
+    deadline: float | None = None  # time.monotonic() past which the request ends ("timeout")
     cancelled: bool = False
+    timed_out: bool = False
     finished: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -99,18 +101,20 @@ class EngineThread:
 
     def submit(
         self, prompt: list[int], config: GenerationConfig, seed: int, drafts: bool = False, images: list[ImagePatches] = (),
-        constraints: Any = None, top_logprobs: int | None = None,
+        constraints: Any = None, top_logprobs: int | None = None, deadline: float | None = None,
     ) -> Job:
         """Queue a request (with the patches of the images its prompt holds placeholders for;
-        with `top_logprobs`, its blocks carry log probabilities); raises QueueFull when every
-        slot and every queue place is taken."""
+        with `top_logprobs`, its blocks carry log probabilities; past `deadline`, a
+        time.monotonic() value, it ends with reason "timeout", queued or running); raises
+        QueueFull when every slot and every queue place is taken."""
         with self._lock:
             if self._in_flight >= self.max_active + self.max_queue:
                 raise QueueFull(
                     f"server busy: {self.max_active} canvases active and {self.max_queue} requests queued; retry later"
                 )
             self._in_flight += 1
-        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop(), list(images), constraints, top_logprobs)
+        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop(), list(images), constraints, top_logprobs,
+                  deadline=deadline)  # fmt: skip
         self._inbox.put(("add", job))
         self._wake.set()
         return job
@@ -128,6 +132,7 @@ class EngineThread:
         while not self._stop.is_set():
             self._wake.clear()
             self._drain_inbox()
+            self._end_late_jobs()
             if not self.engine.has_work:
                 self._publish_gauges()
                 self._wake.wait(timeout=1.0)
@@ -161,8 +166,8 @@ class EngineThread:
     def _drain_inbox(self) -> None:
         for op, job in self._take_inbox():
             if op == "add":
-                if job.cancelled:
-                    self._done(job, Finished(-1, "cancelled", [], 0, 0.0))
+                if job.cancelled or _late(job, time.monotonic()):
+                    self._done(job, Finished(-1, "timeout" if job.timed_out else "cancelled", [], 0, 0.0))
                     continue
                 try:
                     request = Request(
@@ -193,9 +198,18 @@ class EngineThread:
             if job is None:
                 continue
             if isinstance(ev, Finished):
-                self._done(job, ev)
+                self._done(job, replace(ev, reason="timeout") if job.timed_out else ev)
             elif not job.cancelled:
                 job.deliver(ev)
+
+    def _end_late_jobs(self) -> None:
+        """Cancel the running requests whose deadline has passed (they finish as "timeout" at
+        the next step boundary, with what they committed so far)."""
+        now = time.monotonic()
+        for job in self._jobs.values():
+            if not job.cancelled and _late(job, now):
+                job.cancelled = True
+                self.engine.cancel(job.request_id)
 
     def _done(self, job: Job, final) -> None:
         job.finished = True
@@ -234,6 +248,13 @@ class EngineThread:
         self.metrics.vision_encodes.inc(now[0] - self._vision_seen[0])
         self.metrics.vision_cache_hits.inc(now[1] - self._vision_seen[1])
         self._vision_seen = now
+
+
+def _late(job: Job, now: float) -> bool:
+    """Whether `job` has passed its deadline (and marks it timed out)."""
+    if job.deadline is not None and now > job.deadline:
+        job.timed_out = True
+    return job.timed_out
 
 
 # ------------------------------------------------------------------------------------ one request

@@ -33,10 +33,13 @@ class Insertion:
     span_length: int
     decoder_passes: int
     scores: dict[int, float]
+    timed_out: bool = False  # some candidate passed the request's deadline: the best of the others (or nothing)
 
 
-def span_lengths(span_length: Any, max_tokens: int | None, canvas_length: int) -> list[int]:
-    """The candidate span lengths of an insert request, checked."""
+def span_lengths(span_length: Any, max_tokens: int | None, canvas_length: int, max_candidates: int) -> list[int]:
+    """The candidate span lengths of an insert request, checked: `span_length`, or
+    infill.DEFAULT_LENGTHS within max_tokens, thinned evenly to at most `max_candidates` (each is
+    an engine request of its own, so they count against the server's --max-active)."""
     if span_length is not None:
         if isinstance(span_length, bool) or not isinstance(span_length, int) or not 1 <= span_length < canvas_length:
             raise InsertError("span_length", f"span_length must be an integer from 1 to {canvas_length - 1} (the canvas "
@@ -45,7 +48,13 @@ def span_lengths(span_length: Any, max_tokens: int | None, canvas_length: int) -
             raise InsertError("span_length", f"span_length={span_length} is more than max_tokens={max_tokens}")
         return [span_length]
     limit = canvas_length - 1 if max_tokens is None else min(canvas_length - 1, max_tokens)
-    return [n for n in DEFAULT_LENGTHS if n <= limit] or [limit]
+    lengths = [n for n in DEFAULT_LENGTHS if n <= limit] or [limit]
+    if len(lengths) <= max_candidates:
+        return lengths
+    if max_candidates == 1:
+        return [lengths[len(lengths) // 2]]
+    step = (len(lengths) - 1) / (max_candidates - 1)  # the shortest, the longest, and evenly between
+    return sorted({lengths[round(k * step)] for k in range(max_candidates)})
 
 
 def fixed_canvas(canvas: Any, canvas_length: int, vocab_size: int) -> FirstCanvas:
@@ -66,28 +75,36 @@ def fixed_canvas(canvas: Any, canvas_length: int, vocab_size: int) -> FirstCanva
 
 
 async def insert(engine_thread, prompt: list[int], suffix: list[int], lengths: list[int], config, seed: int,
-                 canvas_length: int, vocab_size: int, end_tokens: tuple[int, int]) -> Insertion:  # fmt: skip
+                 canvas_length: int, vocab_size: int, end_tokens: tuple[int, int], deadline: float | None = None) -> Insertion:  # fmt: skip
     """Denoise one infill canvas per candidate length (side by side in the engine) and keep the
-    most likely; `config` is the request's GenerationConfig for one canvas without EOS."""
+    most likely; `config` is the request's GenerationConfig for one canvas without EOS. The
+    candidates that pass `deadline` drop out (Insertion.timed_out); cancelling this coroutine
+    (the client went away) cancels them all."""
     jobs = []
     try:
         for n in lengths:
             plan = infill_plan(prompt, suffix, n, canvas_length, *end_tokens)
             constraints = FirstCanvas(plan.constraints(vocab_size))
-            jobs.append(engine_thread.submit(plan.prompt, config, seed, constraints=constraints, top_logprobs=0))
-        blocks = await asyncio.gather(*(_block_of(job) for job in jobs))
+            jobs.append(engine_thread.submit(plan.prompt, config, seed, constraints=constraints, top_logprobs=0,
+                                             deadline=deadline))  # fmt: skip
+        results = await asyncio.gather(*(_block_of(job) for job in jobs))
     except BaseException:
         for job in jobs:
             engine_thread.cancel(job)
         raise
-    best, scores = most_likely_span(lengths, [b for b, _ in blocks])
-    block, _ = blocks[lengths.index(best)]
-    passes = sum(p for _, p in blocks)
-    return Insertion(block.tokens[:best], best, passes, scores)
+    passes = sum(p for _, p in results)
+    done = [(n, block) for n, (block, _) in zip(lengths, results) if block is not None]
+    timed_out = len(done) < len(lengths)
+    if not done:
+        return Insertion([], 0, passes, {}, timed_out=True)
+    best, scores = most_likely_span([n for n, _ in done], [b for _, b in done])
+    block = dict(done)[best]
+    return Insertion(block.tokens[:best], best, passes, scores, timed_out)
 
 
-async def _block_of(job) -> tuple[Block, int]:
-    """The job's one committed block and its decoder passes (its events, to the end)."""
+async def _block_of(job) -> tuple[Block | None, int]:
+    """The job's one committed block (None when it passed its deadline first) and its decoder
+    passes (its events, to the end)."""
     block = None
     while True:
         ev = await job.events.get()
@@ -96,6 +113,8 @@ async def _block_of(job) -> tuple[Block, int]:
         if isinstance(ev, Block):
             block = ev
         elif isinstance(ev, Finished):
+            if block is None and ev.reason == "timeout":
+                return None, ev.decoder_passes
             if block is None:
                 raise RuntimeError(f"the infill request ended ({ev.reason}) without a block")
             return block, ev.decoder_passes

@@ -15,23 +15,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import ipaddress
 import json
+import os
 import logging
 import random
-import socket
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from .. import __version__
 from ..config import ConfigError
 from ..engine.constraints import FirstCanvas
 from ..engine.engine import Engine, EngineOptions
@@ -40,6 +46,8 @@ from ..engine.grammar import Grammar, GrammarError
 from ..media.inputs import MediaError, ModelInputs
 from .playground import add_playground
 from . import media
+from .access import Access, AccessGuard
+from .listener import Limits, ServerThread, bind, uvicorn_config  # noqa: F401 - ServerThread: tests, scripts
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull, Update
 from .logprobs import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
 from .media import MediaPolicy, MediaRef, PartError
@@ -59,6 +67,25 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
 SEED_LIMIT = 2**63 - 1
 MAX_CHOICES = 16  # n per request (and at most --max-active)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What one request may cost (`dgemma serve` flags), so that no small request holds every
+    slot for long: denoising steps per canvas, and seconds from its arrival to its end."""
+
+    max_denoising_steps: int = 256
+    request_timeout: float | None = 600.0  # None: no deadline
+
+    def __post_init__(self) -> None:
+        if self.max_denoising_steps < 1:
+            raise ValueError(f"--max-denoising-steps must be at least 1 (got {self.max_denoising_steps})")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be positive, or 0 for none (got {self.request_timeout})")
+
+    def deadline(self) -> float | None:
+        """The time.monotonic() value a request arriving now must end by."""
+        return None if self.request_timeout is None else time.monotonic() + self.request_timeout
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -391,6 +418,25 @@ def media_error(e: MediaError) -> ApiError:
 
 # ------------------------------------------------------------------------------------ the service
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MEDIA_WORKERS = 4  # requests whose media is fetched and decoded at once
+
+
+def _has_media(messages: list[ChatMessage]) -> bool:
+    """Whether any message holds a content part that is not text (media, or a part to refuse)."""
+    return any(isinstance(m.content, list) and any(not isinstance(p, dict) or p.get("type") not in media.TEXT_PARTS
+                                                   for p in m.content) for m in messages)  # fmt: skip
+
+
+def _text_chars(message: ChatMessage) -> int:
+    """Characters of text a message adds to the prompt: its text content and tool calls."""
+    content = message.content
+    if isinstance(content, str):
+        chars = len(content)
+    elif isinstance(content, list):
+        chars = sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    else:
+        chars = 0
+    return chars + (len(json.dumps(message.tool_calls)) if message.tool_calls is not None else 0)
 
 
 def _processor_content(content: list, loaded) -> str | list[dict]:
@@ -421,12 +467,19 @@ class Service:
         max_context: int,
         options: EngineOptions | None = None,
         media_policy: MediaPolicy | None = None,
+        budgets: Budgets | None = None,
     ):
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
         self.model, self.tokenizer, self.name = model, model.tokenizer, served_model_name
         self.tool_decode = keeping_decoder(self.tokenizer)
         self.media = media_policy or MediaPolicy()
+        self.budgets = budgets or Budgets()
+        # fetching and decoding media: a small pool of their own, so that slow remote images do not
+        # starve the default pool every other request's tokenizing uses
+        self.media_pool = ThreadPoolExecutor(MEDIA_WORKERS, thread_name_prefix="dgemma-media")
+        # no prompt that fits the context holds more characters than this: checked before rendering
+        self.max_prompt_chars = max_context * model.tokenizer.max_token_chars
         self.canvas = model.config.canvas_length
         self.context = max_context
         self.created = int(time.time())
@@ -475,6 +528,27 @@ class Service:
             raise ApiError(400, f"{fmt.param}: {e}", fmt.param, "unsupported_parameter") from None
 
     # ---------------------------------------------------------------- parsing
+    async def off_loop(self, with_media: bool, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` on a worker thread (tokenizing, rendering, media), so the event loop keeps
+        answering: on the media pool when the request holds media, else on the default pool."""
+        if not with_media:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.media_pool, functools.partial(fn, *args))
+
+    def check_prompt_size(self, params: _Params, spec: ToolSpec | None) -> None:
+        """Refuse text that cannot fit the context before any of it is rendered or tokenized: no
+        token covers more than the vocabulary's longest token of characters."""
+        if isinstance(params, ChatParams):
+            chars, param = sum(_text_chars(m) for m in params.messages), "messages"
+            chars += len(json.dumps(spec.tools)) if spec is not None and spec.tools else 0
+        else:
+            prompt = params.prompt[0] if isinstance(params.prompt, list) and len(params.prompt) == 1 else params.prompt
+            chars, param = (len(prompt) if isinstance(prompt, str) else 0) + len(params.suffix or ""), "prompt"
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"{param} holds {chars} characters of text; a prompt that fits this server's context of "
+                                f"{self.context} tokens holds at most {self.max_prompt_chars} ({self.context} x the longest "
+                                f"token, {self.tokenizer.max_token_chars} characters)", param, "context_length_exceeded")  # fmt: skip
+
     def check_model(self, name: str) -> None:
         if name != self.name:
             raise ApiError(404, f"model {_short(name)} does not exist; this server serves '{self.name}'", "model", "model_not_found")
@@ -616,10 +690,16 @@ class Service:
         why = self.engine_thread.engine.scheduler.refusal(prompt_len, max_tokens, partial)
         if why is not None:
             raise ApiError(400, why, "max_tokens", "context_length_exceeded")
+        steps, limit = params.max_denoising_steps, self.budgets.max_denoising_steps
+        if steps is not None and steps > limit:
+            raise ApiError(400, f"max_denoising_steps={steps} is above this server's limit of {limit} steps per canvas "
+                                "(--max-denoising-steps)", "max_denoising_steps", "invalid_value")  # fmt: skip
+        if steps is None and defaults.max_denoising_steps > limit:
+            steps = limit
         try:
             return defaults.with_overrides(
                 max_new_tokens=max_tokens,
-                max_denoising_steps=params.max_denoising_steps,
+                max_denoising_steps=steps,
                 entropy_bound=params.entropy_bound,
                 t_min=params.t_min,
                 t_max=params.t_max,
@@ -633,14 +713,15 @@ class Service:
     # ---------------------------------------------------------------- running
     def start(
         self, params: _Params, prompt: ModelInputs, max_tokens: int | None, tools: bool = False, grammar: Grammar | None = None,
-        thinking: bool = False, first_canvas: FirstCanvas | None = None,
+        thinking: bool = False, first_canvas: FirstCanvas | None = None, deadline: float | None = None,
     ) -> list[Generation]:
         """Submit the request's `n` choices, each an engine request of its own (seed: the
         request's seed + its index; without one, random each) with its own grammar state; with
         `tools`, their text keeps the tool-call tokens (for the parser); with `grammar`, their
         output is enforced to match it; with `thinking`, the text keeps the channel markers
         (for the reasoning parser). The engine encodes the shared prompt once (its scheduler
-        holds the later choices until the first has put the prompt's blocks in the prefix cache)."""
+        holds the later choices until the first has put the prompt's blocks in the prefix cache).
+        Past `deadline` (Budgets.deadline) the choices end with finish_reason "timeout"."""
         stops = parse_stop(params.stop)
         config = self.generation_config(params, prompt, max_tokens, partial=grammar is not None)
         count = params.n or 1
@@ -659,7 +740,7 @@ class Service:
             constraints = first_canvas if grammar is None else self.model.grammars.canvas(grammar, self.canvas)
             try:
                 job = self.engine_thread.submit(prompt.input_ids, config, seed, drafts=params.stream_drafts,
-                                                images=prompt.images, constraints=constraints, **extra)  # fmt: skip
+                                                images=prompt.images, constraints=constraints, deadline=deadline, **extra)  # fmt: skip
             except QueueFull as e:
                 for gen in gens:  # all the choices or none
                     gen.cancel()
@@ -680,8 +761,12 @@ class Service:
         except (InsertError, ValueError) as e:
             raise ApiError(400, str(e), getattr(e, "param", "canvas"), "invalid_value") from None
 
-    async def insertion(self, request: Request, params: "CompletionParams", prompt: ModelInputs) -> Response:
-        """Insert mode: the text between the prompt and `suffix` (insert.py), whole or as one chunk."""
+    async def insertion(self, request: Request, params: "CompletionParams", prompt: ModelInputs,
+                        deadline: float | None = None) -> Response:  # fmt: skip
+        """Insert mode: the text between the prompt and `suffix` (insert.py), whole or as one
+        chunk. Its candidate spans are engine requests of their own: at most --max-active of
+        them, all cancelled when the client goes away; past `deadline` the best candidate that
+        finished wins, with finish_reason "timeout"."""
         for name, bad in (("n", (params.n or 1) > 1), ("logprobs", params.logprobs is not None),
                           ("stream_drafts", params.stream_drafts), ("canvas", params.canvas is not None),
                           ("stop", params.stop is not None), ("ignore_eos", params.ignore_eos)):  # fmt: skip
@@ -690,7 +775,7 @@ class Service:
         if params.suffix is None:
             raise ApiError(400, "span_length needs suffix (insert mode)", "span_length", "invalid_value")
         try:
-            lengths = span_lengths(params.span_length, params.max_tokens, self.canvas)
+            lengths = span_lengths(params.span_length, params.max_tokens, self.canvas, self.engine_thread.max_active)
             end_tokens = self.model.end_tokens()
         except (InsertError, ValueError) as e:
             raise ApiError(400, str(e), getattr(e, "param", "suffix"), "invalid_value") from None
@@ -700,15 +785,26 @@ class Service:
         if not self.engine_thread.alive:
             raise ApiError(503, "the engine is not running", code="engine_stopped")
         started = time.perf_counter()
+        work = asyncio.ensure_future(insert(self.engine_thread, prompt.input_ids, suffix, lengths, config, seed,
+                                            self.canvas, self.model.config.vocab_size, end_tokens, deadline))  # fmt: skip
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request, work.cancel))
         try:
-            found = await insert(self.engine_thread, prompt.input_ids, suffix, lengths, config, seed, self.canvas,
-                                 self.model.config.vocab_size, end_tokens)  # fmt: skip
+            found = await work
+        except asyncio.CancelledError:
+            if not watcher.done():
+                raise  # this handler itself was cancelled (shutdown)
+            with self.metrics.lock:
+                self.metrics.requests.inc(finish_reason="cancelled")
+            return Response(status_code=204)  # nobody reads it: the client has gone
         except QueueFull as e:
             raise ApiError(429, str(e), None, "queue_full") from None
         except EngineFailure as e:
             raise ApiError(500, f"generation failed: {e}", code="engine_error") from None
+        finally:
+            watcher.cancel()
+        reason = "timeout" if found.timed_out else "stop"
         with self.metrics.lock:
-            self.metrics.requests.inc(finish_reason="stop")
+            self.metrics.requests.inc(finish_reason=reason)
             self.metrics.request_seconds.observe(time.perf_counter() - started)
         text = self.tokenizer.decode(found.tokens)
         prompt_len = len(prompt.input_ids)
@@ -717,12 +813,12 @@ class Service:
                  "span_length": found.span_length}  # fmt: skip
         envelope = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": self.name}
         if not params.stream:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             return json_response({**envelope, "choices": [choice], "usage": usage})
 
         def chunks():
             yield _sse({**envelope, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]})
-            yield _sse({**envelope, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]})
+            yield _sse({**envelope, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}]})
             if params.stream_options and params.stream_options.include_usage:
                 yield _sse({**envelope, "choices": [], "usage": usage})
             yield b"data: [DONE]\n\n"
@@ -777,25 +873,53 @@ class Service:
                 self.metrics.first_block_seconds.observe(gen.first_block_at - gen.job.submitted)
 
 
-async def _watch_disconnect(request: Request, gens: list[Generation]) -> None:
-    """Cancel the request's choices when its client goes away (their slots are freed at the next step)."""
+async def _watch_disconnect(request: Request, on_disconnect: Callable[[], Any]) -> None:
+    """Call `on_disconnect` (cancel the request's work: its slots are freed at the next step)
+    when its client goes away, and say so in one log line."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            for gen in gens:
-                gen.cancel()
+            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+            log.info("%s went away before its answer to %s was complete; cancelled its request", client, request.url.path)
+            on_disconnect()
             return
 
 
-async def read_json(request: Request) -> dict:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+def _cancel_all(gens: list[Generation]) -> Callable[[], None]:
+    def cancel() -> None:
+        for gen in gens:
+            gen.cancel()
+
+    return cancel
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read: nothing to answer (logged once)."""
+
+
+async def _read_body(request: Request) -> bytearray:
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+    return body
+
+
+async def read_json(request: Request, timeout: float) -> dict:
+    """The request's JSON object body, read within `timeout` seconds (--read-timeout) and
+    MAX_BODY_BYTES."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    try:
+        body = await asyncio.wait_for(_read_body(request), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout:g} s (--read-timeout)") from None
+    except ClientDisconnect:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s went away while sending its request body to %s", client, request.url.path)
+        raise ClientGone() from None
     if not body:
         raise ApiError(400, "request body is empty; send a JSON object")
 
@@ -951,7 +1075,7 @@ class _Responder:
 
     async def whole(self, request: Request) -> Response:
         loop = asyncio.get_running_loop()
-        watcher = loop.create_task(_watch_disconnect(request, self.gens))
+        watcher = loop.create_task(_watch_disconnect(request, _cancel_all(self.gens)))
         tasks = [loop.create_task(self._collect(c)) for c in self.choices]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -1005,7 +1129,7 @@ class _Responder:
 
     async def stream(self, request: Request) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
-        watcher = loop.create_task(_watch_disconnect(request, self.gens))
+        watcher = loop.create_task(_watch_disconnect(request, _cancel_all(self.gens)))
         queue: asyncio.Queue = asyncio.Queue(maxsize=1)
         pumps = [loop.create_task(self._pump(c, queue)) for c in self.choices]
         finished = False
@@ -1074,13 +1198,20 @@ def create_app(
     options: EngineOptions | None = None,
     media_policy: MediaPolicy | None = None,
     ui: bool = True,
+    access: Access | None = None,
+    budgets: Budgets | None = None,
+    limits: Limits | None = None,
+    docs: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up.
 
     `max_context` caps prompt plus output per request (default: the model's
     max_position_embeddings; the KV cache's size decides what fits at once). `media_policy`:
     where images and video may come from and how large (default: data URLs only). `ui`: the
-    playground page at `GET /` (playground/)."""
+    playground page at `GET /` (playground/). `access`: API key, Host and Origin rules
+    (access.py; default: no key, local names, no cross-site pages). `budgets`: denoising steps
+    and seconds per request. `limits`: the listener's read timeout and connection cap (read by
+    ServerThread and `dgemma serve` from `app.state.limits`). `docs`: `/openapi.json` and `/docs`."""
     if max_active < 1 or max_queue < 0:
         raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
     context = model.config.max_position_embeddings if max_context is None else max_context
@@ -1090,7 +1221,9 @@ def create_app(
             f"max_context must be between {canvas + 1} (one block of {canvas} plus a prompt token) and "
             f"{model.config.max_position_embeddings} (the model's max_position_embeddings); got {context}"
         )
-    service = Service(model, served_model_name, max_active, max_queue, context, options, media_policy)
+    service = Service(model, served_model_name, max_active, max_queue, context, options, media_policy, budgets)
+    access = access or Access()
+    limits = limits or Limits()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1098,9 +1231,18 @@ def create_app(
         yield
         service.engine_thread.stop()
 
-    app = FastAPI(title="dgemma", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.service = service
+    app = FastAPI(title="dgemma", version=__version__, description=API_DESCRIPTION, lifespan=lifespan,
+                  docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None, redoc_url=None)  # fmt: skip
+    app.state.service, app.state.limits = service, limits
+    if access.cors:  # inside the guard: only allowed origins reach it
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
+    app.add_middleware(AccessGuard, access=access)
     app.add_middleware(_CountResponses, metrics=service.metrics)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, err: ClientGone) -> Response:
+        return Response(status_code=400)  # nobody reads it
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> Response:
@@ -1147,7 +1289,8 @@ def create_app(
         add_playground(app)
 
     async def run(request: Request, chat: bool) -> Response:
-        body = await read_json(request)
+        deadline = service.budgets.deadline()
+        body = await read_json(request, limits.read_timeout)
         try:
             params = (ChatParams if chat else CompletionParams).model_validate(body)
         except ValidationError as e:
@@ -1158,87 +1301,67 @@ def create_app(
         # tokenizing a long prompt, fetching and decoding media take a while: off the event loop,
         # so streams keep flowing
         spec = request_tools(params) if chat else None
+        service.check_prompt_size(params, spec)
         if chat:
-            prompt = await asyncio.to_thread(service.chat_prompt, params.messages, soft_token_budgets(params), spec,
-                                             request_template_kwargs(params))  # fmt: skip
+            prompt = await service.off_loop(_has_media(params.messages), service.chat_prompt, params.messages,
+                                            soft_token_budgets(params), spec, request_template_kwargs(params))  # fmt: skip
             max_tokens = params.max_completion_tokens or params.max_tokens
         else:
-            prompt = ModelInputs(await asyncio.to_thread(service.completion_prompt, params.prompt))
+            prompt = ModelInputs(await service.off_loop(False, service.completion_prompt, params.prompt))
             max_tokens = params.max_tokens
         fmt = output_format(params, spec) or (service.forced_call_format(spec) if spec is not None else None)
         if not chat and (params.suffix is not None or params.span_length is not None):
             if fmt is not None:
                 raise ApiError(400, f"{fmt.param}: not supported with suffix (insert mode)", fmt.param, "unsupported_parameter")
-            return await service.insertion(request, params, prompt)
+            return await service.insertion(request, params, prompt, deadline)
         grammar = None if fmt is None else await asyncio.to_thread(service.grammar, fmt)
         first_canvas = None if chat else service.first_canvas(params, grammar)
         thinking = chat and service.thinks(prompt)
         if request_top_logprobs(params) is not None or params.stream_drafts:
             await asyncio.to_thread(service.token_texts)  # built once (reads tokenizer.json): off the loop
         gens = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
-                             thinking=thinking, first_canvas=first_canvas)  # fmt: skip
+                             thinking=thinking, first_canvas=first_canvas, deadline=deadline)  # fmt: skip
         responder = _Responder(service, chat, prompt, gens, params, spec, thinking)
         if params.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(responder.stream(request), media_type="text/event-stream", headers=headers)
         return await responder.whole(request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
         return await run(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return await run(request, chat=True)
 
+    app.openapi = lambda: _openapi(app)
     return app
 
 
+API_DESCRIPTION = ("OpenAI-compatible completions and chat completions served by dgemma's block-diffusion engine; "
+                   "fields and extensions: docs/server.md. With --api-key, send 'Authorization: Bearer KEY'.")  # fmt: skip
+def _body_schema(name: str) -> dict:
+    """The route's declared JSON body (the routes read raw JSON, so FastAPI cannot see it)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The app's OpenAPI description with the request bodies' schemas from their pydantic models."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, model in (("CompletionRequest", CompletionParams), ("ChatCompletionRequest", ChatParams)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[name] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 # ------------------------------------------------------------------------------------ running it
-def bind(host: str, port: int) -> socket.socket:
-    """A listening-ready socket, so that a busy port is a clear error (and port 0 picks a free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
-class ServerThread:
-    """uvicorn serving an app from a background thread (tests, the load script): `with ServerThread(app) as s: s.url`."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-
-        self.sock = bind(host, port)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.sock.close()
-
-
 def add_cli(sub: argparse._SubParsersAction) -> None:
     """Register `dgemma serve`."""
     from ..cli import add_engine_flags, add_model_flags
@@ -1254,10 +1377,46 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the checkpoint directory name)")
     add_engine_flags(p)
     add_media_flags(p)
+    add_safety_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="no playground page at GET / (the API only)")
+    p.add_argument("--no-docs", dest="docs", action="store_false", help="no /openapi.json and /docs (the API's description)")
     p.set_defaults(func=cmd_serve)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def add_safety_flags(p: argparse.ArgumentParser) -> None:
+    """Who may use the server and what one request may cost (see docs/security.md)."""
+    b, limits = Budgets(), Limits()
+    p.add_argument("--api-key", default=os.environ.get("DGEMMA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every API route and /metrics (default: $DGEMMA_API_KEY; "
+                        "none: no key)")  # fmt: skip
+    p.add_argument("--allowed-hosts", type=_names, default=(),
+                   help="more Host names to answer to, comma-separated, e.g. a proxy's name ('*': any); by default only "
+                        "local names and IP literals (localhost, this machine's name, *.local, private addresses)")  # fmt: skip
+    p.add_argument("--allowed-origins", type=_names, default=(),
+                   help="origins whose web pages may call the API (CORS), comma-separated, e.g. http://localhost:3000 "
+                        "(default: none; the playground page is served by the server itself)")  # fmt: skip
+    p.add_argument("--max-denoising-steps", type=int, default=b.max_denoising_steps,
+                   help=f"denoising steps per canvas a request may ask for (default: {b.max_denoising_steps})")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=b.request_timeout,
+                   help=f"seconds a request may take from arrival to its end; then it ends with finish_reason 'timeout' "
+                        f"(default: {b.request_timeout:g}; 0: no limit)")  # fmt: skip
+    p.add_argument("--read-timeout", type=float, default=limits.read_timeout,
+                   help=f"seconds a client has to send a request's headers, and again its body (default: {limits.read_timeout:g})")  # fmt: skip
+    p.add_argument("--limit-concurrency", type=int, default=limits.limit_concurrency,
+                   help=f"open connections at once; more get HTTP 503 (default: {limits.limit_concurrency})")  # fmt: skip
+
+
+def safety(args) -> tuple[Access, Budgets, Limits]:
+    access = Access(api_key=args.api_key or None, allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+                    bind_host=args.host)  # fmt: skip
+    budgets = Budgets(args.max_denoising_steps, args.request_timeout or None)
+    return access, budgets, Limits(args.read_timeout, args.limit_concurrency)
 
 
 def add_media_flags(p: argparse.ArgumentParser) -> None:
@@ -1268,7 +1427,12 @@ def add_media_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-media-dir", type=Path, default=None,
                    help="serve file:// image/video URLs from below this directory (default: file URLs are off)")  # fmt: skip
     p.add_argument("--allow-remote-media", action="store_true",
-                   help="fetch http(s):// image/video URLs (the server then requests any URL a client names)")  # fmt: skip
+                   help="fetch http(s):// image/video URLs, from public addresses only (not loopback, private, "
+                        "link-local or other internal ones; see --allowed-media-domains)")  # fmt: skip
+    p.add_argument("--allowed-media-domains", type=_names, default=(), metavar="HOST,...",
+                   help="with --allow-remote-media: hosts whose URLs are fetched whatever their address, e.g. an "
+                        "internal media server; comma-separated, exact names, '*.example.com' for subdomains "
+                        "(default: none)")  # fmt: skip
     p.add_argument("--max-media-bytes", type=parse_size, default=d.max_bytes,
                    help=f"bytes per image or video, e.g. 20MB (default: {d.max_bytes})")  # fmt: skip
     p.add_argument("--media-timeout", type=float, default=d.timeout,
@@ -1279,8 +1443,9 @@ def add_media_flags(p: argparse.ArgumentParser) -> None:
 
 def media_policy(args) -> MediaPolicy:
     return MediaPolicy(
-        allowed_dir=args.allowed_media_dir, allow_remote=args.allow_remote_media, max_bytes=args.max_media_bytes,
-        timeout=args.media_timeout, max_items=args.max_images_per_request,
+        allowed_dir=args.allowed_media_dir, allow_remote=args.allow_remote_media,
+        allowed_domains=args.allowed_media_domains, max_bytes=args.max_media_bytes, timeout=args.media_timeout,
+        max_items=args.max_images_per_request,
     )  # fmt: skip
 
 
@@ -1289,7 +1454,9 @@ def media_summary(model, policy: MediaPolicy) -> str:
     if not model.supports_images:
         return "images off (no vision tower)"
     sources = ["data URLs"] + ([f"files below {policy.allowed_dir}"] if policy.allowed_dir else [])
-    sources += ["http(s) URLs"] if policy.allow_remote else []
+    if policy.allow_remote:
+        named = f" and {', '.join(policy.allowed_domains)}" if policy.allowed_domains else ""
+        sources.append(f"http(s) URLs of public addresses{named}")
     return f"images and video from {', '.join(sources)}"
 
 
@@ -1330,7 +1497,9 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
     try:
         policy = media_policy(args)
-        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy, args.ui)
+        access, budgets, limits = safety(args)
+        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy,
+                         args.ui, access, budgets, limits, args.docs)  # fmt: skip
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
@@ -1345,9 +1514,19 @@ def cmd_serve(args) -> int:
         f"dgemma: serving '{name}' on http://{host}:{port} (max-active {args.max_active}, max-queue {args.max_queue}, "
         f"context {app.state.service.context}, KV blocks of {engine.options.block_size}: {kv}; "
         f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; {media_summary(model, policy)}; device {model.device})"
-        + (f"; playground at http://{host}:{port}/" if args.ui else ""),
+        + (f"; playground at http://{host}:{port}/" if args.ui else "")
+        + f"; API key {'required' if access.api_key else 'off'}",
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    if access.api_key is None and not _loopback(args.host):
+        print(f"dgemma: warning: listening on {args.host} without --api-key: anyone who can reach this address can use "
+              "the model (docs/security.md)", flush=True)  # fmt: skip
+    uvicorn.Server(uvicorn_config(app, limits, args.log_level, args.access_log)).run(sockets=[sock])
     return 0
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -29,8 +29,14 @@ def add_playground(app: FastAPI) -> None:
         return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8", headers=HEADERS)
 
     for name, kind in FILES.items():
+        app.add_api_route(f"/ui/{name}", _asset(STATIC / name, kind), methods=["GET"], include_in_schema=False)
 
-        async def asset(name: str = name, kind: str = kind) -> Response:
-            return FileResponse(STATIC / name, media_type=f"{kind}; charset=utf-8", headers=HEADERS)
 
-        app.add_api_route(f"/ui/{name}", asset, methods=["GET"], include_in_schema=False)
+def _asset(path: Path, kind: str):
+    """The route of one asset: a handler without parameters (FastAPI turns a handler's arguments
+    into query parameters, so nothing a client sends may choose the file or its type)."""
+
+    async def asset() -> Response:
+        return FileResponse(path, media_type=f"{kind}; charset=utf-8", headers=HEADERS)
+
+    return asset

@@ -12,6 +12,19 @@ const MAX_FRAMES_KEPT = 2000;
 // what the page holds: the conversation, pending images, the request in flight, frames drawn
 const state = { model: null, vision: false, messages: [], attachments: [], controller: null, frames: [] };
 window.dgemma = state; // for tests and the curious: state.frames lists every frame drawn
+// the API key of a server started with --api-key: asked for on a 401, kept in this page's memory
+// only (never in storage or the URL), so a reload asks again
+let apiKey = null;
+
+function authHeaders() {
+  return apiKey === null ? {} : { authorization: `Bearer ${apiKey}` };
+}
+
+function askForKey(message) {
+  $("key-form").hidden = false;
+  $("api-key").focus();
+  setStatus(message, true);
+}
 
 function setStatus(text, error = false) {
   $("status").textContent = text;
@@ -20,7 +33,12 @@ function setStatus(text, error = false) {
 
 async function loadModel() {
   try {
-    const response = await fetch("/v1/models");
+    const response = await fetch("/v1/models", { headers: authHeaders() });
+    if (response.status === 401) {
+      askForKey(apiKey === null ? "this server needs an API key" : "wrong API key");
+      return;
+    }
+    if (!response.ok) throw new Error(await errorMessage(response));
     const card = (await response.json()).data[0];
     state.model = card.id;
     state.vision = Boolean(card.vision);
@@ -186,10 +204,12 @@ async function send(text) {
   let answer = "", thought = "", usage = null, firstBlock = null, finish = null, failure = null;
   try {
     const response = await fetch("/v1/chat/completions", {
-      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body), signal: controller.signal,
+      method: "POST", headers: { "content-type": "application/json", ...authHeaders() }, body: JSON.stringify(body),
+      signal: controller.signal,
     });
     if (!response.ok) {
       failure = await errorMessage(response);
+      if (response.status === 401) askForKey(failure);
       // refused: nothing was generated; the message goes back into the input box
       state.messages.pop();
       userView.content.parentElement.remove();
@@ -197,7 +217,7 @@ async function send(text) {
       state.attachments.push(...images);
       drawAttachments();
       if (!$("input").value) $("input").value = text;
-      setStatus(failure, true);
+      if (response.status !== 401) setStatus(failure, true);
       return;
     }
     for await (const chunk of events(response.body)) {
@@ -284,6 +304,13 @@ $("input").addEventListener("keydown", (event) => {
     event.preventDefault();
     $("composer").requestSubmit();
   }
+});
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  apiKey = $("api-key").value.trim() || null;
+  $("api-key").value = "";
+  $("key-form").hidden = true;
+  loadModel();
 });
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
 $("reset").addEventListener("click", () => {
