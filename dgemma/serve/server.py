@@ -58,6 +58,7 @@ from .tool_grammar import lark_string, tool_call_grammar
 from .structured import GUIDED_FIELDS, GrammarCache, OutputFormat, StructuredError, request_format
 from .reasoning import THINK, ReasoningParser, Thought, keeping_channel, template_thinks, think_in_system_turn
 from .tools import ToolCallParser, ToolError, ToolSpec, check_messages, keeping_decoder, render_chat, tool_spec
+from .threads import CompileWorker
 from ..tokenizer import ChatTemplateError
 
 log = logging.getLogger("dgemma.serve")
@@ -493,10 +494,14 @@ class Service:
         self.engine_thread = EngineThread(new_engine, max_active, max_queue, self.metrics)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
+        # grammars are checked, written and compiled on one thread with a 64 MiB stack (llguidance
+        # compiles recursively: see grammar_limits.py), off the event loop
+        self.compile_worker = CompileWorker()
         self._token_texts: TokenTexts | None = None
 
     def forced_call_format(self, spec: ToolSpec) -> OutputFormat | None:
-        """The grammar of a forced tool call (tool_choice "required" or a named function), or None."""
+        """The grammar of a forced tool call (tool_choice "required" or a named function), or None.
+        Blocking (the first call reads tokenizer.json): run it on `compile_worker`."""
         if spec.choice not in ("required", "function"):
             return None
         try:
@@ -505,7 +510,8 @@ class Service:
             raise ApiError(400, str(e), e.param, "invalid_value") from None
         except GrammarError as e:  # no EOS token: the call cannot be enforced
             raise ApiError(400, f"tool_choice: {e}", "tool_choice", "unsupported_parameter") from None
-        return OutputFormat("lark", lark, "tool_choice")
+        # written from tools that check_tools held to the tool limits: no Lark limits of its own
+        return OutputFormat("lark", lark, "tool_choice", generated=True)
 
     def _marker(self, text: str) -> str:
         """A Gemma 4 marker in Lark: its token where the tokenizer makes it one special token
@@ -516,7 +522,8 @@ class Service:
         return lark_string(text)
 
     def grammar(self, fmt: OutputFormat) -> Grammar:
-        """`fmt` compiled against the checkpoint's tokenizer (cached); blocking: run off the loop."""
+        """`fmt` checked against the grammar limits and compiled against the checkpoint's
+        tokenizer (cached). Blocking, and llguidance recurses natively: run it on `compile_worker`."""
         try:
             with self._grammars_lock:
                 if self._grammars is None:
@@ -526,6 +533,8 @@ class Service:
             raise ApiError(400, str(e), e.param, "invalid_value") from None
         except GrammarError as e:  # the checkpoint cannot do structured output at all
             raise ApiError(400, f"{fmt.param}: {e}", fmt.param, "unsupported_parameter") from None
+        except RecursionError:  # not expected past the limits; the grammar's fault all the same
+            raise ApiError(400, f"{fmt.param}: nested too deeply", fmt.param, "invalid_value") from None
 
     # ---------------------------------------------------------------- parsing
     async def off_loop(self, with_media: bool, fn: Callable, *args: Any) -> Any:
@@ -1309,12 +1318,14 @@ def create_app(
         else:
             prompt = ModelInputs(await service.off_loop(False, service.completion_prompt, params.prompt))
             max_tokens = params.max_tokens
-        fmt = output_format(params, spec) or (service.forced_call_format(spec) if spec is not None else None)
+        fmt = output_format(params, spec)
+        if fmt is None and spec is not None and spec.choice in ("required", "function"):  # written on the compile thread
+            fmt = await asyncio.wrap_future(service.compile_worker.submit(service.forced_call_format, spec))
         if not chat and (params.suffix is not None or params.span_length is not None):
             if fmt is not None:
                 raise ApiError(400, f"{fmt.param}: not supported with suffix (insert mode)", fmt.param, "unsupported_parameter")
             return await service.insertion(request, params, prompt, deadline)
-        grammar = None if fmt is None else await asyncio.to_thread(service.grammar, fmt)
+        grammar = None if fmt is None else await asyncio.wrap_future(service.compile_worker.submit(service.grammar, fmt))
         first_canvas = None if chat else service.first_canvas(params, grammar)
         thinking = chat and service.thinks(prompt)
         if request_top_logprobs(params) is not None or params.stream_drafts:
@@ -1491,6 +1502,7 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    logging.getLogger("dgemma").setLevel(args.log_level.upper())  # refusals, clients that left, timeouts
     if str(args.device).startswith("cuda"):
         check_device_memory(args)
     model = load_model(args)

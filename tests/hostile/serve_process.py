@@ -33,7 +33,7 @@ class ServeProcess:
         self._started = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._started.wait(startup_timeout) or self.url is None:
+        if not self._started.wait(startup_timeout) or self.url is None or not wait_until(self.healthy, 60):
             self.stop()
             raise RuntimeError("dgemma serve did not start:\n" + self.output)
 
