@@ -90,3 +90,33 @@ def test_runtime_never_imports_transformers(tiny):
     subprocess.run([sys.executable, "-c", code, str(tiny)], check=True)
     cfg = json.loads((tiny / "config.json").read_text())
     assert cfg["text_config"]["per_layer_config"]
+
+
+def test_encoding_a_long_text_lets_other_threads_run():
+    """tokenizers' encode holds the GIL for the whole text (a server's other requests and /health
+    stop); dgemma's Tokenizer encodes through encode_batch, which releases it."""
+    import threading
+    import time
+
+    from dgemma.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(dgemma.default_model_dir())
+    text = "def f(x):\n    return x + 1\n" * 40_000  # ~1 MB: about a second of work
+    ticks, done = [], threading.Event()
+
+    def encode():
+        tok.encode(text)
+        done.set()
+
+    worker = threading.Thread(target=encode)
+    started = time.monotonic()
+    worker.start()
+    while not done.is_set():
+        ticks.append(time.monotonic())
+        time.sleep(0.005)
+    worker.join()
+    elapsed = time.monotonic() - started
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert elapsed > 0.2 and len(ticks) > 10  # this thread ran while the text was encoded
+    assert max(gaps, default=0) < elapsed / 2
+    assert tok.max_token_chars >= max(len(t) for t in tok._tok.get_vocab())
