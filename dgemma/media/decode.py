@@ -26,6 +26,17 @@ DEFAULT_MAX_PIXELS = 50_000_000
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # Frames kept from one video; sampling (32 frames by default) stays well below it.
 DEFAULT_MAX_FRAMES = 256
+# FFmpeg demuxers a video may be read with (`format_whitelist`, checked before a demuxer reads its
+# header): real containers only. Script and playlist formats (concat, HLS, image sequences, ...)
+# would open other files or URLs beside the server.
+VIDEO_DEMUXERS = ("mov", "mp4", "matroska", "webm", "avi", "mpeg", "mpegts")
+# The demuxer a declared MIME type names; video/mpeg (program or transport stream) is probed.
+VIDEO_FORMAT_OF_MIME = {"video/mp4": "mp4", "video/quicktime": "mov", "video/webm": "webm",
+                        "video/x-matroska": "matroska", "video/x-msvideo": "avi"}  # fmt: skip
+# The MIME type a file name's extension declares.
+VIDEO_MIME_OF_SUFFIX = {".mp4": "video/mp4", ".m4v": "video/mp4", ".mov": "video/quicktime", ".webm": "video/webm",
+                        ".mkv": "video/x-matroska", ".avi": "video/x-msvideo", ".mpg": "video/mpeg",
+                        ".mpeg": "video/mpeg", ".ts": "video/mpeg"}  # fmt: skip
 
 ImageSource = Union[Image.Image, str, Path, bytes, bytearray, memoryview]
 VideoSource = Union[str, Path, bytes, bytearray, memoryview]
@@ -174,19 +185,44 @@ def _decode_frames(container, stream, indices: Sequence[int]) -> tuple[list[int]
     return kept, frames
 
 
+def video_mime(name: str) -> str | None:
+    """The video MIME type a file name's extension declares (None: not one we know)."""
+    return VIDEO_MIME_OF_SUFFIX.get(Path(name).suffix.lower())
+
+
+def _open_container(data: io.BytesIO | str, mime: str | None):
+    """PyAV's container of `data`, read only by a whitelisted demuxer (the one `mime` names, if any)."""
+    import av
+
+    fmt = VIDEO_FORMAT_OF_MIME.get(mime or "")
+    try:
+        return av.open(data, format=fmt, options={"format_whitelist": ",".join(VIDEO_DEMUXERS)})
+    except av.error.ArgumentError:  # EINVAL: the probed format is not on the whitelist
+        raise MediaError("cannot decode video: not a container format this server reads "
+                         "(MP4/MOV, WebM/Matroska, AVI, MPEG program or transport stream)") from None  # fmt: skip
+    except (av.error.FFmpegError, OSError, ValueError) as e:
+        declared = f"not a valid {fmt} file (its declared type is {mime}): " if fmt else ""
+        raise MediaError(f"cannot decode video: {declared}{getattr(e, 'strerror', None) or e}") from None
+
+
 def open_video(
     source: VideoSource,
     sample_indices: Callable[[VideoMetadata], Sequence[int]] | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     max_frames: int = DEFAULT_MAX_FRAMES,
+    mime: str | None = None,
 ) -> Video:
     """Decode the frames of `source` (a file path or bytes) that `sample_indices(metadata)` picks
-    (all frames without it), with the stream's metadata."""
+    (all frames without it), with the stream's metadata. Only real container formats are read:
+    `mime` (for a path, its extension when None) picks the demuxer; without one FFmpeg probes
+    among VIDEO_DEMUXERS."""
     import av
 
     data = _read_source(source, "video")
+    if mime is None and isinstance(data, str):
+        mime = video_mime(data)
     try:
-        with av.open(data) as container:
+        with _open_container(data, mime) as container:
             if not container.streams.video:
                 raise MediaError("no video stream in the file")
             stream = container.streams.video[0]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,11 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_p
 # PIL filters a video frame can be resized with, as torch's interpolate modes (transformers' video
 # processor resizes with torchvision, which calls torch's interpolate).
 TORCH_INTERPOLATION = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+# An image or video its owner loads itself: called as `loader(processor, max_soft_tokens)` when the
+# processor reaches it in the prompt, it returns what `Processor.image` / `Processor.video` would.
+# Media is then decoded one item at a time, each reduced to its patches before the next is decoded
+# (the server hands over fetched bytes this way, with errors naming the request's part).
+MediaLoader = Callable[["Processor", "int | None"], Any]
 
 
 def check_budget(max_soft_tokens: Any, error: type[ValueError] = MediaError) -> int:
@@ -303,7 +308,7 @@ def _as_list(media: Any) -> list:
     """Media given as one item (an image, a path, bytes, a Video) or as a sequence of them."""
     if media is None:
         return []
-    if isinstance(media, (Image.Image, str, Path, bytes, bytearray, memoryview, Video)):
+    if isinstance(media, (Image.Image, str, Path, bytes, bytearray, memoryview, Video)) or callable(media):
         return [media]
     return list(media)
 
@@ -385,7 +390,9 @@ class Processor:
 
     # ------------------------------------------------------------------ media
     def image(self, source: Any, max_soft_tokens: int | None = None) -> ImagePatches:
-        """One image (PIL image, path or bytes) decoded and preprocessed."""
+        """One image (PIL image, path or bytes) decoded and preprocessed; a MediaLoader does it itself."""
+        if callable(source):
+            return source(self, max_soft_tokens)
         return preprocess_image(open_image(source, self.max_pixels), self.image_config, max_soft_tokens)
 
     def sample_indices(self, metadata: VideoMetadata) -> list[int]:
@@ -396,7 +403,9 @@ class Processor:
 
     def video(self, source: Any, max_soft_tokens: int | None = None) -> tuple[list[ImagePatches], list[float]]:
         """A video's sampled frames, preprocessed, and their timestamps in seconds. `source` is a
-        path, bytes, or a `Video` from open_video (taken as already sampled)."""
+        path, bytes, or a `Video` from open_video (taken as already sampled); a MediaLoader does it itself."""
+        if callable(source):
+            return source(self, max_soft_tokens)
         video = source
         if not isinstance(video, Video):
             video = open_video(source, self.sample_indices, self.max_pixels, self.max_frames)
@@ -430,9 +439,10 @@ class Processor:
         add_special_tokens: bool = True,
     ) -> ModelInputs:
         """`text` with one image placeholder (`<|image|>`) per image and one `<|video|>` per video,
-        in order (images: PIL images, paths or bytes; videos: paths, bytes or `Video`s), each
-        expanded as Gemma 4 expands it, media decoded and preprocessed in text order; then
-        tokenized as transformers' processor tokenizes (add_special_tokens: the tokenizer's <bos>)."""
+        in order (images: PIL images, paths or bytes; videos: paths, bytes or `Video`s; either may be
+        a MediaLoader), each expanded as Gemma 4 expands it, media decoded and preprocessed in text
+        order, one item at a time; then tokenized as transformers' processor tokenizes
+        (add_special_tokens: the tokenizer's <bos>)."""
         if not isinstance(text, str):
             raise MediaError(f"text must be a string (got {type(text).__name__})")
         images, videos = _as_list(images), _as_list(videos)

@@ -1,22 +1,34 @@
 """Media in the server: OpenAI content parts (`image_url`, `video_url`, `input_image`) turned into
-the processor's parts (`{"type": "image", "image": PIL image}`, `{"type": "video", "video": Video}`).
+the processor's parts, whose bytes the processor decodes when it reaches them (`LoadedMedia`).
 
 Where media may come from is the operator's choice (`MediaPolicy`): `data:` URLs always,
-`file://` only below `--allowed-media-dir`, `http(s)://` only with `--allow-remote-media`, each
-bounded in bytes (and remote fetches in time). Everything a client can get wrong raises
-`MediaError` naming the part (`messages[i].content[j]`) and the problem; the server answers 400.
-Fetching and reading are blocking: the server calls these from a worker thread.
+`file://` only below `--allowed-media-dir`, `http(s)://` only with `--allow-remote-media` and only
+to public addresses (or hosts named in `--allowed-media-domains`), each bounded in bytes (and
+remote fetches in time). Everything a client can get wrong raises `MediaError` naming the part
+(`messages[i].content[j]`) and the problem; the server answers 400. A remote fetch that gets no
+200 answer says so in one message whatever the cause, so that errors do not map the server's
+network. Fetching and reading are blocking: the server calls these from a worker thread.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
+import os
+import re
+import socket
+import stat
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit
+
+import httpcore
+import httpx
 
 from ..media.inputs import MediaError
 
@@ -27,7 +39,14 @@ MIME = {"image": IMAGE_MIME, "video": VIDEO_MIME}
 MEDIA_PARTS = {"image_url": ("image", "image_url"), "input_image": ("image", "image_url"), "video_url": ("video", "video_url")}
 TEXT_PARTS = ("text", "input_text")
 MAX_REDIRECTS = 5
+REDIRECTS = (301, 302, 303, 307, 308)
 URL_SHOWN = 80  # characters of a URL an error message quotes
+FETCH_HEADERS = {"Accept": "image/*, video/*, */*;q=0.5", "Accept-Encoding": "identity", "User-Agent": "dgemma"}
+# Not global, though Python 3.11's `is_global` says they are: IPv4-compatible IPv6 (deprecated,
+# it embeds an IPv4 address) and NAT64's local-use prefix. 100.64/10 (shared) is refused too.
+NOT_GLOBAL = tuple(ipaddress.ip_network(n) for n in ("::/96", "64:ff9b:1::/48", "100.64.0.0/10"))
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # the well-known prefix: its last 32 bits are an IPv4 address
+HOST_NAME = re.compile(r"(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 
 
 class PartError(MediaError):
@@ -43,7 +62,8 @@ class MediaPolicy:
     """What the operator allows (`dgemma serve` flags); the defaults allow data URLs only."""
 
     allowed_dir: Path | None = None  # file:// URLs below it; None: file URLs are off
-    allow_remote: bool = False  # http(s):// URLs
+    allow_remote: bool = False  # http(s):// URLs, to public addresses
+    allowed_domains: tuple[str, ...] = ()  # hosts remote URLs may name whatever their address; "*.x" its subdomains
     max_bytes: int = 20 * 10**6  # per item, decoded data URL, file or download
     timeout: float = 10.0  # seconds for one remote fetch, redirects included
     max_items: int = 8  # images plus videos per request (a video counts once, whatever its frames)
@@ -60,6 +80,13 @@ class MediaPolicy:
             if not resolved.is_dir():
                 raise ValueError(f"--allowed-media-dir {self.allowed_dir} is not a directory")
             object.__setattr__(self, "allowed_dir", resolved)
+        domains = tuple(normal_host(d) for d in self.allowed_domains)
+        for name in domains:
+            if not (HOST_NAME.fullmatch(name) or _ip(name)):
+                raise ValueError(f"--allowed-media-domains: {name!r} is not a host name (e.g. media.internal or *.example.com)")
+        if domains and not self.allow_remote:
+            raise ValueError("--allowed-media-domains needs --allow-remote-media")
+        object.__setattr__(self, "allowed_domains", domains)
 
 
 @dataclass(frozen=True)
@@ -127,20 +154,45 @@ def parse_content(i: int, content: Any) -> list[str | MediaRef]:
 
 
 # ------------------------------------------------------------------------------------ loading
-def processor_part(ref: MediaRef, policy: MediaPolicy, processor) -> dict:
-    """The processor's part for `ref`: loaded and decoded here (a PIL image; a video's sampled
-    frames), with the processor's limits, so that a bad image or video is reported against its
-    own part (the processor cannot tell which it was)."""
-    from ..media.decode import open_image, open_video
+@dataclass(frozen=True)
+class LoadedMedia:
+    """A part's bytes, loaded within the policy, for the processor to decode when it reaches the
+    part (a `MediaLoader`): a request then holds one decoded image or video at a time, each reduced
+    to its patches before the next is decoded. Decoding errors name the part."""
 
-    raw = load(ref, policy)
-    try:
-        if ref.kind == "image":
-            return {"type": "image", "image": open_image(raw, processor.max_pixels)}
-        video = open_video(raw, processor.sample_indices, processor.max_pixels, processor.max_frames)
-        return {"type": "video", "video": video}
-    except MediaError as e:
-        raise PartError(ref.param, str(e)) from None
+    ref: MediaRef
+    raw: bytes = field(repr=False)
+    mime: str | None = None  # the declared type: picks a video's container format
+
+    def __call__(self, processor: Any, max_soft_tokens: int | None) -> Any:
+        from ..media.decode import open_video
+
+        try:
+            if self.ref.kind == "image":
+                return processor.image(self.raw, max_soft_tokens)
+            video = open_video(self.raw, processor.sample_indices, processor.max_pixels, processor.max_frames, self.mime)
+            return processor.video(video, max_soft_tokens)
+        except MediaError as e:
+            raise PartError(self.ref.param, str(e)) from None
+
+
+def processor_part(ref: MediaRef, policy: MediaPolicy, processor: Any = None) -> dict:
+    """The processor's part for `ref`: its bytes loaded here, decoded by the processor in prompt
+    order (`LoadedMedia`; `processor` is not needed for that)."""
+    return {"type": ref.kind, ref.kind: LoadedMedia(ref, load(ref, policy), declared_mime(ref))}
+
+
+def declared_mime(ref: MediaRef) -> str | None:
+    """The MIME type a URL declares: a data URL's, or what a file's extension says; None for
+    remote URLs (a Content-Type is often wrong; the container whitelist applies all the same)."""
+    from ..media.decode import video_mime
+
+    parts = urlsplit(ref.url)
+    if parts.scheme.lower() == "data":
+        return ref.url[5:].partition(",")[0].split(";")[0].strip().lower()
+    if parts.scheme.lower() == "file":
+        return video_mime(unquote(parts.path))
+    return None
 
 
 def load(ref: MediaRef, policy: MediaPolicy) -> bytes:
@@ -189,74 +241,223 @@ def _check_size(ref: MediaRef, size: int, policy: MediaPolicy, whole: bool = Tru
         raise PartError(ref.param, f"{_shown(ref.url)!r} is empty")
 
 
-def _timed_out(ref: MediaRef, url: str, policy: MediaPolicy) -> PartError:
-    return PartError(ref.param, f"fetching {_shown(url)!r} timed out after {policy.timeout:g} s (--media-timeout)")
-
-
+# ------------------------------------------------------------------------------------ files
 def file_bytes(ref: MediaRef, policy: MediaPolicy) -> bytes:
-    """A file:// URL's file, read only if it lies below --allowed-media-dir once symlinks and '..' are resolved."""
+    """A file:// URL's file, read only if it lies below --allowed-media-dir once symlinks and '..'
+    are resolved. Containment is checked before existence, so every path outside gets the same
+    answer whether it exists or not; only a regular file is opened (never a FIFO or a device)."""
     if policy.allowed_dir is None:
         raise PartError(ref.param, "file:// URLs are off on this server (start it with --allowed-media-dir DIR)")
     parts = urlsplit(ref.url)
     if parts.netloc not in ("", "localhost"):
         raise PartError(ref.param, f"file:// URL names host {parts.netloc!r}; only local files (file:///path) are read")
-    if not unquote(parts.path).startswith("/"):
+    name = unquote(parts.path)
+    if "\0" in name:
+        raise PartError(ref.param, f"{_shown(ref.url)!r} holds a NUL byte (raw or %00), which no file path holds")
+    if not name.startswith("/"):
         raise PartError(ref.param, f"{_shown(ref.url)!r} holds no absolute path (expected file:///path)")
-    try:
-        path = Path(unquote(parts.path)).resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise PartError(ref.param, f"{_shown(ref.url)!r} does not exist") from None
+    try:  # realpath, not Path.resolve: it stats the result, which would tell a symlink loop outside
+        path = Path(os.path.realpath(name))
+    except ValueError:  # a lone surrogate
+        raise PartError(ref.param, f"{_shown(ref.url)!r} is not a valid file path") from None
     if not path.is_relative_to(policy.allowed_dir):
         raise PartError(ref.param, f"{_shown(ref.url)!r} is outside the allowed media directory (--allowed-media-dir); "
                                    "only files below it are read, after resolving symlinks and '..'")  # fmt: skip
-    if not path.is_file():
+    try:
+        info = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise PartError(ref.param, f"{_shown(ref.url)!r} does not exist") from None
+    except OSError as e:
+        raise PartError(ref.param, f"{_shown(ref.url)!r} cannot be read: {e.strerror}") from None
+    _check_regular(ref, info)
+    _check_size(ref, info.st_size, policy)
+    return _read_regular(ref, path, policy)
+
+
+def _check_regular(ref: MediaRef, info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
         raise PartError(ref.param, f"{_shown(ref.url)!r} is not a regular file")
-    _check_size(ref, path.stat().st_size, policy)
-    with path.open("rb") as f:
+
+
+def _read_regular(ref: MediaRef, path: Path, policy: MediaPolicy) -> bytes:
+    """Up to max_bytes + 1 of a file that was a regular file when stat'ed: opened without blocking
+    and without following a symlink, and checked again once open (it may have been swapped)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise PartError(ref.param, f"{_shown(ref.url)!r} cannot be read: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(ref, os.fstat(f.fileno()))
         raw = f.read(policy.max_bytes + 1)
     _check_size(ref, len(raw), policy)
     return raw
 
 
+# ------------------------------------------------------------------------------------ remote
+def normal_host(host: str) -> str:
+    """A host name as compared: lower case, without a trailing dot or IPv6 brackets."""
+    return host.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text.partition("%")[0])  # an IPv6 scope (fe80::1%eth0) is link-local anyway
+    except ValueError:
+        return None
+
+
+def host_allowed(host: str, domains: Sequence[str]) -> bool:
+    """Whether a URL's host is one the operator named (`--allowed-media-domains`): the same name,
+    case-insensitively, or a subdomain of a `*.name` entry."""
+    host = normal_host(host)
+    return any(host.endswith(d[1:]) if d.startswith("*.") else host == d for d in map(normal_host, domains))
+
+
+def address_allowed(address: str) -> bool:
+    """Whether a remote fetch may connect to `address`: a globally routable unicast address. An
+    IPv6 form that embeds an IPv4 address (IPv4-mapped, 6to4, Teredo, NAT64) must embed an allowed
+    one too. Spelled out: Python 3.11's `is_global` misjudges some of these forms."""
+    ip = _ip(address)
+    if ip is None:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None or ip in NAT64:  # the IPv4 address they stand for is what counts
+            return address_allowed(str(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)))
+        if ip.is_site_local or any(not address_allowed(str(v4)) for v4 in [ip.sixtofour, *(ip.teredo or ())] if v4):
+            return False
+    if any(ip in net for net in NOT_GLOBAL if net.version == ip.version):
+        return False
+    flags = (ip.is_private, ip.is_loopback, ip.is_link_local, ip.is_multicast, ip.is_reserved, ip.is_unspecified)
+    return ip.is_global and not any(flags)
+
+
+class GuardedBackend(httpcore.SyncBackend):
+    """httpcore's network backend, connecting only to addresses `address_allowed` allows (any
+    address, for a host the operator named). The host is resolved here and each allowed address
+    tried in turn; the address actually connected to is checked again (getpeername) before a byte
+    is sent, so DNS rebinding gains nothing. TLS is httpcore's as before: it verifies the
+    certificate for the URL's host name (SNI), not for the address."""
+
+    def __init__(self, allowed_domains: Sequence[str] = (), deadline: float | None = None):
+        self.allowed_domains, self.deadline = tuple(allowed_domains), deadline
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Any = None) -> httpcore.NetworkStream:  # fmt: skip
+        trusted = host_allowed(host, self.allowed_domains)
+        error: Exception = httpcore.ConnectError(f"{host} has no address this server may connect to")
+        for address in self._addresses(host, port):
+            if not (trusted or address_allowed(address)):
+                continue
+            try:
+                stream = super().connect_tcp(address, port, self._timeout(timeout), local_address, socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as e:
+                error = e
+                continue
+            peer = stream.get_extra_info("server_addr")[0]
+            if trusted or address_allowed(peer):
+                return stream
+            stream.close()
+            error = httpcore.ConnectError(f"{host} connected to {peer}, an address this server may not connect to")
+        raise error
+
+    @staticmethod
+    def _addresses(host: str, port: int) -> list[str]:
+        """The host's addresses, in the resolver's order, each once."""
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as e:
+            raise httpcore.ConnectError(f"cannot resolve {host}: {e}") from None
+        return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        """The connect timeout, cut to what is left of the whole fetch."""
+        if self.deadline is None:
+            return timeout
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise httpcore.ConnectTimeout("no time left for the fetch")
+        return left if timeout is None else min(timeout, left)
+
+
+# What keeps a fetch from an answer: bad URLs, DNS, refused or disallowed connections, TLS, resets,
+# protocol errors, timeouts.
+FETCH_ERRORS = (httpx.InvalidURL, httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError,
+                httpcore.UnsupportedProtocol, httpcore.ConnectionNotAvailable, OSError, UnicodeError)  # fmt: skip
+
+
+def _unfetchable(ref: MediaRef) -> PartError:
+    """The one message for every fetch that gets no 200 answer, whatever the cause."""
+    return PartError(ref.param, f"could not fetch {_shown(ref.url)!r} "
+                                "(unreachable, not allowed on this server, or not an HTTP 200 answer)")  # fmt: skip
+
+
+def _timed_out(ref: MediaRef, policy: MediaPolicy) -> PartError:
+    return PartError(ref.param, f"fetching {_shown(ref.url)!r} timed out after {policy.timeout:g} s (--media-timeout)")
+
+
 def fetch(ref: MediaRef, policy: MediaPolicy) -> bytes:
     """GET an http(s) URL within the byte and time limits, following at most MAX_REDIRECTS
-    redirects and only to http(s). Proxy environment variables are not used."""
-    import httpx
-
+    redirects and only to http(s), every hop's connection checked by `GuardedBackend`. No proxy:
+    httpcore reads no environment."""
     deadline, url = time.monotonic() + policy.timeout, ref.url
+    backend = GuardedBackend(policy.allowed_domains, deadline)
+    with httpcore.ConnectionPool(network_backend=backend) as pool:
+        for _ in range(MAX_REDIRECTS + 1):
+            with _get(ref, pool, url, deadline) as response:
+                if response.status not in REDIRECTS:
+                    return _read_body(ref, response, deadline, policy)
+                url = _redirect_target(ref, url, response)
+    raise _unfetchable(ref)
+
+
+@contextmanager
+def _get(ref: MediaRef, pool: httpcore.ConnectionPool, url: str, deadline: float) -> Iterator[httpcore.Response]:
+    """The streamed response to a GET of `url`; any failure to get it (or to read its body) is
+    `_unfetchable`. httpx parses the URL and writes the Host header; httpcore sends the request."""
     try:
-        with httpx.Client(timeout=policy.timeout, follow_redirects=False, trust_env=False) as client:
-            for _ in range(MAX_REDIRECTS + 1):
-                with client.stream("GET", url) as response:
-                    if not response.is_redirect:
-                        return _read_body(ref, url, response, deadline, policy)
-                    url = _redirect_target(ref, url, response.headers.get("location", ""))
-    except httpx.TimeoutException:
-        raise _timed_out(ref, url, policy) from None
-    except httpx.HTTPError as e:
-        raise PartError(ref.param, f"fetching {_shown(url)!r} failed: {e or type(e).__name__}") from None
-    raise PartError(ref.param, f"fetching {_shown(ref.url)!r} was redirected more than {MAX_REDIRECTS} times")
+        left = deadline - time.monotonic()
+        request = httpx.Request("GET", url, headers=FETCH_HEADERS)
+        if left <= 0 or request.url.scheme not in ("http", "https"):
+            raise _unfetchable(ref)
+        target = httpcore.URL(scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port,
+                              target=request.url.raw_path)  # fmt: skip
+        timeouts = dict.fromkeys(("connect", "read", "write", "pool"), left)
+        with pool.stream("GET", target, headers=request.headers.raw, extensions={"timeout": timeouts}) as response:
+            yield response
+    except PartError:
+        raise
+    except FETCH_ERRORS:
+        raise _unfetchable(ref) from None
 
 
-def _redirect_target(ref: MediaRef, url: str, location: str) -> str:
+def _header(response: httpcore.Response, name: bytes) -> str:
+    return next((v.decode("latin-1") for k, v in response.headers if k.lower() == name), "")
+
+
+def _redirect_target(ref: MediaRef, url: str, response: httpcore.Response) -> str:
+    location = _header(response, b"location").strip()
     target = urljoin(url, location)
-    if urlsplit(target).scheme.lower() not in ("http", "https"):
-        raise PartError(ref.param, f"fetching {_shown(ref.url)!r} redirected to {_shown(target)!r}; only http(s) redirects are followed")
+    if not location or urlsplit(target).scheme.lower() not in ("http", "https"):
+        raise _unfetchable(ref)
     return target
 
 
-def _read_body(ref: MediaRef, url: str, response, deadline: float, policy: MediaPolicy) -> bytes:
-    """The response body, stopped as soon as it passes the byte limit or the deadline."""
-    if response.status_code != 200:
-        raise PartError(ref.param, f"fetching {_shown(url)!r} failed: HTTP {response.status_code}")
-    declared = response.headers.get("content-length", "")
+def _read_body(ref: MediaRef, response: httpcore.Response, deadline: float, policy: MediaPolicy) -> bytes:
+    """The body of a 200 answer, stopped as soon as it passes the byte limit or the deadline."""
+    if response.status != 200:
+        raise _unfetchable(ref)
+    declared = _header(response, b"content-length")
     if declared.isdigit():
         _check_size(ref, int(declared), policy, whole=False)
     body = bytearray()
-    for chunk in response.iter_bytes():
-        body += chunk
-        _check_size(ref, len(body), policy, whole=False)
-        if time.monotonic() > deadline:
-            raise _timed_out(ref, url, policy)
+    try:
+        for chunk in response.iter_stream():
+            body += chunk
+            _check_size(ref, len(body), policy, whole=False)
+            if time.monotonic() > deadline:
+                raise _timed_out(ref, policy)
+    except httpcore.TimeoutException:
+        raise _timed_out(ref, policy) from None
     _check_size(ref, len(body), policy)
     return bytes(body)

@@ -1346,7 +1346,7 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await run(request, chat=True)
 
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app, service.name)
     return app
 
 
@@ -1357,8 +1357,9 @@ def _body_schema(name: str) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
 
 
-def _openapi(app: FastAPI) -> dict:
-    """The app's OpenAPI description with the request bodies' schemas from their pydantic models."""
+def _openapi(app: FastAPI, served_model_name: str) -> dict:
+    """The app's OpenAPI description with the request bodies' schemas from their pydantic models
+    (`model`: the one model this server serves)."""
     from fastapi.openapi.utils import get_openapi
 
     if app.openapi_schema is None:
@@ -1367,6 +1368,7 @@ def _openapi(app: FastAPI) -> dict:
         for name, model in (("CompletionRequest", CompletionParams), ("ChatCompletionRequest", ChatParams)):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
+            body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
             components[name] = body
         app.openapi_schema = schema
     return app.openapi_schema

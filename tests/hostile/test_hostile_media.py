@@ -33,7 +33,8 @@ import pytest
 import dgemma
 from dgemma.media.decode import open_video
 from dgemma.media.inputs import MediaError
-from dgemma.serve.media import GuardedBackend, MediaPolicy, MediaRef, PartError, address_allowed, fetch, host_allowed
+from dgemma.serve.media import (GuardedBackend, MediaPolicy, MediaRef, PartError, address_allowed, fetch, file_bytes,
+                                 host_allowed)  # fmt: skip
 from dgemma.serve.server import add_media_flags, media_policy, media_summary
 from test_server_media import FAST, MODEL, PNG, data_url, image_part, mp4_bytes, png_bytes, serve, user, write_checkpoint
 
@@ -409,6 +410,11 @@ def test_a_concat_data_url_gets_a_400(default, tmp_path, monkeypatch, mime, word
 @pytest.mark.parametrize("suffix", ["%00.png", "\0.png"], ids=["%00", "raw NUL"])
 def test_a_nul_byte_in_a_file_url(remote, allowed, suffix):
     refused(remote, user(image_part(f"file://{allowed}/cat.png{suffix}")), "NUL byte")
+
+
+def test_a_path_no_file_system_takes(allowed):
+    with pytest.raises(PartError, match="not a valid file path"):
+        file_bytes(MediaRef("image", f"file://{allowed}/\ud800.png", C0), MediaPolicy(allowed_dir=allowed))
 
 
 def test_a_fifo_is_refused_without_opening_it(remote, allowed):
