@@ -50,6 +50,9 @@ class Handler(BaseHTTPRequestHandler):
         self.server.requests += 1
         port = self.server.server_address[1]
         targets = {"/to-loopback": f"http://127.0.0.1:{port}/img.png", "/to-metadata": "http://169.254.169.254/latest/meta-data/"}
+        if self.path == "/slow.png":  # a slow remote image: 2 s before its answer
+            time.sleep(2)
+            self.path = "/img.png"
         if self.path in targets:
             self.send_response(302)
             self.send_header("Location", targets[self.path])
@@ -460,3 +463,25 @@ def test_images_are_decoded_one_at_a_time(default, monkeypatch):
     images = [image_part(data_url(png_bytes(200, 150, seed=i))) for i in range(3)]
     assert chat(default, user(*images)).usage.prompt_tokens_details.model_dump()["image_tokens"] > 0
     assert alive_before == [0, 0, 0]
+
+
+# ------------------------------------------------------------------------------------ slow media
+def test_slow_remote_images_do_not_starve_text_requests(named, host):
+    """Twelve requests wait on slow images (more than the default thread pool of a machine with
+    up to 8 cores holds): they fetch on the media pool, so a text request still answers at once."""
+    url = f"http://localhost:{host.port}/slow.png"
+    results = []
+
+    def slow():
+        results.append(chat(named, user(image_part(url))).choices[0].finish_reason)
+
+    threads = [threading.Thread(target=slow) for _ in range(12)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # the slow requests are all waiting on their images now
+    started = time.monotonic()
+    assert chat(named, [{"role": "user", "content": "hi"}]).choices[0].finish_reason == "length"
+    assert time.monotonic() - started < 1.5
+    for t in threads:
+        t.join(60)
+    assert results == ["length"] * 12  # and every slow one was answered in the end
