@@ -123,6 +123,26 @@ def model(tmp_path_factory):
     return dgemma.load(write_checkpoint(tmp_path_factory.mktemp("hostile-vision") / "ckpt"))
 
 
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+@pytest.fixture(scope="module")
+def rss_start():
+    """This process's resident bytes once the module's model is loaded, its peak reset to now
+    (/proc/self/clear_refs): the in-process servers' cases are measured from here."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+@pytest.fixture(autouse=True)
+def within_memory(model, rss_start):
+    yield
+    assert _status("VmHWM") < rss_start + 300 * 2**20
+
+
 @pytest.fixture(scope="module")
 def allowed(tmp_path_factory):
     """The allowed media dir (an image, a FIFO, a directory, a symlink to /dev/zero) beside `outside`."""
