@@ -5,6 +5,7 @@ every answer must parse and validate, and an answer cut by max_tokens must be a 
 
 import json
 import re
+import textwrap
 
 import jsonschema
 import llguidance
@@ -15,6 +16,8 @@ import torch
 import dgemma
 from dgemma.engine.grammar import GrammarError, single_token
 from dgemma.engine.sampler import pack_token_mask
+from dgemma.serve.grammar_limits import LarkStats
+from dgemma.serve.structured import OutputFormat, StructuredError, guided_format
 from test_server import MODEL, client, model, server  # noqa: F401  (the tiny random model's server fixtures)
 
 FAST = {"max_denoising_steps": 4}
@@ -262,3 +265,144 @@ def test_run_grammar_errors(argv, words, capsys):
 
     assert main(["run", "x", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ limits (serve/grammar_limits.py)
+# llguidance compiles recursively: what is too deep for it crashes the server (tests/hostile/
+# test_hostile_grammar.py sends such grammars to a server in a subprocess). The checks that
+# refuse them first are pure Python, without recursion of their own.
+def test_lark_stats_reads_rules_references_and_nesting():
+    from dgemma.serve.grammar_limits import lark_stats
+
+    chain = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(3000)) + 'r3000: "b"\n'
+    assert lark_stats(chain).rules == lark_stats(chain).depth == 3002
+    grammar = textwrap.dedent("""
+        start: ("a" (b | c)+)* // a comment: r9 ((((((
+        ?b.2: /((a)[(b)])/ c "((((" r9
+            | "x" b
+        C: "c" D
+        D: /[0-9]+/
+        c: C | start
+        %ignore D
+    """)
+    # start, b and c refer to each other (a cycle: counted once, 3 rules), then C, then D
+    assert lark_stats(grammar) == LarkStats(len(grammar), 5, 5, 2)
+
+
+def test_regex_nesting_skips_escapes_and_classes():
+    from dgemma.serve.grammar_limits import regex_nesting
+
+    assert regex_nesting("((((a))))") == 4
+    assert regex_nesting(r"\(\([(((]") == 1
+    assert regex_nesting("[]]a[^]]") == 1 and regex_nesting("[a[b]]") == 2 and regex_nesting("abc") == 0
+
+
+def test_longest_chain_collapses_cycles():
+    from dgemma.serve.grammar_limits import longest_chain
+
+    assert longest_chain({1: [2], 2: [3, 1], 3: []}) == 3
+    assert longest_chain({1: [1]}) == 1 and longest_chain({}) == 0
+    assert longest_chain({i: [i + 1] for i in range(50000)} | {50000: []}) == 50001  # no recursion to overflow
+
+
+def test_ref_depth_follows_pointers():
+    from dgemma.serve.grammar_limits import check_schema, ref_depth, schema_stats
+
+    chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(100)} | {"d100": {"type": "string"}},
+             "$ref": "#/$defs/d0"}  # fmt: skip
+    assert ref_depth(chain, schema_stats(chain, "s").refs) == 101
+    loop = {"$defs": {"a": {"type": "object", "properties": {"next": {"$ref": "#/$defs/a"}}}}, "$ref": "#/$defs/a"}
+    assert check_schema(loop, "s").refs and ref_depth(loop, schema_stats(loop, "s").refs) == 1
+    anchors = {"properties": {"a": {"$ref": "#x"}, "b": {"$ref": "#y"}}}  # anchors: one link each, an upper bound
+    assert ref_depth(anchors, schema_stats(anchors, "s").refs) == 2
+
+
+def _deep(n: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+LIMITED = [
+    (OutputFormat("lark", "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(5000)) + 'r5000: "b"\n', "guided_grammar"),
+     ["guided_grammar: 5002 levels of rule references; at most 5000 are allowed"]),
+    (OutputFormat("lark", 'start: "a"\n' + "".join(f'r{i}:"a"\n' for i in range(9000)), "guided_grammar"),
+     ["9001 rules; at most 8192 are allowed"]),
+    (OutputFormat("lark", "start: " + "(" * 100 + '"a"' + ")" * 100, "guided_grammar"), ["100 levels of nested groups", "at most 64"]),
+    (OutputFormat("lark", 'start: "' + "a" * 140000 + '"', "guided_grammar"), ["140009 bytes", "at most 131072"]),
+    (OutputFormat("lark", 'start: "\ud800"', "guided_grammar"), ["guided_grammar: holds a lone surrogate (U+D800)"]),
+    (OutputFormat("regex", "(" * 65 + ")" * 65, "guided_regex"), ["65 levels of nested groups"]),
+    (OutputFormat("regex", "a\udc00", "guided_regex"), ["lone surrogate (U+DC00) at character 1"]),
+    (OutputFormat("json_schema", _deep(40), "guided_json"), ["levels of nesting", "at most 64"]),
+    (OutputFormat("json_schema", json.dumps(_deep(40)), "guided_json"), ["levels of nesting", "at most 64"]),
+    (OutputFormat("json_schema", '{"a":' * 5000 + "1" + "}" * 5000, "guided_json"), ["nested too deeply"]),
+    (OutputFormat("json_schema", {"properties": {f"p{i}": {} for i in range(5000)}}, "guided_json"), ["5000 properties (or more); at most 2048 are allowed"]),
+    (OutputFormat("json_schema", {"enum": list(range(20000))}, "guided_json"), ["schema values", "at most 16384"]),
+    (OutputFormat("json_schema", {"description": "x" * 300000}, "guided_json"), ["bytes", "at most 262144"]),
+    (OutputFormat("json_schema", {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}, "$ref": "#/$defs/d0"},
+                  "guided_json"), ["5001 levels of $ref; at most 4096 are allowed"]),
+    (OutputFormat("json_schema", {"properties": {"\udfff": {}}}, "guided_json"), ["the text at properties.\\udfff holds a lone surrogate"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt, words", LIMITED, ids=range(len(LIMITED)))
+def test_check_format_refuses_what_is_over_a_limit(fmt, words):
+    from dgemma.serve.structured import check_format
+
+    with pytest.raises(StructuredError) as e:
+        check_format(fmt)
+    assert e.value.param == fmt.param
+    for word in words:
+        assert word in str(e.value), str(e.value)
+    str(e.value).encode("utf-8")  # the message itself is valid text (it goes out as JSON)
+
+
+def test_guided_choice_limits():
+    with pytest.raises(StructuredError, match="5000 choices; at most 1024"):
+        guided_format({"guided_choice": [f"c{i}" for i in range(5000)]})
+    with pytest.raises(StructuredError, match="bytes of choices") as e:
+        guided_format({"guided_choice": ["x" * 1000] * 100})
+    with pytest.raises(StructuredError, match="lone surrogate") as e:
+        guided_format({"guided_choice": ["ok", "n\ud800"]})
+    assert e.value.param == "guided_choice[1]"
+
+
+def test_start_with_stack_gives_the_thread_its_stack():
+    """threads.start_with_stack: the thread gets the size asked for; the default is put back."""
+    import ctypes
+    import threading
+
+    from dgemma.serve.threads import CompileWorker, start_thread
+
+    libc = ctypes.CDLL(None)
+    libc.pthread_self.restype = ctypes.c_ulong
+
+    def own_stack() -> int:
+        attr, addr, size = ctypes.create_string_buffer(256), ctypes.c_void_p(), ctypes.c_size_t()
+        assert libc.pthread_getattr_np(ctypes.c_ulong(libc.pthread_self()), attr) == 0
+        libc.pthread_attr_getstack(attr, ctypes.byref(addr), ctypes.byref(size))
+        libc.pthread_attr_destroy(attr)
+        return size.value
+
+    sizes, before = [], threading.stack_size()
+    start_thread(lambda: sizes.append(own_stack()), "big", 32 << 20).join()
+    assert sizes[0] >= 32 << 20 and threading.stack_size() == before  # (glibc may reuse that stack for the next thread)
+    worker = CompileWorker(stack_bytes=48 << 20)
+    assert worker.submit(own_stack).result(10) >= 48 << 20
+    with pytest.raises(ZeroDivisionError):  # raised on the worker, set on the future; the worker goes on
+        worker.submit(lambda: 1 / 0).result(10)
+    assert worker.submit(lambda: 7).result(10) == 7
+    worker.close()
+
+
+def test_a_compiled_grammar_is_copied_per_request(model):  # noqa: F811
+    """The grammar compiles once (serve: on the compile thread); each request's state is a copy
+    of its start state, and two requests do not share their progress."""
+    grammar = model.compile_grammar("regex", "ab|ac")
+    assert grammar.matcher is not None
+    a, b = (model.grammars.canvas(grammar, model.config.canvas_length) for _ in range(2))
+    tok = model.grammars.tokenizer
+    assert a.commit(tok.tokenize_str("ab")) == 2
+    assert a.complete and not b.complete and b.matcher is not grammar.matcher
+    assert not grammar.matcher.is_accepting()  # the template never moves

@@ -275,7 +275,7 @@ class FakeEngine:
         self.tokenizer, self.eos = tokenizer, eos
         self.text, self.prompts, self.block = "", [], 32
 
-    def __call__(self, prompt, config, seed, drafts=False, images=(), constraints=None):
+    def __call__(self, prompt, config, seed, drafts=False, images=(), constraints=None, deadline=None):
         job = Job(list(prompt), config, seed, drafts, asyncio.get_running_loop(), list(images))
         self.prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
         ids = self.tokenizer.encode(self.text, add_special_tokens=False) + [self.eos]
@@ -547,3 +547,68 @@ CALL_TEXTS = [
 @pytest.mark.parametrize("spec, text, ok", CALL_TEXTS)
 def test_forced_call_grammar(spec, text, ok):
     assert _accepts(spec, text) == ok
+
+
+# The call grammar joins properties in a balanced tree (log2(n) rules deep, not one rule chained per
+# property: llguidance compiles reference chains recursively, and a few thousand overflow its stack).
+def _members(names) -> str:
+    return ",".join(f"{n}:1" for n in names) + "}<tool_call|>"
+
+
+def _forced(properties: dict, required: list[str]):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": properties,
+                                                                           "required": required}}}  # fmt: skip
+    return tool_spec([tool], {"type": "function", "function": {"name": "f"}})
+
+
+def test_forced_call_grammar_keeps_order_and_required_members():
+    """Every subset of five properties, in declared order: accepted exactly when it holds the
+    required ones; out of order or repeated: rejected (the language of the chained grammar)."""
+    import itertools
+
+    names = ["a", "b", "c", "d", "e"]
+    for required in (["a", "c"], [], ["e"], names, ["b", "d"]):
+        spec = _forced({n: {"type": "integer"} for n in names}, required)
+        for k in range(len(names) + 1):
+            for subset in itertools.combinations(names, k):
+                assert _accepts(spec, _members(subset)) == (set(required) <= set(subset)), (required, subset)
+        assert not _accepts(spec, _members(["c", "a", "b", "d", "e"]))
+        assert not _accepts(spec, _members(["a", "a", "b", "c", "d", "e"]))
+
+
+def test_forced_call_grammar_with_thousands_of_properties():
+    from dgemma.serve.grammar_limits import lark_stats
+    from dgemma.serve.tool_grammar import lark_string, tool_call_grammar
+
+    names = [f"p{i}" for i in range(3000)]
+    spec = _forced({n: {"type": "integer"} for n in names}, names[::2])
+    assert lark_stats(tool_call_grammar(spec, lark_string)).depth < 40  # about 2 log2(3000), not 3000
+    assert _accepts(spec, _members(names[::2]))
+    assert _accepts(spec, _members(names[::2][:-1] + names[-2:]))
+    assert not _accepts(spec, _members(names[::2][1:]))  # the first required one left out
+
+
+def test_tool_schemas_over_the_limits_are_refused():
+    from dgemma.serve.grammar_limits import MAX_TOOL_DEPTH, MAX_TOOL_PROPERTIES
+    from dgemma.serve.tools import ToolError
+
+    deep: dict = {"type": "string"}
+    for _ in range(MAX_TOOL_DEPTH):
+        deep = {"type": "object", "properties": {"a": deep}}
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(MAX_TOOL_PROPERTIES + 1)}}
+    lone = {"type": "object", "properties": {"a": {"type": "string", "pattern": "\ud800"}}}
+    for params, words in ((deep, "levels of nesting"), (wide, "properties"), (lone, "lone surrogate")):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        with pytest.raises(ToolError, match=words) as e:
+            tool_spec([tool], "required")
+        assert e.value.param == "tools[0].function.parameters" and "tools[0].function.parameters" in str(e.value)
+    with pytest.raises(ToolError, match="lone surrogate"):
+        tool_spec([{"type": "function", "function": {"name": "f", "description": "x\udfff"}}])
+
+
+def test_lark_regex_escapes_what_would_end_the_literal():
+    from dgemma.serve.tool_grammar import lark_regex
+
+    assert lark_regex("a/b") == "a\\/b" and lark_regex("a\\/b") == "a\\/b" and lark_regex("a\nb") == "a\\nb"
+    spec = _forced({"u": {"type": "string", "pattern": "^[a-z]+/[a-z]+$"}}, ["u"])
+    assert _accepts(spec, f"u:{Q}a/b{Q}}}<tool_call|>") and not _accepts(spec, f"u:{Q}ab{Q}}}<tool_call|>")

@@ -30,7 +30,7 @@ without a grammar (docs/server.md, "Structured output").
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,9 @@ from .constraints import CanvasConstraints
 from .sampler import pack_token_mask, unpack_token_mask
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
+# what llguidance raises for input it cannot take (a lone surrogate: UnicodeEncodeError, a ValueError;
+# a schema nested past what the conversion to Rust takes: RecursionError), besides its error states
+LLGUIDANCE_ERRORS = (ValueError, TypeError, RuntimeError, OverflowError, RecursionError)
 # JSON output as OpenAI writes it: compact, no free whitespace (a random model fills free
 # whitespace forever), every schema keyword llguidance does not implement is an error.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -51,10 +54,16 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled, validated grammar (llguidance's serialised form) and what it came from."""
+    """A compiled, validated grammar (llguidance's serialised form) and what it came from.
+
+    `matcher` is the compiled grammar in its start state, never advanced: each request's state
+    is a copy of it (`LLMatcher.deep_copy` shares the compiled grammar and its lexer caches, and
+    takes microseconds), so a grammar is compiled once, where `compile` ran (the server's
+    big-stack compile thread: llguidance compiles recursively)."""
 
     kind: str
     source: str  # llguidance's grammar text
+    matcher: Any = field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
         return self.kind.replace("_", " ")
@@ -75,18 +84,22 @@ def grammar_text(kind: str, spec: Any, lenient: bool = False) -> str:
                 spec = json.loads(spec)
             except json.JSONDecodeError as e:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise GrammarError("the JSON schema is nested too deeply to read") from None
         if not isinstance(spec, dict):
             raise GrammarError(f"a JSON schema must be an object (got {type(spec).__name__})")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={**JSON_OPTIONS, "lenient": lenient})
-        except (ValueError, TypeError) as e:
-            raise GrammarError(f"invalid JSON schema: {e}") from None
+        except LLGUIDANCE_ERRORS as e:
+            raise GrammarError(f"invalid JSON schema: {_why(e)}") from None
     if not isinstance(spec, str) or not spec:
         raise GrammarError(f"a {kind} must be a non-empty string (got {type(spec).__name__})")
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec)
-    if kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(spec)
+    convert = {"regex": llguidance.LLMatcher.grammar_from_regex, "lark": llguidance.LLMatcher.grammar_from_lark}.get(kind)
+    if convert is not None:
+        try:
+            return convert(spec)
+        except LLGUIDANCE_ERRORS as e:
+            raise GrammarError(f"invalid {kind}: {_why(e)}") from None
     raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
 
 
@@ -112,14 +125,25 @@ class GrammarCompiler:
         self.end_mask = pack_token_mask(end)  # after EOS: EOS or pad only
 
     def compile(self, kind: str, spec: Any, lenient: bool = False) -> Grammar:
-        """A validated grammar; GrammarError naming the problem otherwise."""
+        """A validated grammar, compiled once (its start state answers a first mask here too, so
+        its lexer caches are warm for every copy); GrammarError naming the problem otherwise.
+
+        llguidance compiles recursively: a deep enough grammar overflows the native stack of the
+        calling thread. The server calls this on a big-stack thread, after its limits
+        (serve/grammar_limits.py)."""
         import llguidance
 
         text = grammar_text(kind, spec, lenient)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
-        if is_error:
-            raise GrammarError(f"invalid {Grammar(kind, text).describe()}: {_first_line(messages[0])}")
-        return Grammar(kind, text)
+        what = Grammar(kind, text).describe()
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            if not matcher.is_error():
+                matcher.compute_bitmask()
+        except LLGUIDANCE_ERRORS as e:
+            raise GrammarError(f"invalid {what}: {_why(e)}") from None
+        if matcher.is_error():
+            raise GrammarError(f"invalid {what}: {_first_line(matcher.get_error())}")
+        return Grammar(kind, text, matcher)
 
     def canvas(self, grammar: Grammar, canvas_length: int) -> "CanvasGrammar":
         """A fresh grammar state for one request."""
@@ -135,7 +159,10 @@ class CanvasGrammar:
         import llguidance
 
         self.compiler, self.grammar, self.canvas_length = compiler, grammar, canvas_length
-        self.matcher = llguidance.LLMatcher(compiler.tokenizer, grammar.source, log_level=0)
+        if grammar.matcher is not None:  # a copy of the compiled start state: no second compile
+            self.matcher = grammar.matcher.deep_copy()
+        else:  # a Grammar made by hand
+            self.matcher = llguidance.LLMatcher(compiler.tokenizer, grammar.source, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(f"invalid {grammar.describe()}: {_first_line(self.matcher.get_error())}")
         self._row = torch.empty(1, compiler.words, dtype=torch.int32)
@@ -232,6 +259,15 @@ def best_allowed(mask: torch.Tensor, weights: torch.Tensor) -> int | None:
 
 def token_allowed(mask: torch.Tensor, token: int) -> bool:
     return token // 32 < mask.shape[0] and (int(mask[token // 32]) >> (token % 32)) & 1 == 1
+
+
+def _why(e: Exception) -> str:
+    """An exception from llguidance's Python side as a message (a lone surrogate said so)."""
+    if isinstance(e, UnicodeEncodeError):
+        return f"it holds a lone surrogate (U+{ord(e.object[e.start]):04X}); text must be valid Unicode"
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return _first_line(str(e))
 
 
 def _first_line(message: str) -> str:

@@ -24,6 +24,7 @@ from ..engine.events import Block, Draft, Finished, TokenLogprob
 from ..media.inputs import ImagePatches
 from .metrics import Metrics
 from .text import TextStream
+from .threads import start_with_stack
 
 log = logging.getLogger("dgemma.serve")
 
@@ -82,7 +83,7 @@ class EngineThread:
 
     # ---------------------------------------------------------------- event-loop side
     def start(self) -> None:
-        self._thread.start()
+        start_with_stack(self._thread)  # a big native stack: grammar masks are computed on it (threads.py)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

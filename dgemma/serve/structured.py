@@ -6,6 +6,9 @@ fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark). 
 them per request. A `json_schema` with `strict: false` is compiled leniently (schema keywords
 llguidance does not implement are ignored instead of refused); the output always matches what
 is enforced either way.
+
+Every grammar is checked against serve/grammar_limits.py before it is compiled (`check_format`):
+llguidance's compiler recurses natively, and what is too deep for it crashes the process.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.grammar import Grammar, GrammarCompiler, GrammarError
+from .grammar_limits import MAX_CHOICES, LimitError, check_choices, check_lark, check_regex, check_schema, text_bytes  # noqa: F401
 
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-MAX_CHOICES = 1024
 CACHE_SIZE = 64  # compiled grammars kept: agents resend the same schema with every turn
 
 
@@ -41,6 +44,7 @@ class OutputFormat:
     spec: Any
     param: str
     lenient: bool = False
+    generated: bool = False  # written by the server from checked input (a forced call's grammar): no Lark limits
 
     def key(self) -> str:
         return json.dumps([self.kind, self.spec, self.lenient], sort_keys=True, default=str)
@@ -102,8 +106,10 @@ def guided_format(fields: dict[str, Any]) -> OutputFormat | None:
     if name == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise StructuredError(name, f"{name} must be a non-empty list of non-empty strings (got {_short(value)})")
-        if len(value) > MAX_CHOICES:
-            raise StructuredError(name, f"{name} holds {len(value)} choices; at most {MAX_CHOICES} are allowed")
+        try:
+            check_choices(value, name)
+        except LimitError as e:
+            raise StructuredError(e.param, str(e)) from None
         return OutputFormat("regex", "|".join(f"(?:{re.escape(c)})" for c in value), name)
     if not isinstance(value, str) or not value:
         raise StructuredError(name, f"{name} must be a non-empty string (got {_short(value)})")
@@ -124,6 +130,29 @@ def _no_extra(obj: dict, allowed: set[str], where: str) -> None:
         raise StructuredError(f"{where}.{extra[0]}", f"unknown field '{where}.{extra[0]}'")
 
 
+def check_format(fmt: OutputFormat) -> None:
+    """`fmt` within serve/grammar_limits.py's limits (size, rules, depth, nesting, properties,
+    `$ref` chains) and valid Unicode, before anything compiles it; StructuredError naming its field."""
+    try:
+        if fmt.kind == "json_schema":
+            spec = fmt.spec
+            if isinstance(spec, str):
+                text_bytes(spec, fmt.param)
+                try:
+                    spec = json.loads(spec)
+                except RecursionError:
+                    raise StructuredError(fmt.param, f"{fmt.param}: the JSON schema is nested too deeply to read") from None
+                except ValueError:
+                    return  # not JSON: compiling names the problem
+            check_schema(spec, fmt.param)
+        elif fmt.kind == "regex":
+            check_regex(fmt.spec, fmt.param)
+        elif fmt.kind == "lark" and not fmt.generated:
+            check_lark(fmt.spec, fmt.param)
+    except LimitError as e:
+        raise StructuredError(e.param, str(e)) from None
+
+
 class GrammarCache:
     """Compiled grammars by request format (least recently used out), shared by handler threads."""
 
@@ -133,11 +162,19 @@ class GrammarCache:
         self._lock = threading.Lock()
 
     def get(self, fmt: OutputFormat) -> Grammar:
-        key = fmt.key()
+        """`fmt` compiled (or from the cache); StructuredError when it is over a limit or does
+        not compile. Blocking, and llguidance recurses deeply: run it on a big-stack thread
+        (threads.CompileWorker)."""
+        try:
+            key = fmt.key()
+        except RecursionError:  # nested deeper than any limit: check_format says how deep
+            check_format(fmt)
+            raise StructuredError(fmt.param, f"{fmt.param}: nested too deeply") from None
         with self._lock:
-            if key in self._cache:
+            if key in self._cache:  # it passed the checks when it was compiled
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        check_format(fmt)
         try:
             grammar = self.compiler.compile(fmt.kind, fmt.spec, lenient=fmt.lenient)
         except GrammarError as e:

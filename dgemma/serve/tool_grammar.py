@@ -32,6 +32,21 @@ def lark_string(text: str) -> str:
     return json.dumps(text)
 
 
+def lark_regex(pattern: str) -> str:
+    """A regex as the inside of a Lark /.../ literal: unescaped slashes and raw line breaks
+    escaped (either would end the literal, and the rest would be read as grammar)."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        out.append({"/": "\\/", "\n": "\\n", "\r": "\\r"}.get(c, c))
+        i += 1
+    return "".join(out)
+
+
 class _Writer:
     """Lark rules for schemas, one per schema node (named r0, r1, ...)."""
 
@@ -115,7 +130,7 @@ class _Writer:
             pattern = str(schema["pattern"])
             body = pattern[1:] if pattern.startswith("^") else pattern
             body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
-            text = f"/(?:{body})/"
+            text = f"/(?:{lark_regex(body)})/"
         else:
             text = f"/[^<]{{{lo},{'' if hi is None else hi}}}/"
         return f"{self.q} {text} {self.q}"
@@ -138,20 +153,37 @@ class _Writer:
         return f'"{{" {self.members(schema, path)} "}}"'
 
     def members(self, schema: dict, path: str) -> str:
-        """The inside of an object: declared properties in order, required ones always present."""
+        """The inside of an object: declared properties in order, required ones always present.
+
+        The properties are split in halves, recursively (a balanced tree, log2(n) deep): each
+        node is a rule for its members joined by commas, never empty, holding all its required
+        ones. A chain of one rule per property would be n references deep, and llguidance
+        compiles reference chains recursively (a few thousand overflow its stack)."""
         props = schema.get("properties") or {}
         if not props:
             return self.rule(f'({self.any_member()} ("," {self.any_member()})*)?') if schema.get("additionalProperties", True) is not False else '""'
         required = set(schema.get("required") or [])
         items = [(self.rule(f'{lark_string(name + ":")} {self.value(sub, f"{path}.properties.{name}")}'), name in required)
                  for name, sub in props.items()]  # fmt: skip
-        # tail(k): items k.. after at least one item; head(k): items k.. with none before
-        tail, head = '""', '""'
-        for member, needed in reversed(items):
-            new_tail = f'"," {member} {tail}' if needed else f'("," {member})? {tail}'
-            new_head = f"{member} {tail}" if needed else f"{member} {tail} | {head}"
-            tail, head = self.rule(new_tail), self.rule(new_head)
-        return head
+        rule, needed = self.joined(items)
+        return rule if needed else f"({rule})?"
+
+    def joined(self, items: list[tuple[str, bool]]) -> tuple[str, bool]:
+        """A rule for a non-empty, comma-joined, in-order selection of `items` ((rule, required)
+        pairs) that holds every required one; and whether any is required."""
+        if len(items) == 1:
+            return items[0]
+        half = len(items) // 2
+        (a, need_a), (b, need_b) = self.joined(items[:half]), self.joined(items[half:])
+        if need_a and need_b:
+            body = f'{a} "," {b}'
+        elif need_a:
+            body = f'{a} ("," {b})?'
+        elif need_b:
+            body = f'({a} ",")? {b}'
+        else:
+            body = f'{a} ("," {b})? | {b}'
+        return self.rule(body), need_a or need_b
 
     def any_member(self) -> str:
         return self.rule(f'/[A-Za-z_][A-Za-z0-9_]*/ ":" {self.any_value()}')
@@ -171,9 +203,19 @@ class _Writer:
 
 def tool_call_grammar(spec: ToolSpec, literal: Callable[[str], str]) -> str | None:
     """The Lark grammar of what follows `spec.prefill` in a forced call, or None when the
-    choice forces nothing. `literal(text)` spells a marker (a special token, or its text)."""
+    choice forces nothing. `literal(text)` spells a marker (a special token, or its text).
+    The writer recurses on the schemas' nesting, which check_tools bounds (MAX_TOOL_DEPTH); a
+    RecursionError all the same is a ToolError (a 400), not a server fault."""
     if spec.choice not in ("required", "function"):
         return None
+    try:
+        return _call_grammar(spec, literal)
+    except RecursionError:
+        raise ToolError("tool_choice", "tool_choice forces a call, but the parameters schemas are nested too deeply "
+                                       "to write its grammar") from None  # fmt: skip
+
+
+def _call_grammar(spec: ToolSpec, literal: Callable[[str], str]) -> str:
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in spec.tools}
     end = literal(TOOL_CALL_END)
     if spec.choice == "function":

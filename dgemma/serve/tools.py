@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .grammar_limits import MAX_TOOL_PROPERTIES, MAX_TOOLS_BYTES, TOOL_LIMITS, LimitError, check_schema, text_bytes
+
 TOOL_CALL, TOOL_CALL_END = "<|tool_call>", "<tool_call|>"
 TOOL_RESPONSE, TOOL_RESPONSE_END = "<|tool_response>", "<tool_response|>"
 TOOL_DECL, TOOL_DECL_END = "<|tool>", "<tool|>"
@@ -92,6 +94,10 @@ def _check_function(i: int, fn: Any) -> dict:
         raise ToolError(f"{p}.name", f"{p}.name must be 1 to 64 letters, digits, underscores or dashes (got {_short(name)})")
     if not isinstance(fn.get("description", ""), str):
         raise ToolError(f"{p}.description", f"{p}.description must be a string")
+    try:
+        text_bytes(fn.get("description") or "", f"{p}.description")
+    except LimitError as e:
+        raise ToolError(e.param, str(e)) from None
     if not isinstance(fn.get("strict", False), (bool, type(None))):
         raise ToolError(f"{p}.strict", f"{p}.strict must be a boolean")
     params = fn.get("parameters")
@@ -119,6 +125,7 @@ def check_tools(tools: Any) -> list[dict]:
     if len(tools) > MAX_TOOLS:
         raise ToolError("tools", f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed")
     out, seen = [], {}
+    size = properties = 0  # of all the tools' parameters: a forced call compiles them together
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise ToolError(f"tools[{i}]", f"tools[{i}] must be an object (got {_short(tool)})")
@@ -133,8 +140,27 @@ def check_tools(tools: Any) -> list[dict]:
             raise ToolError(f"tools[{i}].function.name", f"tools[{i}] and tools[{seen[fn['name']]}] are both named '{fn['name']}'; "
                                                          "function names must be unique")  # fmt: skip
         seen[fn["name"]] = i
+        stats = _check_parameters(i, fn.get("parameters"))
+        size, properties = size + stats[0], properties + stats[1]
+        if size > MAX_TOOLS_BYTES:
+            raise ToolError("tools", f"tools: {size} bytes of parameters schemas (or more); at most {MAX_TOOLS_BYTES} are allowed")
+        if properties > MAX_TOOL_PROPERTIES:
+            raise ToolError("tools", f"tools: {properties} properties (or more); at most {MAX_TOOL_PROPERTIES} are allowed")
         out.append({"type": "function", "function": fn})
     return out
+
+
+def _check_parameters(i: int, params: Any) -> tuple[int, int]:
+    """A parameters schema within grammar_limits' tool limits (nesting, properties, size, valid
+    Unicode): the chat template renders it and a forced call compiles it, both recursively.
+    Its (bytes, properties)."""
+    if params is None:
+        return 0, 0
+    try:
+        stats = check_schema(params, f"tools[{i}].function.parameters", TOOL_LIMITS)
+    except LimitError as e:
+        raise ToolError(e.param, str(e)) from None
+    return stats.bytes, stats.properties
 
 
 def tool_spec(tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> ToolSpec:
