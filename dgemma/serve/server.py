@@ -1239,6 +1239,8 @@ def create_app(
         service.engine_thread.start()
         yield
         service.engine_thread.stop()
+        service.compile_worker.close()
+        service.media_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="dgemma", version=__version__, description=API_DESCRIPTION, lifespan=lifespan,
                   docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None, redoc_url=None)  # fmt: skip
