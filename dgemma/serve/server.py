@@ -888,10 +888,13 @@ async def _watch_disconnect(request: Request, on_disconnect: Callable[[], Any]) 
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-            log.info("%s went away before its answer to %s was complete; cancelled its request", client, request.url.path)
+            log.info("%s went away before its answer to %s was complete; cancelled its request", _client(request), request.url.path)
             on_disconnect()
             return
+
+
+def _client(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "a client"
 
 
 def _cancel_all(gens: list[Generation]) -> Callable[[], None]:
@@ -926,8 +929,7 @@ async def read_json(request: Request, timeout: float) -> dict:
     except asyncio.TimeoutError:
         raise ApiError(408, f"request body not received within {timeout:g} s (--read-timeout)") from None
     except ClientDisconnect:
-        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-        log.info("%s went away while sending its request body to %s", client, request.url.path)
+        log.info("%s went away while sending its request body to %s", _client(request), request.url.path)
         raise ClientGone() from None
     if not body:
         raise ApiError(400, "request body is empty; send a JSON object")

@@ -177,3 +177,42 @@ def test_a_prompt_that_fits_still_passes(server):
     text = "x = 1\n" * 200  # 1,200 characters, inside dgemma-tiny's 2048-token context
     response = httpx.post(server.url + "/v1/completions", json={**NORMAL, "prompt": text, "max_tokens": 8}, timeout=60)
     assert response.status_code == 200
+
+
+# ------------------------------------------------------------------------------------ nothing mixed
+def test_hostile_traffic_beside_seeded_requests_changes_none_of_them(server):
+    """Normal seeded requests run while hostile ones come and go (oversized prompts, too many
+    steps, deadlines, clients that leave): every normal answer is the one it gets alone."""
+    stop, failures, answered = threading.Event(), [], []
+
+    def normal(path: str, body: dict) -> None:
+        while not stop.is_set():
+            response = httpx.post(server.url + path, json=body, timeout=60)
+            if response.status_code == 429:  # the two slots are busy: a clear refusal, never a mixed answer
+                time.sleep(0.05)
+                continue
+            got = text_of(response)
+            answered.append(path)
+            if got != server.baselines[path]:
+                failures.append((path, got))
+
+    def hostile() -> None:
+        big = "x" * 200_000
+        for body in ({**NORMAL, "prompt": big}, {**NORMAL, "max_denoising_steps": STEPS * 4}, long_request(seed=99),
+                     {**CHAT, "messages": [{"role": "user", "content": big}]}):  # fmt: skip
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            assert httpx.post(server.url + path, json=body, timeout=60).status_code in (200, 400, 429)
+        try:  # a client that leaves mid-request
+            httpx.post(server.url + "/v1/completions", json=long_request(seed=98), timeout=0.5)
+        except httpx.TimeoutException:
+            pass
+
+    workers = [threading.Thread(target=normal, args=("/v1/completions", NORMAL)),
+               threading.Thread(target=normal, args=("/v1/chat/completions", CHAT))]  # fmt: skip
+    for w in workers:
+        w.start()
+    hostile()
+    stop.set()
+    for w in workers:
+        w.join(120)
+    assert not failures and len(answered) >= 2
