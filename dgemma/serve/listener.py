@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import threading
 import time
@@ -29,8 +30,8 @@ class Limits:
     limit_concurrency: int = 512  # open connections (and running requests) before 503s
 
     def __post_init__(self) -> None:
-        if not self.read_timeout > 0:
-            raise ValueError(f"--read-timeout must be positive (got {self.read_timeout})")
+        if not 0 < self.read_timeout < math.inf:
+            raise ValueError(f"--read-timeout must be a positive number of seconds (got {self.read_timeout})")
         if self.limit_concurrency < 1:
             raise ValueError(f"--limit-concurrency must be at least 1 (got {self.limit_concurrency})")
 

@@ -18,8 +18,9 @@ import asyncio
 import functools
 import ipaddress
 import json
-import os
 import logging
+import math
+import os
 import random
 import threading
 import time
@@ -81,8 +82,8 @@ class Budgets:
     def __post_init__(self) -> None:
         if self.max_denoising_steps < 1:
             raise ValueError(f"--max-denoising-steps must be at least 1 (got {self.max_denoising_steps})")
-        if self.request_timeout is not None and not self.request_timeout > 0:
-            raise ValueError(f"--request-timeout must be positive, or 0 for none (got {self.request_timeout})")
+        if self.request_timeout is not None and not 0 < self.request_timeout < math.inf:
+            raise ValueError(f"--request-timeout must be a positive number of seconds, or 0 for none (got {self.request_timeout})")
 
     def deadline(self) -> float | None:
         """The time.monotonic() value a request arriving now must end by."""
@@ -1409,7 +1410,7 @@ def _names(text: str) -> tuple[str, ...]:
 def add_safety_flags(p: argparse.ArgumentParser) -> None:
     """Who may use the server and what one request may cost (see docs/security.md)."""
     b, limits = Budgets(), Limits()
-    p.add_argument("--api-key", default=os.environ.get("DGEMMA_API_KEY"),
+    p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every API route and /metrics (default: $DGEMMA_API_KEY; "
                         "none: no key)")  # fmt: skip
     p.add_argument("--allowed-hosts", type=_names, default=(),
@@ -1430,7 +1431,8 @@ def add_safety_flags(p: argparse.ArgumentParser) -> None:
 
 
 def safety(args) -> tuple[Access, Budgets, Limits]:
-    access = Access(api_key=args.api_key or None, allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+    key = args.api_key if args.api_key is not None else (os.environ.get("DGEMMA_API_KEY") or None)
+    access = Access(api_key=key, allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                     bind_host=args.host)  # fmt: skip
     budgets = Budgets(args.max_denoising_steps, args.request_timeout or None)
     return access, budgets, Limits(args.read_timeout, args.limit_concurrency)
@@ -1509,13 +1511,16 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
     logging.getLogger("dgemma").setLevel(args.log_level.upper())  # refusals, clients that left, timeouts
+    try:  # the operator's limits, checked before minutes of loading
+        policy = media_policy(args)
+        access, budgets, limits = safety(args)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     if str(args.device).startswith("cuda"):
         check_device_memory(args)
     model = load_model(args)
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
     try:
-        policy = media_policy(args)
-        access, budgets, limits = safety(args)
         app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy,
                          args.ui, access, budgets, limits, args.docs)  # fmt: skip
         sock = bind(args.host, args.port)

@@ -104,6 +104,7 @@ def test_the_attacks_crash_llguidance_on_an_8_mib_stack(kind, spec):
 @pytest.fixture(scope="module")
 def server(tiny_server):
     tiny_server.baseline = completion(tiny_server, NORMAL).json()["choices"][0]["text"]
+    tiny_server.start_rss = tiny_server.rss()
     return tiny_server
 
 
@@ -116,6 +117,7 @@ def still_serving(server):
     assert server.healthy()
     again = completion(server, NORMAL)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == server.baseline
+    assert server.peak_rss() < server.start_rss + 300 * 2**20
     assert "Traceback" not in "".join(server.lines[seen:]), "".join(server.lines[seen:])[-3000:]
 
 

@@ -207,3 +207,29 @@ def test_too_many_connections_get_503_not_a_hang():
             for sock in socks:
                 sock.close()
         assert wait_until(lambda: s.healthy(), 10)
+
+
+# ------------------------------------------------------------------------------------ the flags
+@pytest.mark.parametrize("flags,words", [
+    (["--api-key", ""], "--api-key"), (["--api-key", " padded "], "--api-key"),
+    (["--allowed-origins", "evil"], "is not an origin"), (["--allowed-origins", "http://x:99999"], "is not an origin"),
+    (["--request-timeout", "-1"], "--request-timeout"), (["--request-timeout", "nan"], "--request-timeout"),
+    (["--request-timeout", "inf"], "--request-timeout"), (["--read-timeout", "0"], "--read-timeout"),
+    (["--read-timeout", "inf"], "--read-timeout"), (["--limit-concurrency", "0"], "--limit-concurrency"),
+    (["--max-denoising-steps", "0"], "--max-denoising-steps"),
+])  # fmt: skip
+def test_bad_safety_flags_are_one_line_before_loading(flags, words):
+    import subprocess
+
+    from serve_process import SERVE
+
+    run = subprocess.run(SERVE + ["--port", "0", *flags], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("dgemma: error:")
+
+
+def test_the_key_may_come_from_the_environment():
+    with ServeProcess(["--served-model-name", MODEL], env={"DGEMMA_API_KEY": "from-env"}) as s:
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
+        assert "API key required" in s.output

@@ -25,7 +25,7 @@ def test_no_server_errors_from_generated_requests(tmp_path):
         start = server.rss()
         run = subprocess.run(
             [st, "run", server.url + "/openapi.json", "--checks", "not_a_server_error", "--max-examples", "8",
-             "--max-time", "60", "--seed", "1", "--generation-database", "none", "--workers", "2", "--no-color",
+             "--max-time", "45", "--seed", "1", "--generation-database", "none", "--workers", "2", "--no-color",
              "--request-timeout", "30", "-H", f"Authorization: Bearer {KEY}"],
             cwd=tmp_path, capture_output=True, text=True, timeout=240,
         )  # fmt: skip
