@@ -25,9 +25,9 @@ import random
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Literal
 
@@ -430,7 +430,8 @@ def _has_media(messages: list[ChatMessage]) -> bool:
 
 
 def _text_chars(message: ChatMessage) -> int:
-    """Characters of text a message adds to the prompt: its text content and tool calls."""
+    """Characters of text a message adds to the prompt: its text content, and the strings and
+    keys of its tool calls (walked without recursion: they are not checked yet)."""
     content = message.content
     if isinstance(content, str):
         chars = len(content)
@@ -438,7 +439,17 @@ def _text_chars(message: ChatMessage) -> int:
         chars = sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     else:
         chars = 0
-    return chars + (len(json.dumps(message.tool_calls)) if message.tool_calls is not None else 0)
+    stack = [message.tool_calls]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, dict):
+            chars += sum(len(k) for k in value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return chars
 
 
 def _processor_content(content: list, loaded) -> str | list[dict]:
