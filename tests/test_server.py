@@ -334,3 +334,19 @@ def test_serve_cli_errors_are_one_line(model, tmp_path, capsys):
         assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
     finally:
         busy.close()
+
+
+def test_openapi_declares_the_request_bodies(server, model):
+    spec = httpx.get(server.url + "/openapi.json").json()
+    for path, name, field in (("/v1/completions", "CompletionRequest", "prompt"),
+                              ("/v1/chat/completions", "ChatCompletionRequest", "messages")):  # fmt: skip
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
+        schema = spec["components"]["schemas"][name]
+        assert field in schema["required"] and schema["properties"]["model"]["enum"] == [MODEL]
+        assert schema["additionalProperties"] is False and "max_denoising_steps" in schema["properties"]
+    assert httpx.get(server.url + "/docs").status_code == 200
+    with ServerThread(create_app(model, MODEL, docs=False)) as s:
+        assert httpx.get(s.url + "/openapi.json").status_code == 404
+        assert httpx.get(s.url + "/docs").status_code == 404
+        assert httpx.get(s.url + "/health").status_code == 200
