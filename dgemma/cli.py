@@ -64,6 +64,52 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "Default: batched on GPU only")  # fmt: skip
 
 
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the model's matmuls (default: torch's choice, one per core it sees); "
+                        "on a shared or busy CPU fewer, even 1, can be several times faster")  # fmt: skip
+
+
+def apply_threads(args) -> None:
+    """--threads, set before any work (torch's intra-op pool)."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise CliError(f"--threads must be at least 1 (got {threads})")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template to use instead of the checkpoint's (tokenizer_config.json or "
+                        "chat_template.jinja)")  # fmt: skip
+
+
+def apply_chat_template_file(model, args) -> None:
+    """--chat-template FILE: read, checked that Jinja parses it, and set on the model's tokenizer
+    (the processor renders through the same tokenizer)."""
+    path = getattr(args, "chat_template", None)
+    if path is None:
+        return
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"--chat-template: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise CliError(f"--chat-template: {path} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+    if model.tokenizer is None:
+        raise CliError(f"--chat-template: {model.path} has no tokenizer.json to render it with")
+    model.tokenizer.chat_template = text
+
+
 def engine_options(args):
     from .engine.options import EngineOptions
 
