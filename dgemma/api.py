@@ -514,6 +514,9 @@ def load(
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"the shipped model is missing from {path}; pass a checkpoint directory")
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileNotFoundError(f"{path} is a file: a checkpoint is the directory that holds config.json, the weights "
+                                "and the tokenizer")  # fmt: skip
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     config = load_model_config(path)

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import logging
 import sys
+import time
 from pathlib import Path
 
 SAMPLER_FLAGS = (
@@ -24,10 +25,15 @@ class CliError(Exception):
     pass
 
 
+DEMO_MODEL_NOTE = ("dgemma: no --model: the shipped demo model dgemma-tiny (10M parameters, trained on Python's "
+                   "standard library: expect Python-flavoured text, not working code); --model DIR for a real checkpoint")  # fmt: skip
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="checkpoint directory (default: the shipped dgemma-tiny)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype in memory (default: float32; bfloat16 halves it)")  # fmt: skip
     p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
                    help="quantise the text layers' linears and experts while loading (docs/quantization.md)")
     p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
@@ -88,12 +94,11 @@ def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
                         "chat_template.jinja)")  # fmt: skip
 
 
-def apply_chat_template_file(model, args) -> None:
-    """--chat-template FILE: read, checked that Jinja parses it, and set on the model's tokenizer
-    (the processor renders through the same tokenizer)."""
+def read_chat_template(args) -> str | None:
+    """--chat-template FILE's text, checked that Jinja parses it (before minutes of loading)."""
     path = getattr(args, "chat_template", None)
     if path is None:
-        return
+        return None
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -105,6 +110,15 @@ def apply_chat_template_file(model, args) -> None:
         ImmutableSandboxedEnvironment().parse(text)
     except TemplateSyntaxError as e:
         raise CliError(f"--chat-template: {path} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+    return text
+
+
+def apply_chat_template_file(model, args, text: str | None = None) -> None:
+    """--chat-template FILE (or its `text`, read before loading) set on the model's tokenizer;
+    the processor renders through the same tokenizer."""
+    text = text if text is not None else read_chat_template(args)
+    if text is None:
+        return
     if model.tokenizer is None:
         raise CliError(f"--chat-template: {model.path} has no tokenizer.json to render it with")
     model.tokenizer.chat_template = text
@@ -117,6 +131,17 @@ def engine_options(args):
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
         prefill_chunk=args.prefill_chunk, batch_invariant=False if args.batched_passes else None,
     )  # fmt: skip
+
+
+def flag_names(message: str, args) -> str:
+    """`message` with the sampler fields the user set by flag named as those flags
+    (`max_denoising_steps` -> `--steps`)."""
+    import re
+
+    for flag, dest, _, _ in SAMPLER_FLAGS:
+        if getattr(args, dest, None) is not None:
+            message = re.sub(rf"\b{dest}\b", flag, message)
+    return message
 
 
 def add_sampler_flags(p: argparse.ArgumentParser) -> None:
@@ -226,9 +251,15 @@ def cmd_infill(model, args, suffix: str) -> int:
 
     knobs = {k: v for k, v in sampler_knobs(args).items() if k != "max_new_tokens"}
     try:
+        demo_note(args)
         if not args.show_canvas:
+            started = time.perf_counter()
             result = model.infill(args.prompt, suffix, span_length=args.span_length, seed=args.seed, **knobs)
             sys.stdout.write(result.text + "\n")
+            sys.stdout.flush()
+            if not args.quiet:
+                sys.stderr.write(f"dgemma: a span of {result.span_length} tokens (of {len(result.scores)} candidate lengths) "
+                                 f"in {time.perf_counter() - started:.2f} s\n")  # fmt: skip
             return 0
         from rich.console import Console
         from rich.live import Live
@@ -249,11 +280,80 @@ def cmd_infill(model, args, suffix: str) -> int:
         raise CliError(str(e)) from None
 
 
+def run_prompt(args) -> str:
+    """The prompt of `dgemma run`: the argument, standard input for '-', or --prompt-file; an
+    empty one is refused (it would generate from <bos> alone: text about nothing)."""
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise CliError("give the prompt or --prompt-file, not both")
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"--prompt-file: cannot read {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    elif args.prompt is None:
+        raise CliError("no prompt: give the text to complete, '-' to read it from standard input, or --prompt-file FILE")
+    else:
+        text = args.prompt
+    if not text.strip() and not args.media:
+        raise CliError("the prompt is empty (or only white space): give the text to complete (with --chat, the question)")
+    return text
+
+
+def demo_note(args) -> None:
+    """Say, before its output, that the shipped demo model writes noise (unless --quiet)."""
+    if args.model is None and not args.quiet:
+        sys.stderr.write(DEMO_MODEL_NOTE + "\n")
+        sys.stderr.flush()
+
+
+def check_temperature(args) -> float:
+    """AR mode's temperature (0: greedy); refused in diffusion mode, whose temperatures are the
+    schedule's --t-max and --t-min."""
+    if args.temperature is None:
+        return 0.0
+    if args.mode != "ar":
+        raise CliError("--temperature is for --mode ar; the diffusion sampler's temperatures are --t-max (the first "
+                       "step's) and --t-min (the last step's)")  # fmt: skip
+    if not 0 <= args.temperature < float("inf"):
+        raise CliError(f"--temperature must be a number >= 0 (got {args.temperature})")
+    return args.temperature
+
+
+class RunTiming:
+    """What `dgemma run` says on stderr when it is done: tokens, time, speed, model passes
+    (`passes`: decoder passes in diffusion mode, encoder passes in AR mode)."""
+
+    def __init__(self, passes: str = "decoder"):
+        self.started, self.first_block, self.tokens, self.passes = time.perf_counter(), None, 0, 0
+        self.kind = passes
+
+    def add(self, block) -> None:
+        if self.first_block is None:
+            self.first_block = time.perf_counter() - self.started
+        self.tokens += len(block.tokens)
+        self.passes += block.decoder_passes
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        parts = [f"{self.tokens} tokens in {elapsed:.2f} s ({self.tokens / elapsed if elapsed > 0 else 0:.1f} tok/s)"]
+        if self.passes:
+            parts.append(f"{self.passes} {self.kind} passes ({self.tokens / self.passes:.2f} tokens/forward)")
+        if self.first_block is not None:
+            parts.append(f"first block after {self.first_block:.2f} s")
+        return "dgemma: " + ", ".join(parts)
+
+
 def cmd_run(args) -> int:
     from .engine.events import Block, Draft
 
+    args.prompt = run_prompt(args)
+    temperature = check_temperature(args)
+    apply_threads(args)
     suffix = run_suffix(args)
     model = load_model(args)
+    model.generation_config.with_overrides(**sampler_knobs(args))  # the knobs checked before any output
     model.configure_engine(engine_options(args))
     tok = model.tokenizer
     if tok is None:
@@ -267,14 +367,16 @@ def cmd_run(args) -> int:
     else:
         prompt = tok.encode(args.prompt)
     grammar = run_grammar(model, args)
+    timing = RunTiming("encoder" if args.mode == "ar" else "decoder")
     if args.mode == "ar":
         from .engine.ar import ar_stream
 
-        events = ar_stream(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+        events = ar_stream(model, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed)
     else:
         events = model.stream(
             prompt, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, grammar=grammar, **sampler_knobs(args)
         )
+    demo_note(args)
     tokens: list[int] = []
     printed = ""
     if args.show_canvas:
@@ -286,6 +388,7 @@ def cmd_run(args) -> int:
         with Live(Text(""), console=console, refresh_per_second=20, transient=False) as live:
             for ev in events:
                 if isinstance(ev, Block):
+                    timing.add(ev)
                     tokens += ev.tokens
                     live.update(Text(tok.decode(tokens)))
                 elif isinstance(ev, Draft):
@@ -295,15 +398,19 @@ def cmd_run(args) -> int:
                     live.update(view)
         if not console.is_terminal:  # a pipe gets the final text only: end it as the plain mode does
             sys.stdout.write("\n")
-        return 0
-    for ev in events:
-        if isinstance(ev, Block):
-            tokens += ev.tokens
-            text = tok.decode(tokens)
-            sys.stdout.write(text[len(printed) :] if text.startswith(printed) else "\n" + text)
-            sys.stdout.flush()
-            printed = text
-    sys.stdout.write("\n")
+    else:
+        for ev in events:
+            if isinstance(ev, Block):
+                timing.add(ev)
+                tokens += ev.tokens
+                text = tok.decode(tokens)
+                sys.stdout.write(text[len(printed) :] if text.startswith(printed) else "\n" + text)
+                sys.stdout.flush()
+                printed = text
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    if not args.quiet:
+        sys.stderr.write(timing.line() + "\n")
     return 0
 
 
@@ -394,16 +501,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="generate a completion, printed as each block commits")
-    run.add_argument("prompt")
+    run.add_argument("prompt", nargs="?", default=None,
+                     help="the text to complete ('-' reads it from standard input; or give --prompt-file)")  # fmt: skip
+    run.add_argument("--prompt-file", metavar="FILE", default=None, help="read the prompt from FILE (UTF-8)")
     add_model_flags(run)
     add_sampler_flags(run)
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     run.add_argument("--system", help="system prompt (with --chat)")
     run.add_argument("--show-canvas", action="store_true", help="redraw the canvas live while it denoises")
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--sampling", choices=["default", "reference"], default="default")
-    run.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion", help="ar: autoregressive decoding")
-    run.add_argument("--temperature", type=float, default=0.0, help="AR mode temperature (0 = greedy)")
+    run.add_argument("--seed", type=int, default=None,
+                     help="seed of the sampler's random numbers: the same seed gives the same text (default: random)")  # fmt: skip
+    run.add_argument("--sampling", choices=["default", "reference"], default="default",
+                     help="default: dgemma's engine; reference: transformers' random-number order, token for token "
+                          "(default: default)")  # fmt: skip
+    run.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion",
+                     help="diffusion: denoise canvases (the model's way); ar: autoregressive decoding with the encoder "
+                          "(default: diffusion)")  # fmt: skip
+    run.add_argument("--temperature", type=float, default=None,
+                     help="with --mode ar: sampling temperature, 0 = greedy (default: 0); diffusion's temperatures "
+                          "are --t-max (first step) and --t-min (last step)")  # fmt: skip
+    run.add_argument("--quiet", "-q", action="store_true", help="no timing line on stderr after the completion")
+    add_threads_flag(run)
     run.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this JSON Schema (enforced while denoising)")
     run.add_argument("--regex", help="the output matches this regular expression (enforced while denoising)")
     run.add_argument("--grammar", metavar="FILE", help="the output is a sentence of this Lark grammar (llguidance's dialect)")
@@ -416,15 +534,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (for trying the tools)")
-    tiny.add_argument("out", type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out", type=Path, help="directory to write the checkpoint to")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.set_defaults(func=cmd_make_tiny)
 
     mem = sub.add_parser("memory", help="KV cache bytes of one request of --tokens tokens (paged vs preallocated)")
     mem.add_argument("--model", "-m", help="checkpoint directory (its config.json); default: --size")
     mem.add_argument("--size", default="real", help="a model-size preset (default: real, the released model)")
-    mem.add_argument("--tokens", type=int, default=131072)
-    mem.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    mem.add_argument("--tokens", type=int, default=131072, help="tokens of the request (default: 131072)")
+    mem.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                     help="dtype of the KV cache and weights (default: bfloat16)")  # fmt: skip
     mem.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
     mem.add_argument("--card", type=parse_size, default=None,
                      help="plan serving on a device of this many bytes (e.g. 24GB, 80GiB): weights, KV, step buffers, fit")  # fmt: skip
@@ -457,7 +576,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
         return 130
-    except (CliError, ConfigError, WeightsError, FileNotFoundError, ValueError, TypeError) as e:
+    except ConfigError as e:  # the sampler's checks name its fields: say the flags the user typed
+        sys.stderr.write(f"dgemma: error: {flag_names(str(e), args)}\n")
+        return 2
+    except (CliError, WeightsError, FileNotFoundError, ValueError, TypeError) as e:
         sys.stderr.write(f"dgemma: error: {e}\n")
         return 2
 

@@ -57,7 +57,7 @@ def test_cli_errors_are_one_line(tiny, tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "nope"), "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["run", "--model", str(tiny), "x", "--steps", "0"]) == 2
-    assert "max_denoising_steps must be a positive integer" in capsys.readouterr().err
+    assert "--steps must be a positive integer" in capsys.readouterr().err
 
 
 def test_dgemma_checkpoint_loads_in_transformers(tiny):

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -434,3 +435,20 @@ def test_bf16_autocast_trains(workdir, tmp_path):
     assert math.isfinite(result.last_losses["loss"]) and result.last_losses["loss"] > 0
     weights = _weights(tmp_path / "bf16")
     assert all(t.dtype == torch.float32 for t in weights.values())  # fp32 master weights
+
+
+def test_a_warmup_longer_than_the_run_is_said_and_weights_are_0644(workdir, tmp_path, capsys):
+    old = os.umask(0o022)
+    try:
+        assert main(["train", "--config", "test", "--data", str(workdir / "text"), "--out", str(tmp_path / "w"),
+                     "--tokenizer", str(workdir / "tokenizer.json"), "--steps", "2", "--warmup", "5", "--batch-size", "2",
+                     "--seq-len", "32", "--threads", "1"]) == 0  # fmt: skip
+        adapted = random_model(make_config(**PRESETS["test"]), seed=2)
+        lora.apply_lora(adapted, rank=2, alpha=4)
+        lora.save_adapters(adapted, tmp_path / "adapter")
+    finally:
+        os.umask(old)
+    err = capsys.readouterr().err
+    assert "warning: --warmup 5 is not below --steps 2" in err and "never to --lr" in err
+    weights = [*(tmp_path / "w").rglob("*.safetensors"), tmp_path / "adapter" / "adapter_model.safetensors"]
+    assert len(weights) > 1 and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in weights)

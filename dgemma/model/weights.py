@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -202,6 +203,29 @@ def state_dict_for_disk(model: DiffusionGemma) -> dict[str, torch.Tensor]:
     return out
 
 
+def _umask() -> int:
+    """This process's umask (read, not changed, where /proc says it: changing it races other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], target: str | Path) -> Path:
+    """safetensors' save_file, then the mode any new file gets (0644 under umask 022):
+    save_file writes through a private temporary file, which would leave the weights at 0600
+    beside a checkpoint's other files."""
+    target = Path(target)
+    save_file(tensors, str(target), metadata={"format": "pt"})
+    os.chmod(target, 0o666 & ~_umask())
+    return target
+
+
 def save_weights(model: DiffusionGemma, path: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write model.safetensors in the checkpoint layout."""
     path = Path(path)
@@ -209,9 +233,7 @@ def save_weights(model: DiffusionGemma, path: str | Path, dtype: torch.dtype | N
     tensors = state_dict_for_disk(model)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    target = path / "model.safetensors"
-    save_file(tensors, str(target), metadata={"format": "pt"})
-    return target
+    return save_safetensors(tensors, path / "model.safetensors")
 
 
-__all__ = ["load_weights", "save_weights", "state_dict_for_disk", "WeightsError", "ConfigError"]
+__all__ = ["load_weights", "save_weights", "save_safetensors", "state_dict_for_disk", "WeightsError", "ConfigError"]

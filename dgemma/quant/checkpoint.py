@@ -36,10 +36,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..config import ConfigError
-from ..model.weights import WeightsError, _weight_files
+from ..model.weights import WeightsError, _weight_files, save_safetensors
 from .formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP, QTensor, QuantError, check_scheme, quantize
 from .modules import LINEAR_TARGETS
 
@@ -239,7 +238,7 @@ class ShardWriter:
 
     def flush(self) -> None:
         if self.tensors:
-            save_file(self.tensors, str(self.out / f"shard-{len(self.shards):05d}.tmp"), metadata={"format": "pt"})
+            save_safetensors(self.tensors, self.out / f"shard-{len(self.shards):05d}.tmp")
             self.shards.append(list(self.tensors))
             self.tensors, self.size = {}, 0
 

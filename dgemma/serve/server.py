@@ -1393,10 +1393,12 @@ def _openapi(app: FastAPI, served_model_name: str) -> dict:
 # ------------------------------------------------------------------------------------ running it
 def add_cli(sub: argparse._SubParsersAction) -> None:
     """Register `dgemma serve`."""
-    from ..cli import add_engine_flags, add_model_flags
+    from ..cli import add_chat_template_flag, add_engine_flags, add_model_flags, add_threads_flag
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_flags(p)
+    add_threads_flag(p)
+    add_chat_template_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
     p.add_argument("--max-active", type=int, default=8, help="requests admitted at once, each denoising its canvas (default: 8)")
@@ -1407,7 +1409,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_engine_flags(p)
     add_media_flags(p)
     add_safety_flags(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="what the server logs: uvicorn's lines and dgemma's (refusals, clients that left) (default: info)")  # fmt: skip
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="no playground page at GET / (the API only)")
     p.add_argument("--no-docs", dest="docs", action="store_false", help="no /openapi.json and /docs (the API's description)")
@@ -1517,7 +1520,7 @@ def check_device_memory(args) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from ..cli import CliError, engine_options, load_model
+    from ..cli import CliError, apply_chat_template_file, apply_threads, engine_options, load_model, read_chat_template
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
@@ -1527,9 +1530,12 @@ def cmd_serve(args) -> int:
         access, budgets, limits = safety(args)
     except ValueError as e:
         raise CliError(str(e)) from None
+    apply_threads(args)
+    template = read_chat_template(args)
     if str(args.device).startswith("cuda"):
         check_device_memory(args)
     model = load_model(args)
+    apply_chat_template_file(model, args, template)
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
     try:
         app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy,

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
+
+from ..model.weights import save_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -117,7 +119,7 @@ def write_adapters(path: str | Path, tensors: dict[str, torch.Tensor], config: d
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / ADAPTER_CONFIG).write_text(json.dumps({"format": "dgemma-lora", **config}, indent=2) + "\n")
-    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, path / ADAPTER_WEIGHTS)
     return path
 
 

@@ -231,6 +231,10 @@ class Trainer:
         self.is_main = self.rank == 0
         self.stop_requested = False
         self._validate()
+        if args.warmup >= args.steps:
+            peak = lr_at(args.steps - 1, args.lr, args.warmup, args.steps, args.min_lr_ratio)
+            self._say(f"warning: --warmup {args.warmup} is not below --steps {args.steps}: the learning rate only climbs "
+                      f"to {peak:.3g}, never to --lr {args.lr:g}; give a --warmup below --steps (e.g. {args.steps // 10})")  # fmt: skip
         self.out.mkdir(parents=True, exist_ok=True)
         self.resume_from = None if args.fresh else latest_checkpoint(self.out)
         self.tok = self._tokenizer()
@@ -556,7 +560,7 @@ def add_cli(sub) -> None:
     m = sub.add_parser("merge-lora", help="fold LoRA adapters into a full checkpoint")
     m.add_argument("--model", "-m", required=True, help="the base checkpoint")
     m.add_argument("--adapter", required=True, help="directory with adapter_config.json and adapter_model.safetensors")
-    m.add_argument("--out", required=True)
+    m.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
     m.set_defaults(func=cmd_merge_lora)
 
 
@@ -566,7 +570,8 @@ def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
     p.add_argument("--out", "-o", required=True, help="output directory (checkpoints, final model, log)")
     p.add_argument("--tokenizer", help="tokenizer.json or checkpoint dir (train: default trains a BPE on --data)")
     p.add_argument("--eval-data", nargs="+", help="held-out data (default: --eval-fraction of --data)")
-    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
+    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction,
+                   help=f"share of --data held out for eval losses, without --eval-data (default: {d.eval_fraction})")  # fmt: skip
     for flag, kind, default, text in (
         ("--steps", int, d.steps, "optimizer steps"),
         ("--batch-size", int, d.batch_size, "sequences per micro-batch per process"),
@@ -592,7 +597,7 @@ def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (bf16 autocast)")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the final weights")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--fresh", action="store_true", help="ignore checkpoints in --out and start over")
 
 
