@@ -1,9 +1,27 @@
 """`dgemma chat`: an interactive multi-turn session in the terminal (issue #16).
 
 Line editing and history come from Python's readline; the live canvas view is rich's Live, fed by
-`Model.stream(..., drafts=True)`. The model's engine (and its prefix cache) persists across
-turns, so turn N encodes only the prompt tokens the cache does not hold. Not a TTY (a pipe):
-one user message per input line, the answer as plain text per turn, figures on stderr.
+`Model.stream(..., drafts=True)`. Not a TTY (a pipe): one user message per input line, the answer
+as plain text per turn, figures on stderr.
+
+The model's engine (and its prefix cache) persists across turns, so turn N encodes only the
+prompt tokens the cache does not hold. The cache keys whole blocks of token ids at fixed
+positions, so turn N's prompt must repeat turn N-1's tokens exactly. Re-rendering the
+conversation through the chat template does not: the template trims the answer (Gemma 4's
+`| trim`) and the answer's text tokenizes differently from the tokens the model wrote (a leading
+"\n" dropped, " py" becoming "py"), and one changed token early in a block loses that block and
+every block after it. So the session keeps the token ids it encoded (the prompt, then the answer
+as the model wrote it) and builds the next prompt as those ids followed by the template's own
+rendering of what comes after the answer: its end-of-turn, the new user turn, the generation
+prompt (the new rendering, less the last prompt's rendering and the answer's text). The engine's
+exact-match cache then serves it unchanged; a partial-block match in the engine would still
+re-encode everything from the first changed token (here the answer's first), and would move the
+pass boundaries that keep a cached prefix bit-identical to a cold one. The model still sees the
+template's conversation: the answer differs from the rendering only in whitespace the template
+trims and in token boundaries. Where the template does not render the last prompt followed by
+the text the kept tokens spell (special tokens inside the answer, a template that rewrites
+earlier turns), or the conversation changed (/reset, /system, /load, images), the prompt is the
+plain rendering, tokenized.
 """
 
 from __future__ import annotations
@@ -13,6 +31,7 @@ import re
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HISTORY_FILE = Path.home() / ".cache" / "dgemma" / "chat_history"
@@ -82,12 +101,26 @@ def _content_ok(content) -> bool:
     )
 
 
+@dataclass
+class Encoded:
+    """What the engine holds of the conversation after a turn: `messages` (a copy, the answer
+    last), `prompt_text` (that turn's prompt as the template rendered it) and `ids` (that prompt's
+    ids, then from `answer_start` the answer's tokens as the model wrote them, less a final EOS
+    and whitespace)."""
+
+    messages: list[dict]
+    prompt_text: str
+    ids: list[int]
+    answer_start: int
+
+
 class Session:
     def __init__(self, model, system: str | None, knobs: dict, seed: int | None, canvas: bool, tty: bool):
         self.model, self.tok = model, model.tokenizer
         self.system = system or None
         self.messages: list[dict] = []
         self.images: list[str] = []  # paths attached to the next user message (/image)
+        self.encoded: Encoded | None = None  # the last turn's token ids, continued by the next prompt
         self.knobs = {k: v for k, v in knobs.items() if v is not None}
         self.seed = seed
         self.tty = tty
@@ -154,13 +187,41 @@ class Session:
         self.images.append(str(Path(path).expanduser()))
         self.say(f"{len(self.images)} image(s) attached to your next message", "dim")
 
-    def prompt(self):
-        """The conversation as the model's prompt: token ids, or the processor's ModelInputs when
-        a message holds images."""
+    def prompt(self) -> tuple:
+        """The conversation as the model's prompt, and the template's text of it: token ids (the
+        last turn's, continued with the rendering past its answer, where they spell the same
+        conversation: module docstring), or the processor's ModelInputs and None when a message
+        holds images."""
         conversation = self.conversation()
         if any(isinstance(m["content"], list) for m in conversation):
-            return self.model.processor.apply_chat_template(conversation, add_generation_prompt=True)
-        return self.tok.apply_chat_template(conversation, add_generation_prompt=True)
+            return self.model.processor.apply_chat_template(conversation, add_generation_prompt=True), None
+        text = self.tok.render_chat(conversation, add_generation_prompt=True)
+        ids = self.continued(conversation, text)
+        return (ids if ids is not None else self.tok.encode(text, add_special_tokens=False)), text
+
+    def continued(self, conversation: list[dict], text: str) -> list[int] | None:
+        """The last turn's ids and the tokens of `text` past its answer, or None when `text` does
+        not render that turn's prompt followed by the text its answer's tokens spell."""
+        prev = self.encoded
+        if prev is None or conversation[: len(prev.messages)] != prev.messages or not text.startswith(prev.prompt_text):
+            return None
+        rest = text[len(prev.prompt_text) :]
+        answer = self.tok.decode(prev.ids[prev.answer_start :], skip_special_tokens=False).strip()
+        if not rest.startswith(answer):
+            return None
+        return prev.ids + self.tok.encode(rest[len(answer) :], add_special_tokens=False)
+
+    def answer_ids(self, tokens: list[int]) -> list[int]:
+        """An answer's tokens as the next prompt keeps them: less a final EOS (the template writes
+        its own end-of-turn) and trailing whitespace (the template trims it; it ends the answer's
+        last block, which a finished request never encodes, so no cached block is lost)."""
+        eos = set(self.model.generation_config.eos_token_ids)
+        end = len(tokens)
+        if end and tokens[end - 1] in eos:
+            end -= 1
+        while end and not self.tok.decode([tokens[end - 1]], skip_special_tokens=False).strip():
+            end -= 1
+        return tokens[:end]
 
     def conversation(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -220,7 +281,8 @@ class Session:
         content = [{"type": "image", "image": p} for p in self.images] + [{"type": "text", "text": text}]
         self.messages.append({"role": "user", "content": content if self.images else text})
         try:
-            events = self.model.stream(self.prompt(), drafts=self.canvas, seed=self.seed, **self.knobs)
+            prompt, prompt_text = self.prompt()
+            events = self.model.stream(prompt, drafts=self.canvas, seed=self.seed, **self.knobs)
         except ValueError as e:  # MediaError and ConfigError are ValueErrors: the message is not sent
             self.messages.pop()
             return self.say(f"error: {e}", "red")
@@ -267,6 +329,9 @@ class Session:
         elapsed = time.perf_counter() - start
         answer = self.tok.decode(tokens).strip()
         self.messages.append({"role": "assistant", "content": answer})
+        self.encoded = None if prompt_text is None else Encoded(
+            [dict(m) for m in self.conversation()], prompt_text, list(prompt) + self.answer_ids(tokens), len(prompt)
+        )  # fmt: skip
         if self.tty:
             if live is None:
                 sys.stdout.write("\n")
@@ -329,9 +394,11 @@ def setup_readline() -> None:
 
 
 def cmd_chat(args) -> int:
-    from .cli import CliError, engine_options, load_model, sampler_knobs
+    from .cli import CliError, apply_chat_template_file, apply_threads, engine_options, load_model, sampler_knobs
 
+    apply_threads(args)
     model = load_model(args)
+    apply_chat_template_file(model, args)
     model.configure_engine(engine_options(args))
     if model.tokenizer is None:
         raise CliError(f"{model.path} has no tokenizer.json: `dgemma chat` needs one")
@@ -355,13 +422,16 @@ def cmd_chat(args) -> int:
 
 
 def add_cli(sub) -> None:
-    from .cli import add_engine_flags, add_model_flags, add_sampler_flags
+    from .cli import add_chat_template_flag, add_engine_flags, add_model_flags, add_sampler_flags, add_threads_flag
 
     p = sub.add_parser("chat", help="an interactive multi-turn chat in the terminal (live canvas view)")
     add_model_flags(p)
     add_sampler_flags(p)
-    p.add_argument("--system", help="system prompt")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", help="system prompt (/system changes it during the chat)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampler seed of every turn, for repeatable answers (default: a random one per turn; /set seed)")  # fmt: skip
     p.add_argument("--no-canvas", dest="canvas", action="store_false", help="do not draw the canvas while it denoises")
+    add_chat_template_flag(p)
+    add_threads_flag(p)
     add_engine_flags(p)
     p.set_defaults(func=cmd_chat)

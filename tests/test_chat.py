@@ -57,16 +57,15 @@ def test_chat_in_a_terminal(tmp_path):
         child.expect_exact("saved 5 messages")
         child.expect_exact(PROMPT)
 
-        # turn 2 encoded only what the prefix cache did not hold: its prompt less the cached
-        # blocks of turn 1's prompt and answer
+        # turn 2 encoded only what the prefix cache did not hold: the full blocks of turn 1's
+        # prompt were cached (the one-block answer was never encoded; test_turn_two_keeps_its_prefix
+        # checks the prompt itself)
         tok = Tokenizer.from_dir(default_model_dir())
         messages = json.loads((tmp_path / "two.json").read_text())
         assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
         prompt1 = tok.apply_chat_template(messages[:2], add_generation_prompt=True)
-        prompt2 = tok.apply_chat_template(messages[:4], add_generation_prompt=True)
         assert (new1, cached1) == (len(prompt1), 0)
-        assert new2 + cached2 == len(prompt2)
-        assert cached2 >= len(prompt1) // 32 * 32 > 0 and new2 < len(prompt2) - len(prompt1) + 32
+        assert cached2 == len(prompt1) // 32 * 32 > 0 and new2 + cached2 > len(prompt1)
 
         # Ctrl-C during a long generation stops it, not the session; the partial answer stays
         child.sendline("/set max-new-tokens 1024")
@@ -147,3 +146,104 @@ def test_chat_with_an_image(tmp_path):
     text_only = subprocess.run(CHAT + ["--no-canvas"], input=f"/image {picture}\n", capture_output=True, text=True, timeout=60,
                                env=chat_env(tmp_path))  # fmt: skip
     assert text_only.returncode == 0 and "has no vision tower" in text_only.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import dgemma
+
+    return dgemma.load()
+
+
+def chat_turns(model, lines: list[str], capsys, system: str | None = None, **knobs):
+    """An in-process session (a pipe's): each turn's prompt as passed to the engine, its figures
+    (answer tokens, new prompt tokens, cached), and the session. A fresh engine: an empty cache."""
+    from dgemma.chat import Session
+
+    model.configure_engine()
+    session = Session(model, system, knobs, 0, canvas=False, tty=False)
+    prompts, stream = [], model.stream
+    model.stream = lambda prompt, **kw: (prompts.append(list(prompt)), stream(prompt, **kw))[1]
+    try:
+        for line in lines:
+            session.command(line) if line.startswith("/") else session.turn(line)
+    finally:
+        del model.stream
+    turns = [tuple(int(g) for g in m) for m in FIGURES.findall(capsys.readouterr().err)]
+    return prompts, turns, session
+
+
+def test_turn_two_keeps_its_prefix(tiny, capsys):
+    """With a template that trims the answer (Gemma 4's `| trim`), turn 2 still finds turn 1's
+    blocks in the prefix cache: its prompt is turn 1's prompt and answer as encoded, then the
+    template's end-of-turn, the new user turn and the generation prompt."""
+    tok = tiny.tokenizer
+    assert "| trim" in tok.chat_template
+    # no system prompt: turn 1's prompt (12 tokens) is inside the first block, which the answer's
+    # first block (of two, eos off) completes; a re-rendered answer differs there
+    lines = ["Hello there", "How are you today?", "And then?"]
+    prompts, turns, session = chat_turns(tiny, lines, capsys, max_denoising_steps=4, max_new_tokens=64, eos_token_ids=[])
+    p1, p2, p3 = prompts
+    (_, new1, cached1), (_, new2, cached2), (_, new3, cached3) = turns
+    assert (new1, cached1) == (len(p1), 0) and len(p1) < 32
+    # everything turn 1 encoded in whole blocks: its prompt and the answer's first block
+    assert cached2 == (len(p1) + 32) // 32 * 32 > 0 and new2 + cached2 == len(p2)
+    assert cached3 == (len(p2) + 32) // 32 * 32 and new3 + cached3 == len(p3)
+    assert p2[: len(p1)] == p1 and p3[: len(p2)] == p2
+
+    # turn 2's prompt holds the whole conversation as the template renders it, but for the
+    # whitespace around the answer that the template trims
+    messages = session.conversation()
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 3
+    answer = messages[1]["content"]
+    head = tok.render_chat(messages[:1], add_generation_prompt=True)
+    rendered = tok.render_chat(messages[:3], add_generation_prompt=True)
+    tail = rendered[len(head) + len(answer) :]
+    assert rendered == head + answer + tail and tail.startswith("<turn|>") and tail.endswith("<|turn>model\n")
+    text = tok.decode(p2, skip_special_tokens=False)
+    assert text.startswith(head) and text.endswith(tail) and text[len(head) : -len(tail)].strip() == answer
+
+
+def test_a_changed_conversation_is_rendered_afresh(tiny, capsys, tmp_path):
+    """/system, /reset: the prompt is the template's rendering of the conversation as it is now."""
+    tok = tiny.tokenizer
+    saved = tmp_path / "chat.json"
+    lines = ["Hello there", "/system Be brief.", "How are you today?", f"/save {saved}", "/reset", "Hello there"]
+    prompts, turns, _ = chat_turns(tiny, lines, capsys, max_denoising_steps=4, max_new_tokens=32)
+    assert len(turns) == 3
+    messages = json.loads(saved.read_text())
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert prompts[1] == tok.apply_chat_template(messages[:4], add_generation_prompt=True)
+    assert prompts[2] == tok.apply_chat_template(messages[:2], add_generation_prompt=True)
+
+
+def test_chat_template_and_threads_flags(tmp_path):
+    """--chat-template FILE renders the prompt; a template Jinja cannot parse, a missing file and
+    --threads 0 are one-line errors."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{{ bos_token }}A conversation between a person and a model.\n{% for message in messages %}"
+        "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{{ message['content'] | trim }}<turn|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+    )  # fmt: skip
+    base = [sys.executable, "-m", "dgemma.cli", "chat", "--steps", "2", "--max-new-tokens", "32", "--seed", "0", "--no-canvas"]
+    out = subprocess.run(base + ["--threads", "1", "--chat-template", str(template)], input="Hello there\n",
+                         capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    tok = Tokenizer.from_dir(default_model_dir())
+    user = [{"role": "user", "content": "Hello there"}]
+    default = tok.apply_chat_template(user, add_generation_prompt=True)
+    tok.chat_template = template.read_text()
+    ours = tok.apply_chat_template(user, add_generation_prompt=True)
+    assert [(int(new), int(cached)) for _, new, cached in FIGURES.findall(out.stderr)] == [(len(ours), 0)]
+    assert len(ours) > len(default)
+
+    (tmp_path / "bad.jinja").write_text("{% for message in messages %}{{ message['content'] }}")
+    for flags, why in (
+        (["--chat-template", str(tmp_path / "bad.jinja")], "is not a valid Jinja template"),
+        (["--chat-template", str(tmp_path / "missing.jinja")], "--chat-template: cannot read"),
+        (["--threads", "0"], "--threads must be at least 1"),
+    ):
+        out = subprocess.run(base + flags, input="", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))
+        assert out.returncode == 2 and why in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("dgemma: error: "), out.stderr
