@@ -25,10 +25,12 @@ def _threads():
 @pytest.fixture(scope="session", autouse=True)
 def _native_kernels_built():
     """Build the native CPU kernels (where they run) in this process first, not inside the startup
-    timeout of a server subprocess that a test launches."""
-    from dgemma.kernels import native
+    timeout of a server subprocess that a test launches: every test's subprocess (dgemma chat,
+    serve, scripts) then imports the built libraries."""
+    from dgemma.kernels import dequant, native
 
     native.amx()
+    dequant.extension()
     yield
 
 

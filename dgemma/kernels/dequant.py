@@ -41,7 +41,7 @@ def extension() -> ModuleType | None:
         log.info("native dequantisation off: this CPU lacks %s", ", ".join(sorted(missing)))
         return None
     try:
-        return build(NAME, SOURCES, CFLAGS, "native dequantisation kernels (under a minute")
+        return build(NAME, SOURCES, CFLAGS, "native dequantisation kernels", "under a minute")
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
         lines = str(e).strip().splitlines() or ["?"]
         first_error = next((line for line in lines if "error" in line), lines[-1])

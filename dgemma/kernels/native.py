@@ -12,16 +12,26 @@ All are optional. Where the CPU lacks AVX-512 (BF16) or AMX, no C++ compiler is 
 build fails, `extension()` / `amx()` return None and the engine keeps its torch / oneDNN path,
 with one logged line saying why. `DGEMMA_NATIVE=0` keeps them off. The build (~1 min, once) is
 cached under `~/.cache/torch_extensions` (or `TORCH_EXTENSIONS_DIR`), in a directory named by a
-hash of the sources (`build_directory`): a changed source builds anew beside the old build.
+hash of what the library depends on (`build_directory`: the sources' content, flags, compiler,
+torch and Python), never by where the checkout or venv lives, so that every checkout and venv
+of the same code loads one build. `build` says so in one line whenever it builds, rebuilds or
+waits for another process's build; `DGEMMA_REBUILD_NATIVE=1` forces a rebuild.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
-import time
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -63,47 +73,128 @@ def _cpu_flags() -> set[str]:
     return flags
 
 
-STALE_LOCK_SECONDS = 600  # a build takes about a minute; a lock this old was left by one that died
+LDFLAGS = ("-fopenmp",)  # at::parallel_for is inlined into the kernels and runs on torch's (same libgomp) threads
+REBUILD_VARIABLE = "DGEMMA_REBUILD_NATIVE"
+
+
+@functools.cache
+def _compiler_identity(compiler: str) -> str:
+    """What `compiler --version` says: another compiler (or version) builds into another directory."""
+    try:
+        out = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=60)
+        return f"{compiler}\n{out.stdout.strip()}"
+    except (OSError, subprocess.SubprocessError):
+        return f"{compiler}: not found"
+
+
+def _inputs(sources: list[Path]) -> list[Path]:
+    """The sources and the headers beside them (what they include), each copied into the build."""
+    headers = sorted({h for src in sources for h in src.parent.glob("*.h")} - set(sources))
+    return [*sources, *headers]
 
 
 def build_directory(name: str, sources: list[Path], cflags: list[str]) -> Path:
-    """Where `name` is built: one directory per content of its sources, the headers beside them and
-    its flags (and torch and Python versions) below torch's extension root
-    (`TORCH_EXTENSIONS_DIR`, as torch itself reads it, else the user's cache), so that checkouts
-    with other sources never rebuild over each other's build, and the same sources anywhere
-    reuse one build."""
-    import hashlib
-    import sys
+    """Where `name` is built: one directory per content (and file names) of its sources and the
+    headers beside them, its flags, the compiler's identity and the torch and Python versions,
+    below torch's extension root (`TORCH_EXTENSIONS_DIR`, as torch itself reads it, else the
+    user's cache). No path enters the name: checkouts with other sources never rebuild over each
+    other's build, and the same sources in any checkout or venv reuse one build."""
+    from torch.utils.cpp_extension import get_cxx_compiler, get_default_build_root
 
-    from torch.utils.cpp_extension import get_default_build_root
-
-    digest = hashlib.sha1(" ".join([*cflags, torch.__version__, sys.version]).encode())
-    headers = sorted({h for src in sources for h in src.parent.glob("*.h")})  # what the sources include
-    for src in [*sources, *headers]:
-        digest.update(src.read_bytes())
+    toolchain = [torch.__version__, str(torch.version.git_version), sys.version, platform.machine(), _compiler_identity(get_cxx_compiler())]
+    digest = hashlib.sha1("\n".join([*cflags, *LDFLAGS, *toolchain]).encode())
+    for path in _inputs(sources):
+        digest.update(f"\n{path.name}\n".encode())
+        digest.update(path.read_bytes())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"{name}-{digest.hexdigest()[:12]}"
+    return Path(root).absolute() / f"{name}-{digest.hexdigest()[:12]}"
 
 
-def build(name: str, sources: list[Path], cflags: list[str], what: str) -> ModuleType:
-    """torch's extension build of `sources` into `build_directory`, said so first when nothing is
-    built there yet (a `dgemma run` that builds for a minute does not look hung); a lock left by
-    a build that died (torch would wait on it forever) is removed."""
+def _import(name: str, library: Path) -> ModuleType:
+    """The finished library imported as it is (torch is imported already): no torch `load()`,
+    whose build.ninja names this venv's include paths and would rebuild for another venv."""
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
+    if spec is None:
+        raise ImportError(f"no import spec for {library}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def _build_lock(directory: Path, what: str) -> Iterator[None]:
+    """`directory`'s build lock, held exclusively (one build at a time, across processes); said in
+    one line when another process holds it. The kernel releases it when its holder dies."""
+    import fcntl
+
+    path = directory / "build.lock"
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process's build of dgemma's %s: %s", what, path)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build(name: str, sources: list[Path], cflags: list[str], what: str, duration: str = "about a minute") -> ModuleType:
+    """The extension `name` from `sources`, built once in `build_directory` and then imported
+    from there by every process, checkout and venv. A build (or a rebuild: forced by
+    `DGEMMA_REBUILD_NATIVE=1`, or because the library there does not load) is said in one line
+    first, as is a wait for another process's build; a library that loads is silent.
+
+    The sources are copied into the directory first, so that torch's build files name no path of
+    this checkout; the library is published by an atomic rename, so that a reader never imports
+    a half-written file."""
+    directory = build_directory(name, sources, cflags)
+    library = directory / f"{name}.so"
+    forced = os.environ.get(REBUILD_VARIABLE, "") not in ("", "0")
+    if not forced and library.exists():
+        try:
+            return _import(name, library)
+        except ImportError:
+            pass  # rebuilt below, under the lock, unless another process has rebuilt it meanwhile
+    directory.mkdir(parents=True, exist_ok=True)
+    with _build_lock(directory, what):
+        why = f"{REBUILD_VARIABLE}={os.environ[REBUILD_VARIABLE]}" if forced else None
+        if not forced and library.exists():
+            try:
+                return _import(name, library)  # built by the process whose build this one waited for
+            except ImportError as e:
+                why = f"{library.name} there does not load: {(str(e).strip().splitlines() or ['?'])[0]}"
+        if why:
+            log.warning("rebuilding dgemma's %s (%s) in %s: %s", what, duration, directory, why)
+        else:
+            log.warning("building dgemma's %s (%s; cached afterwards) in %s", what, duration, directory)
+        return _build_and_publish(name, sources, cflags, directory, library)
+
+
+def _build_and_publish(name: str, sources: list[Path], cflags: list[str], directory: Path, library: Path) -> ModuleType:
+    """torch's build of copies of `sources` (from scratch: nothing a dead build left is reused),
+    its library then renamed into `library`. Called under the build lock."""
     from torch.utils.cpp_extension import load
 
-    directory = build_directory(name, sources, cflags)
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            log.warning("removing %s, left by a build of dgemma's %s that did not finish", lock, what.split(" (")[0])
-            lock.unlink()
-    except FileNotFoundError:
-        pass
-    if not any(directory.glob("*.so")):
-        log.warning("building dgemma's %s; cached afterwards) in %s", what, directory)
-    # -fopenmp: at::parallel_for is inlined here and runs on torch's (same libgomp) threads
-    return load(name, [str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(directory))
+    src, work = directory / "src", directory / "build"
+    for stale in (src, work):
+        shutil.rmtree(stale, ignore_errors=True)
+        stale.mkdir()
+    for partial in directory.glob(f".{library.name}.*.partial"):  # a copy whose process died
+        partial.unlink(missing_ok=True)
+    for path in _inputs(sources):
+        shutil.copyfile(path, src / path.name)
+    # copies: torch appends its own flags (and this venv's library paths) to the lists it is given
+    module = load(name, [str(src / s.name) for s in sources], extra_cflags=list(cflags), extra_ldflags=list(LDFLAGS), build_directory=str(work))
+    built = Path(getattr(module, "__file__", None) or work / "none")
+    # torch names it `NAME_vN` when this process built `name` before (elsewhere): not importable as `name`
+    if built.name == library.name and built.is_file():
+        partial = directory / f".{library.name}.{os.getpid()}.partial"
+        shutil.copyfile(built, partial)
+        os.replace(partial, library)
+    return module
 
 
 @functools.cache
@@ -116,7 +207,7 @@ def extension() -> ModuleType | None:
         log.info("native CPU kernels off: this CPU lacks %s", ", ".join(sorted(missing)))
         return None
     try:
-        return build("dgemma_native", SOURCES, CFLAGS, "native CPU kernels (about a minute")
+        return build("dgemma_native", SOURCES, CFLAGS, "native CPU kernels")
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
         lines = str(e).strip().splitlines() or ["?"]
         first_error = next((line for line in lines if "error" in line), lines[-1])
