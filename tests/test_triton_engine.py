@@ -18,7 +18,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
 
 import dgemma  # noqa: E402
-from dgemma.engine.runner import DecoderGraphs, eager_capture  # noqa: E402
+from dgemma.engine.graphs import DecoderGraphs, eager_capture  # noqa: E402
 from dgemma.kernels import triton_step  # noqa: E402
 from dgemma.model.checkpoint import make_tiny_random  # noqa: E402
 
