@@ -111,6 +111,12 @@ class PagedKVCache:
             self.values.append(torch.empty(shape, device=self.device, dtype=dtype))
 
     # ---------------------------------------------------------------- planning
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A plan's tensor, built on the host, queued for the device without waiting: a blocking
+        copy would make the host wait for every pass already queued (and is illegal while a CUDA
+        graph captures)."""
+        return t.to(self.device, non_blocking=True)
+
     @staticmethod
     def length(row: SequenceBlocks) -> int:
         return row.length
@@ -130,13 +136,13 @@ class PagedKVCache:
         if encoder:
             pos = torch.arange(start, start + count)
             owner = torch.tensor(table[start // b : (start + count - 1) // b + 1], dtype=torch.long)
-            slots = (owner[pos // b - start // b] * b + pos % b).to(self.device)
-        blocks = torch.tensor(ids, dtype=torch.long, device=self.device)
+            slots = self._to_device(owner[pos // b - start // b] * b + pos % b)
+        blocks = self._to_device(torch.tensor(ids, dtype=torch.long))
         return KeyRange(lo, start, first_block * b, blocks, slots)
 
     def _plan(self, rows: list[SequenceBlocks], counts: list[int], width: int, encoder: bool) -> PagedPass:
         starts = [r.length for r in rows]
-        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        positions = self._to_device(torch.tensor(starts)[:, None] + torch.arange(width))
         ranges, masks, causal = {}, {}, {}
         for kind in KINDS:
             ranges[kind] = [self._range(kind, r, s, c, encoder) for r, s, c in zip(rows, starts, counts)]
@@ -158,8 +164,8 @@ class PagedKVCache:
         lengths = [r.start - r.lo + c for r, c in zip(ranges, counts)]
         span = max(lengths)
         idx = torch.arange(span, device=self.device)
-        key_pos = torch.stack([torch.tensor(r.lo, device=self.device) + idx for r in ranges])  # [n, K]
-        valid = idx[None] < torch.tensor(lengths, device=self.device)[:, None]
+        key_pos = self._to_device(torch.tensor([r.lo for r in ranges]))[:, None] + idx  # [n, K]
+        valid = idx[None] < self._to_device(torch.tensor(lengths))[:, None]
         allowed = valid[:, None, None, :].expand(-1, 1, width, -1)
         if encoder:
             q = positions[:, None, :, None]
@@ -209,8 +215,8 @@ class PagedKVCache:
                 table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
             tables[kind] = (table, lo, torch.tensor(starts, dtype=torch.int32))
         if out is None:
-            moved = {kind: tuple(t.to(self.device) for t in parts) for kind, parts in tables.items()}
-            return PagedPass(self, list(rows), [canvas_length] * n, positions.to(self.device), False, {}, {}, {}, moved)
+            moved = {kind: tuple(self._to_device(t) for t in parts) for kind, parts in tables.items()}
+            return PagedPass(self, list(rows), [canvas_length] * n, self._to_device(positions), False, {}, {}, {}, moved)
         for kind in KINDS:
             for dest, src in zip(out.tables[kind], tables[kind]):
                 dest.copy_(src, non_blocking=True)

@@ -57,7 +57,7 @@ def prefill(
         for j, (i, count) in enumerate(zip(active, counts)):
             ids[j, :count] = torch.tensor(token_lists[i][done[i] : done[i] + count])
         plan = cache.plan_encoder(max(counts), [rows[i] for i in active], counts)
-        ids = ids.to(net.device)
+        ids = ids.to(net.device, non_blocking=True)  # no wait for the passes queued before it
         embeds = _with_images(net, ids, plan, [images[i] for i in active], [done[i] for i in active])
         hidden = net.encode(ids, plan, embeds)
         cache.commit(plan)

@@ -119,7 +119,7 @@ class Request:
         self.active_constraints = self.resolve_constraints()
         if self.active_constraints is not None:
             canvas = self.active_constraints.seed_canvas(canvas)
-        self.canvas = canvas.to(device)
+        self.canvas = canvas.to(device, non_blocking=True)  # no wait for the passes queued before it
         self.argmax = self.canvas.clone()
         self.soft = None
         self.history = None

@@ -236,9 +236,10 @@ class DiffusionGemma(nn.Module):
         self.soft_embed_kernel = None
         # float32 where the engine's copy multiplies bf16 weights in float32 (kernels/widened.py)
         self.compute_dtype: torch.dtype | None = None
-        # One spec per layer kind, for RoPE tables. Frequencies are rebuilt per pass in float32
-        # (cheap) rather than kept as buffers that a dtype cast would round.
+        # One spec per layer kind, for RoPE tables. Frequencies are kept in float32 per device
+        # (`rope_frequencies`), not as buffers that a dtype cast would round.
         self.rope_specs = {spec.kind: spec for spec in config.layers}
+        self._rope_frequencies: dict[torch.device, dict[str, torch.Tensor]] = {}
         # The vision tower (model.encoder.vision_tower / embed_vision), when the checkpoint holds it.
         self.quantization: tuple[str, int | None] | None = None  # (scheme, group size) once quantised
         self.vision = None
@@ -280,11 +281,19 @@ class DiffusionGemma(nn.Module):
         """The reference's self-conditioning input: softmax(logits) @ E x sqrt(hidden)."""
         return self.soft_embed(logits.softmax(dim=-1, dtype=torch.float32))
 
+    def rope_frequencies(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Each layer kind's RoPE inverse frequencies (float32) on `device`: computed on the CPU as
+        the reference does, copied to a device once. A copy per pass would make the host wait on a
+        GPU, and is illegal inside a captured CUDA graph."""
+        freqs = self._rope_frequencies.get(device)
+        if freqs is None:
+            freqs = {kind: rope.inv_freq(spec).to(device, non_blocking=True) for kind, spec in self.rope_specs.items()}
+            self._rope_frequencies[device] = freqs
+        return freqs
+
     def _run_layers(self, h: torch.Tensor, cache_pass, encoder: bool) -> torch.Tensor:
-        tables = {
-            kind: rope.cos_sin(cache_pass.positions, rope.inv_freq(spec, h.device), h.dtype)
-            for kind, spec in self.rope_specs.items()
-        }
+        freqs = self.rope_frequencies(h.device)
+        tables = {kind: rope.cos_sin(cache_pass.positions, freqs[kind], h.dtype) for kind in self.rope_specs}
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.self_attn.spec.kind]
             h = layer(h, cos, sin, i, cache_pass, encoder)

@@ -71,8 +71,9 @@ def cpu_quant_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
-    """The GPU kernels (kernels/triton_quant.py) run for x: CUDA with triton installed."""
-    if x.device.type != "cuda":
+    """The GPU kernels (kernels/triton_quant.py) run for x: a device that is not the CPU (CUDA,
+    which ROCm reports too; the meta device of the host-sync tests) with triton installed."""
+    if x.device.type == "cpu":
         return False
     from ..kernels import triton_quant
 
@@ -119,7 +120,10 @@ class QuantExperts(nn.Module):
         num_tokens, top_k = top_k_index.shape
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
         token = perm // top_k
-        offsets = torch.cumsum(torch.bincount(expert_ids, minlength=self.num_experts), 0).to(torch.int32)
+        # rows with id <= e, for each expert e: searchsorted on the sorted ids stays on the device,
+        # where bincount would read its output size back to the host (a sync, and no graph capture)
+        bounds = torch.arange(self.num_experts, device=expert_ids.device, dtype=expert_ids.dtype)
+        offsets = torch.searchsorted(expert_ids, bounds, right=True, out_int32=True)
         gate, up = quant_grouped_linear(x.index_select(0, token), gate_up, offsets).chunk(2, dim=-1)
         out = quant_grouped_linear(F.gelu(gate, approximate=self.approximate) * up, down, offsets)
         out = out * top_k_weights.reshape(-1)[perm].to(out.dtype)[:, None]
