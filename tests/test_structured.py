@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.engine.grammar import GrammarError, single_token
+from dgemma.engine import grammar
+from dgemma.engine.grammar import GrammarError, best_allowed, best_allowed_candidate, single_token, top_candidates
 from dgemma.engine.sampler import pack_token_mask
 from dgemma.serve.grammar_limits import LarkStats
 from dgemma.serve.structured import OutputFormat, StructuredError, guided_format
@@ -135,6 +136,38 @@ def test_single_token_of_a_mask():
     two = torch.zeros(384, dtype=torch.bool)
     two[[5, 200]] = True
     assert single_token(pack_token_mask(two)) is None
+
+
+def test_the_candidates_pick_what_the_whole_row_picks():
+    """A rejected token's replacement from each position's 64 heaviest tokens (one read from the
+    device per refined pass) equals the whole row's: ties to the lowest id, zero weights never,
+    undecided (False) only where an unseen token could win."""
+    g = torch.Generator().manual_seed(0)
+    vocab, decided = 384, 0
+    for trial in range(300):
+        weights = torch.rand(vocab, generator=g) ** 8
+        if trial % 3 == 0:
+            weights = (weights * 4).round() / 4  # ties
+        if trial % 5 == 0:
+            weights[torch.rand(vocab, generator=g) < 0.8] = 0.0
+        allowed = torch.rand(vocab, generator=g) < (0.02 if trial % 2 else 0.5)
+        mask = pack_token_mask(allowed)
+        (values, ids), = top_candidates(weights[None])
+        got = best_allowed_candidate(mask, values, ids)
+        if got is not False:
+            decided += 1
+            assert got == best_allowed(mask, weights), trial
+    assert decided > 150
+
+
+def test_a_refined_pass_reads_the_device_once(model, monkeypatch):
+    """Grammar refinement reads each position's candidates once per pass, not a row per rejection."""
+    reads = []
+    monkeypatch.setattr(grammar, "top_candidates", lambda w, k=64: reads.append(1) or top_candidates(w, k))
+    grammar_ = model.compile_grammar("regex", REGEX)
+    passes = model.engine.stats.decoder_passes
+    model.generate(["x"] * 4, max_new_tokens=64, seed=list(range(4)), grammar=grammar_, **ONE_PASS)
+    assert 0 < len(reads) <= model.engine.stats.decoder_passes - passes  # at most one per request's pass
 
 
 @pytest.mark.parametrize(

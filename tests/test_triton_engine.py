@@ -94,6 +94,58 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
         engine.release_prefix(kv)
 
 
+def test_chunked_replays_keep_each_requests_drafts(model, monkeypatch):
+    """A group larger than the largest bucket runs as chunks replaying one graph in turn: each
+    chunk's outputs (argmax, the drafts' entropies, self-conditioning) are copied out before the
+    next replay overwrites them, so drafts and tokens equal eager passes over the same chunks."""
+    from dgemma.config import GenerationConfig
+    from dgemma.engine.engine import Request
+    from dgemma.engine.events import Draft, Finished
+
+    model.configure_engine(triton=True, block_size=8, batch_invariant=False)
+    c = model.config.canvas_length
+    gen = GenerationConfig(max_new_tokens=2 * c, max_denoising_steps=4, eos_token_ids=())
+
+    def run_all(graphs):
+        engine = model.engine
+        engine.runner.graphs = graphs
+        if graphs is None:  # the same chunks, eagerly
+            monkeypatch.setattr(engine.runner, "_groups", lambda rs: [rs[i : i + 2] for i in range(0, len(rs), 2)])
+        ids = [engine.add(Request(p, gen, 11 + k, drafts=True)) for k, p in enumerate(PROMPTS + [list(range(60, 70))])]
+        drafts, tokens = {i: [] for i in ids}, {}
+        while engine.has_work:
+            for ev in engine.step():
+                if isinstance(ev, Draft):
+                    drafts[ev.row].append((ev.canvas, ev.accepted, ev.entropy))
+                elif isinstance(ev, Finished):
+                    tokens[ev.row] = ev.tokens
+        monkeypatch.undo()
+        return [drafts[i] for i in ids], [tokens[i] for i in ids]
+
+    replayed = run_all(DecoderGraphs(buckets=(2,), capture=eager_capture))
+    eager = run_all(None)
+    assert replayed[1] == eager[1]
+    for mine, theirs in zip(replayed[0], eager[0]):
+        assert [(d[0], d[1]) for d in mine] == [(d[0], d[1]) for d in theirs]
+        assert [e for d in mine for e in d[2]] == pytest.approx([e for d in theirs for e in d[2]], rel=1e-5, abs=1e-6)
+
+
+def test_a_steps_encoder_work_is_one_prefill(model, monkeypatch):
+    """Without batch invariance, a step's prompt chunks and committed blocks (no images) are
+    encoded together: one prefill call per step, each row after its own prefix."""
+    from dgemma.engine import runner as runner_module
+
+    calls = []
+    real = runner_module.prefill
+    monkeypatch.setattr(runner_module, "prefill", lambda net, cache, rows, *a, **k: calls.append(len(rows)) or real(net, cache, rows, *a, **k))
+    model.configure_engine(triton=True, block_size=8, batch_invariant=False)
+    c = model.config.canvas_length
+    steps = model.engine.stats.steps
+    out = model.generate(PROMPTS, seed=5, eos_token_ids=[], max_new_tokens=2 * c, max_denoising_steps=2)
+    assert len(calls) <= model.engine.stats.steps - steps and max(calls) == len(PROMPTS)
+    assert all(len(s) == 2 * c for s in out.sequences)
+
+
 def test_the_option_needs_a_device_that_runs_the_kernels(model, monkeypatch):
     monkeypatch.setattr(triton_step, "INTERPRETED", False)
     model.configure_engine(triton=True)

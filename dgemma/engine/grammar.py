@@ -194,6 +194,7 @@ class CanvasGrammar:
         from llguidance.torch import fill_next_token_bitmask
 
         c, compiler, matcher, row = self.canvas_length, self.compiler, self.matcher, self._row[0]
+        candidates = None  # each position's most likely tokens, read from the device at the first rejection
         tokens = list(tokens)
         masks = torch.full((c, compiler.words), -1, dtype=torch.int32)
         fixed = torch.full((c,), -1, dtype=torch.long)
@@ -206,7 +207,13 @@ class CanvasGrammar:
             if only is not None:
                 fixed[i] = tokens[i] = only
             elif not token_allowed(row, tokens[i]):
-                best = None if weights is None else best_allowed(row, weights[i])
+                best = None
+                if weights is not None:
+                    if candidates is None:
+                        candidates = top_candidates(weights)
+                    best = best_allowed_candidate(row, *candidates[i])
+                    if best is False:  # not settled by the candidates: the whole row
+                        best = best_allowed(row, weights[i])
                 if best is None:
                     break
                 tokens[i] = best
@@ -247,6 +254,34 @@ def single_token(mask: torch.Tensor) -> int | None:
     w = int(words[0, 0])
     bits = int(mask[w]) & 0xFFFFFFFF
     return w * 32 + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
+
+
+CANDIDATES = 64
+
+
+def top_candidates(weights: torch.Tensor, k: int = CANDIDATES) -> list[tuple[list[float], list[int]]]:
+    """Each position's `k` heaviest tokens, in one read from the device (on a GPU, one copy and one
+    wait per refined pass, instead of a row copy and two waits per rejected token)."""
+    values, ids = weights.float().topk(min(k, weights.shape[-1]), dim=-1)
+    return list(zip(values.cpu().tolist(), ids.cpu().tolist()))
+
+
+def best_allowed_candidate(mask: torch.Tensor, values: list[float], ids: list[int]) -> int | None | bool:
+    """`best_allowed` from a position's heaviest tokens (descending): the allowed one of highest
+    weight (the lowest id among equals, as argmax picks), None when a zero weight is reached first
+    (every allowed token weighs 0), False when the candidates cannot settle it (none allowed, or
+    the best ties with the lightest candidate, so an unseen token could tie with a lower id)."""
+    best = None
+    for v, t in zip(values, ids):
+        if best is not None and v < best[0]:
+            break
+        if v <= 0:
+            return None if best is None else best[1]
+        if token_allowed(mask, t) and (best is None or t < best[1]):
+            best = (v, t)
+    if best is None or (len(values) and best[0] == values[-1]):
+        return False
+    return best[1]
 
 
 def best_allowed(mask: torch.Tensor, weights: torch.Tensor) -> int | None:

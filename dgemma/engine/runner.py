@@ -25,6 +25,7 @@ the prefix cache held. Otherwise a step's canvases run as one batched decoder pa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -51,6 +52,22 @@ def engine_net(net: DiffusionGemma) -> DiffusionGemma:
     return packed_copy(net) if net.device.type == "cpu" else net
 
 
+@dataclass
+class StepDecisions:
+    """A group's sampler decisions after its pass, on the device: the next input canvases [n, C],
+    argmax canvases [n, C], self-conditioning inputs [n, C, H], stop histories, stop flags [n],
+    kept positions and shown entropies [n, C] (for drafts), and the pass's weights [n * C, V]."""
+
+    canvas: torch.Tensor
+    argmax: torch.Tensor
+    soft_next: torch.Tensor
+    histories: list[torch.Tensor | None]
+    stops: torch.Tensor
+    kept: torch.Tensor
+    shown: torch.Tensor
+    weights: torch.Tensor
+
+
 class Runner:
     def __init__(self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int], stats: EngineStats | None = None):
         if options.triton:  # attention's norms + RoPE and the MoE block on the Triton kernels (kernels/gpu.py)
@@ -74,14 +91,31 @@ class Runner:
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> list[DecodeResult]:
-        for work in plan.encode:
+        self._encode(plan.encode)
+        results = []
+        for group in self._groups(plan.decode):
+            decisions = self._decide(group, *self._denoise(group))
+            results += self._results(group, decisions)
+        return results
+
+    def _encode(self, works: list[EncodeWork]) -> None:
+        """The step's encoder work (prompt chunks, committed blocks). Batched: works without
+        images share one prefill (one pass per layer for all of them, instead of one per request);
+        batch-invariant runs, and works with images, encode one by one."""
+        together = [] if self.options.batch_invariant else [w for w in works if not w.request.images]
+        if together:
+            prefill(self.net, self.cache, [w.request.kv for w in together], [w.request.sequence[w.start : w.end] for w in together])
+        for work in works:
+            if any(work is w for w in together):
+                continue
             req = work.request
             images = [self._images_in(work)] if req.images else None
             prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images)
-        results = []
-        for group in self._groups(plan.decode):
-            results += self._advance(group, *self._denoise(group))
-        return results
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A step input built on the host, queued for the device without waiting: a blocking copy
+        would make the host wait for every pass already queued."""
+        return t.to(self.net.device, non_blocking=True)
 
     # ---------------------------------------------------------------- images
     def _images_in(self, work: EncodeWork) -> list[PlacedImage]:
@@ -113,9 +147,13 @@ class Runner:
         return self.net.vision.image_features(pixels, positions)
 
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
+        """Batch-invariant: one request per pass. Otherwise one batched pass, or with CUDA graphs
+        chunks of at most the largest captured bucket (each chunk replays a graph; a larger group
+        would run eagerly)."""
         if self.options.batch_invariant:
             return ([r] for r in requests)
-        return [requests] if requests else []
+        size = self.graphs.largest if self.graphs is not None else max(1, len(requests))
+        return [requests[i : i + size] for i in range(0, len(requests), size)]
 
     # ---------------------------------------------------------------- the decoder pass
     def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:
@@ -123,8 +161,8 @@ class Runner:
         temps = self._temperatures(group)
         soft = self._soft_inputs(group)
         allowed = self._allowed(group)
-        if self.graphs is not None and allowed is None:
-            out = self.graphs.run(self, group, canvas, soft, temps)
+        if self.graphs is not None:
+            out = self.graphs.run(self, group, canvas, soft, temps, allowed)
             if out is not None:
                 return out
         rows = [r.kv for r in group]
@@ -142,7 +180,7 @@ class Runner:
                 for r in group
             ]
         )
-        return temps.repeat_interleave(self.config.canvas_length)[:, None].to(self.net.device)
+        return self._to_device(temps.repeat_interleave(self.config.canvas_length)[:, None])
 
     def _soft_inputs(self, group: list[Request]) -> torch.Tensor | None:
         if all(r.soft is None for r in group):
@@ -158,7 +196,7 @@ class Runner:
             return None
         c, words = self.config.canvas_length, -(-self.config.vocab_size // 32)
         everything = torch.full((c, words), -1, dtype=torch.int32)
-        return torch.cat([everything if m is None else m for m in masks]).to(self.net.device)
+        return self._to_device(torch.cat([everything if m is None else m for m in masks]))
 
     def decoder_step(
         self,
@@ -223,29 +261,30 @@ class Runner:
         return buf[:rows]
 
     # ---------------------------------------------------------------- the sampler
-    def _advance(self, group: list[Request], argmax, entropy, weights, total, soft_next) -> list[DecodeResult]:
-        """Sampler decisions for a group after its pass.
+    def _decide(self, group: list[Request], argmax, entropy, weights, total, soft_next) -> StepDecisions:
+        """Sampler decisions for a group after its pass, all on the device (nothing here makes the
+        host wait for the pass: tests/test_host_sync.py proves it on the meta device).
 
         Randomness comes from each request's own stream, a fixed amount per step: its torch
         generator, or with the Triton kernels its Philox stream on the device (keyed by its seed,
         at its pass count). On CPU only the accepted positions are sampled; on GPU every position
         is (no host sync), and the unaccepted samples are discarded. Fixed positions of the
         canvas constraints are excluded from acceptance (entropy 0 counts nothing against the
-        bound) and from the stopping statistics, and keep their tokens.
+        bound) and from the stopping statistics, and keep their tokens. Outputs of a captured
+        graph are copied out: the next replay overwrites them.
         """
-        device = self.net.device
         fixed = self._fixed(group)
         free = None if fixed is None else fixed < 0
-        bounds = torch.tensor([[r.config.entropy_bound] for r in group], device=device)
+        bounds = self._to_device(torch.tensor([[r.config.entropy_bound] for r in group], dtype=torch.float32))
         accepted = sampler.entropy_bound_accept(entropy if free is None else entropy * free, bounds)
         if free is not None:
             accepted &= free
         canvas = self._sample(group, accepted, weights, total)
-        argmax, soft_next = argmax.clone(), soft_next.clone()  # graph outputs are overwritten by the next replay
+        argmax, entropy, soft_next = argmax.clone(), entropy.clone(), soft_next.clone()
         if fixed is not None:
             canvas = torch.where(free, canvas, fixed)
             argmax = torch.where(free, argmax, fixed)
-        argmax = self._refine(group, argmax, weights)
+        argmax = self._refine(group, argmax, weights)  # reads the canvas on the host: grammar requests only
         stops, histories = [], []
         for i, r in enumerate(group):
             stop, history = sampler.stable_and_confident(
@@ -254,12 +293,18 @@ class Runner:
             )  # fmt: skip
             stops.append(stop)
             histories.append(history)
-        stops = torch.cat(stops).tolist()
-        logprobs = self._logprobs(group, argmax, weights, stops)
         # what a draft shows: fixed positions keep their tokens, with nothing left to decide (entropy 0)
         kept, shown = (accepted, entropy) if free is None else (accepted | ~free, entropy * free)
+        return StepDecisions(canvas, argmax, soft_next, histories, torch.cat(stops), kept, shown, weights)
+
+    def _results(self, group: list[Request], d: StepDecisions) -> list[DecodeResult]:
+        """What the scheduler needs on the host: the step's one read from the device (the stop
+        flags), then, only for requests that ask when their block ends, the log probabilities of
+        the canvas they commit."""
+        stops = d.stops.tolist()
+        logprobs = self._logprobs(group, d.argmax, d.weights, stops)
         return [
-            DecodeResult(r, canvas[i], argmax[i], soft_next[i], histories[i], stop, logprobs[i], kept[i], shown[i])
+            DecodeResult(r, d.canvas[i], d.argmax[i], d.soft_next[i], d.histories[i], stop, logprobs[i], d.kept[i], d.shown[i])
             for i, (r, stop) in enumerate(zip(group, stops))
         ]
 
@@ -268,8 +313,8 @@ class Runner:
         weights, every other position a uniform random token (re-noised)."""
         c, vocab, device = self.config.canvas_length, self.config.vocab_size, self.net.device
         if self.triton:  # the request's Philox stream, at its pass count: drawn on the device
-            seeds = torch.tensor([r.seed for r in group], dtype=torch.long).to(device, non_blocking=True)
-            passes = torch.tensor([r.passes + r.block_passes for r in group], dtype=torch.long).to(device, non_blocking=True)
+            seeds = self._to_device(torch.tensor([triton_step.seed_bits(r.seed) for r in group], dtype=torch.long))  # seeds to 2^64 - 1
+            passes = self._to_device(torch.tensor([r.passes + r.block_passes for r in group], dtype=torch.long))
             uniforms, noise = triton_step.philox_draws(seeds, passes, c, vocab)
             sampled = triton_step.sample_rows(weights, total, uniforms.view(-1)).view(len(group), c)
             return torch.where(accepted, sampled, noise)
@@ -325,4 +370,4 @@ class Runner:
         if all(f is None for f in fixed):
             return None
         none = torch.full((self.config.canvas_length,), -1, dtype=torch.long)
-        return torch.stack([none if f is None else f for f in fixed]).to(self.net.device)
+        return self._to_device(torch.stack([none if f is None else f for f in fixed]))
