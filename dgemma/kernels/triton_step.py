@@ -15,16 +15,24 @@ exp, sum, multiply, sum; then a cumsum and a search to sample). Here:
   reading the row a second time. Allowed-token masks (the packed bitmask of `sampler.pack_token_mask`)
   are honoured in both: a banned token is never the argmax and weighs exactly 0.
 - `philox_draws`: each request's uniforms and re-noising tokens from its own Philox stream
-  (`tl.rand` / `tl.randint` keyed by the request's seed, at offsets step * C + position), drawn on
-  the device: no host round trip, and a captured graph replays with new step counters.
+  (`tl.randint4x` keyed by the request's seed, at offsets step * C + position), drawn on
+  the device: no host round trip, and a captured graph replays with new step counters. Seeds run
+  over [0, 2^64) (the API's range); an int64 tensor holds them as `seed_bits(seed)` (the same 64
+  bits) and the kernel reads those bits as the unsigned key, so seeds >= 2^63 get their own streams
+  and seeds below 2^63 the streams they always had.
 - `sample_rows`: inverse-CDF sampling over the unnormalised probabilities, vocab tiled with a
-  running float32 cumulative sum: the first token whose cumulative weight exceeds u x total,
-  never a zero-weight one.
+  running float32 cumulative sum: the first token whose cumulative weight exceeds u x sum, never
+  a zero-weight one. The sum is the kernel's own, of the weights as stored and in the order it
+  searches them (a first pass over the row), not the caller's `total`: that one is of the weights
+  before rounding, and with bf16 weights u x total could land past the searched weights' end
+  (up to ~1e-3 of draws on peaked rows), which used to return the last non-zero token, i.e. the
+  last vocabulary id (every weight is at least exp(EXP_FLOOR)). A draw still at or past the end
+  (u rounding up to 1) takes the row's argmax.
 
 Rounding: softcap's tanh is computed as 1 - 2 / (exp(2x) + 1) (float32), and sums are taken tile
 by tile, so values differ from torch's by float32 rounding (tests: argmax equal, entropy and
 total within 1e-5 relative, weights within 1e-4 relative, as exp((z - max) / T) amplifies
-tanh's rounding by up to 2 cap / T; samples equal except where u x total falls within float32
+tanh's rounding by up to 2 cap / T; samples equal except where u x sum falls within float32
 rounding of a cumulative-weight boundary).
 """
 
@@ -115,28 +123,40 @@ if HAVE_TRITON:
         tl.store(w_ptr + row.to(tl.int64) * stride_w + cols, e.to(w_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _sample_kernel(w_ptr, total_ptr, u_ptr, out_ptr, V, stride_w, BLOCK_V: tl.constexpr):
+    def _sample_kernel(w_ptr, u_ptr, out_ptr, V, stride_w, BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
-        target = tl.load(u_ptr + row).to(tl.float32) * tl.load(total_ptr + row).to(tl.float32)
         base = w_ptr + row.to(tl.int64) * stride_w
+        # pass 1: the float32 sum of the weights as stored (the same tile cumsums as pass 2, so the
+        # same running values: the draw can only land inside the CDF that pass 2 searches), and
+        # their argmax (first of ties) for a draw that lands at or past the end.
         running = 0.0
-        found = V  # the first index whose cumulative weight exceeds target (V: none yet)
-        last_nonzero = 0
+        best = -float("inf")
+        best_index = 0
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            w = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            running = tl.max(tl.cumsum(w, axis=0) + running, axis=0)
+            tile_best = tl.max(w, axis=0)
+            best_index = tl.where(tile_best > best, tl.argmax(w, axis=0) + v0, best_index)
+            best = tl.maximum(best, tile_best)
+        target = tl.load(u_ptr + row).to(tl.float32) * running
+        # pass 2: the first token of non-zero weight whose cumulative weight exceeds u x sum
+        running = 0.0
+        found = V  # V: none yet
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             w = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
             cdf = tl.cumsum(w, axis=0) + running
             hit = tl.min(tl.where((cdf > target) & (w > 0), cols, V), axis=0)
             found = tl.minimum(found, hit)
-            last_nonzero = tl.maximum(last_nonzero, tl.max(tl.where(w > 0, cols, 0), axis=0))
-            running += tl.sum(w, axis=0)
-        # u x total at or past the last cumulative weight (rounding): the last token that weighs anything
-        tl.store(out_ptr + row, tl.where(found < V, found, last_nonzero))
+            running = tl.max(cdf, axis=0)
+        # u x sum at or past the last cumulative weight (u rounding up to 1, u >= 1, NaN): the argmax
+        tl.store(out_ptr + row, tl.where(found < V, found, best_index))
 
     @triton.jit
     def _philox_kernel(seeds_ptr, steps_ptr, u_ptr, noise_ptr, C, vocab, BLOCK_C: tl.constexpr):
         row = tl.program_id(0)
-        seed = tl.load(seeds_ptr + row)
+        seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)  # the key: the seed's unsigned 64 bits
         step = tl.load(steps_ptr + row)
         pos = tl.arange(0, BLOCK_C)
         inside = pos < C
@@ -204,25 +224,44 @@ def step_statistics(
     return argmax, entropy, total, probs
 
 
-def sample_rows(weights: torch.Tensor, total: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def seed_bits(seed: int) -> int:
+    """The int64 with the same 64 bits (two's complement) as `seed`, a request's seed in
+    [0, 2^64): what `philox_draws` takes in its int64 `seeds` tensor (seeds >= 2^63 become
+    negative; the kernel reads the bits back as the unsigned key, so each seed keeps its own stream
+    and seeds below 2^63 map to themselves). ValueError outside [0, 2^64)."""
+    seed = int(seed)
+    if not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def sample_rows(weights: torch.Tensor, total: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of unnormalised `weights` [N, V] (any float dtype; summed in float32)
-    given u ~ U(0, 1) [N] and each row's total weight [N]: `sampler.sample_from_weights`."""
+    given u ~ U(0, 1) [N]: `sampler.sample_from_weights` over the weights as stored.
+
+    `total` ([N] or None) is ignored: the kernel sums the weights it searches itself, because a
+    total of other values (the unrounded weights, before a bf16 store) can put u x total past the
+    searched weights' end. Where u x sum still reaches the end (u rounding up to 1), the row's
+    argmax is sampled. Fixed work per row (two reads of it), no host sync: graph-capturable."""
     if weights.dim() != 2 or weights.stride(-1) != 1:
         raise ValueError(f"weights must be [rows, vocab] with contiguous rows, got {list(weights.shape)}")
     rows, vocab = weights.shape
-    total, uniforms = total.reshape(-1).float().contiguous(), uniforms.reshape(-1).contiguous()
-    _check_rows("total", rows, total)
+    if total is not None:
+        _check_rows("total", rows, total.reshape(-1))
+    uniforms = uniforms.reshape(-1).contiguous()
     _check_rows("uniforms", rows, uniforms)
     out = torch.empty(rows, dtype=torch.long, device=weights.device)
-    _sample_kernel[(rows,)](weights, total, uniforms, out, vocab, weights.stride(0), BLOCK_V=_block(vocab))
+    _sample_kernel[(rows,)](weights, uniforms, out, vocab, weights.stride(0), BLOCK_V=_block(vocab))
     return out
 
 
 def philox_draws(seeds: torch.Tensor, steps: torch.Tensor, canvas_length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniforms [n, C] in [0, 1) and re-noising tokens [n, C] in [0, vocab) for n requests, each
-    from its own Philox stream: `seeds` [n] (int64, a request's seed), `steps` [n] (int64, how
-    many steps it has drawn for; step x C wraps at 2^32): a request draws the same numbers
-    whatever runs beside it."""
+    from its own Philox stream: `seeds` [n] (int64: `seed_bits(seed)` of a request's seed in
+    [0, 2^64), whose 64 bits are the Philox key), `steps` [n] (int64, how many steps it has drawn
+    for; step x C wraps at 2^32): a request draws the same numbers whatever runs beside it."""
+    if seeds.dtype != torch.int64:
+        raise ValueError(f"seeds must be int64 (seed_bits of each seed), got {seeds.dtype}")
     n = seeds.shape[0]
     _check_rows("steps", n, steps)
     u = torch.empty(n, canvas_length, dtype=torch.float32, device=seeds.device)
