@@ -201,39 +201,6 @@ def test_fp8_scaled_grouped_mm_arguments_on_meta():
     assert y.shape == (9, 32) and y.dtype == torch.float32 and y.device.type == "meta"
 
 
-COMPILE = r"""
-import sys
-from dgemma.kernels import triton_quant as tq
-try:
-    import inspect, triton
-    from triton.backends.compiler import GPUTarget
-    assert "constexprs" in inspect.signature(triton.compiler.ASTSource).parameters
-except Exception as e:
-    print(f"no ahead-of-time compile API here: {e!r}"); sys.exit(3)
-fn = tq._quant_matmul_kernel
-consts = {"SCHEME", "GROUP", "GROUPED", "INPUT_PRECISION", "UPCAST_DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K"}
-for scheme, (w, s) in enumerate((("*i32", "*bf16"), ("*i8", "*fp32"), ("*u8", "*fp32"), ("*u8", "*u8"))):
-    sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    sig.update(x_ptr="*bf16", y_ptr="*bf16", w_ptr=w, s_ptr=s, gs_ptr="*fp32",
-               tile_expert_ptr="*i32", tile_row_ptr="*i32", ends_ptr="*i32")
-    values = dict(SCHEME=scheme, GROUP=(32, 1, 1, 16)[scheme], GROUPED=True, INPUT_PRECISION=None, UPCAST_DOT=False,
-                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
-    kernel = triton.compile(triton.compiler.ASTSource(fn, sig, values), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "enable_fp_fusion": True})
-    assert "mma" in kernel.asm["ptx"], scheme
-print("compiled")
-"""
-
-
-def test_kernels_compile_for_a_gpu(tmp_path):
-    """The interpreter runs Python, so it accepts kernels the GPU compiler refuses: compile the
-    grouped kernel of each scheme for sm90 (to a cubin, with triton's bundled ptxas; no GPU
-    needed), in a process without TRITON_INTERPRET."""
-    from triton_compile import compile_for_sm90
-
-    compile_for_sm90(COMPILE, tmp_path)
-
-
 @pytest.mark.parametrize("scheme", ["int4", "nvfp4", "int8"])
 @torch.no_grad()
 def test_quantised_experts_gpu_path_equals_their_cpu_path(scheme, monkeypatch):

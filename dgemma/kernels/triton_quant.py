@@ -226,7 +226,11 @@ def _operands(q: QTensor, stacked: bool) -> tuple[tuple[torch.Tensor, ...], tupl
 
 def _pick_blocks(rows: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) from the rows a tile sees: small M (decoding, an expert's
-    few tokens) is memory bound, so a short M tile and a deep K tile; tl.dot needs >= 16."""
+    few tokens) is memory bound, so a short M tile and a deep K tile; tl.dot needs >= 16.
+    tests/test_triton_compile.py compiles every pick, scheme, plain and grouped, at the released
+    model's shapes for sm90 (triton 3.9's ptxas): none spills; the tightest is int4's 16 x 64 x 128
+    (4 warps: 236-239 of 255 registers, 88 KiB shared), the most shared int4's 128 x 128 x 64
+    (8 warps: 128 KiB of 227)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
     block_n = 64 if rows <= 64 or n <= 64 else 128
     block_k = 128 if rows <= 16 else 64
