@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -14,7 +15,7 @@ from .config import GenerationConfig, ModelConfig, load_generation_config, load_
 from .engine.client import EngineClient
 from .engine.constraints import CanvasConstraints, FirstCanvas
 from .infill import DEFAULT_LENGTHS, EditResult, InfillResult, edit_plan, infill_plan, most_likely_span, snap_spans
-from .engine.engine import Engine, EngineOptions
+from .engine.engine import Engine, EngineOptions, make_current
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
 from .engine.grammar import Grammar, GrammarCompiler, GrammarError
 from .engine.kv_cache import DenseKVCache
@@ -43,25 +44,86 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent / "assets" / "dgemma-tiny"
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}")
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of float32, bfloat16, float16")
-    return DTYPES[dtype]
+# A CUDA device with no checkpoint to ask (bench's random --size weights): the released model's dtype.
+RELEASE_DTYPE = torch.bfloat16
+
+
+def resolve_dtype(
+    requested: str | torch.dtype | None = "auto",
+    device: str | torch.device = "cpu",
+    checkpoint_dir: str | Path | None = None,
+) -> torch.dtype:
+    """The dtype the weights are loaded in: the one every command and `dgemma.load` use.
+
+    An explicit dtype (a torch.dtype or one of DTYPES' names) always wins. "auto" (or None): on a
+    CUDA device the checkpoint's stored dtype (`model.weights.stored_dtype`: config.json, else the
+    safetensors headers; bf16 for the released model), which is what CUDA graphs and the fast
+    grouped matmuls run; float32 when the checkpoint says nothing, bfloat16 with no checkpoint
+    (random weights). Elsewhere float32: the CPU paths are checked against the reference in
+    float32. A pure function of its arguments and the files: no GPU is needed to ask it."""
+    if isinstance(requested, torch.dtype):
+        if requested not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {requested}; choose one of float32, bfloat16, float16")
+        return requested
+    if requested is None or requested == "auto":
+        if _device_type(device) != "cuda":
+            return torch.float32
+        if checkpoint_dir is None:
+            return RELEASE_DTYPE
+        from .model.weights import stored_dtype
+
+        return stored_dtype(checkpoint_dir) or torch.float32
+    if requested not in DTYPES:
+        raise ValueError(f"unsupported dtype {requested!r}; choose one of float32, bfloat16, float16 or auto")
+    return DTYPES[requested]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _device_type(device: str | torch.device) -> str:
+    """"cuda" for "cuda", "cuda:1", torch.device("cuda", 1); the type of any other device name."""
+    if isinstance(device, torch.device):
+        return device.type
+    return str(device).split(":", 1)[0].strip()
+
+
+def parse_device(device: str | torch.device) -> torch.device | str:
+    """`device` checked for form (not for being present): a torch.device, or "auto". ValueError,
+    one line, for "cuda:x", "cuda:-1" or a name torch does not know."""
+    if isinstance(device, torch.device):
+        return device
+    text = str(device).strip()
+    if text == "auto":
+        return text
+    if text.split(":", 1)[0] == "cuda":
+        index = text[len("cuda:") :] if text.startswith("cuda:") else None
+        if text != "cuda" and (index is None or re.fullmatch(r"-?[0-9]+", index) is None):
+            raise ValueError(f"unknown device {text!r}: a GPU is cuda or cuda:N with N a device index (0, 1, ...)")
+        if index is not None and int(index) < 0:
+            raise ValueError(f"device {text!r}: the device index must be 0 or more")
+        return torch.device("cuda", int(index)) if index is not None else torch.device("cuda")
+    try:
+        return torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {text!r}: use cpu, cuda, cuda:N or auto") from None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
+    """The device to load on: `parse_device`'s, "auto" = cuda when torch sees a GPU, else cpu;
+    ValueError when CUDA is asked for and absent, or its index is past the devices there are."""
+    dev = parse_device(device)
+    if dev == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"unknown device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested, but CUDA is not available on this machine")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} requested, but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {str(device)!r} requested, but this machine has {count} CUDA device"
+                             f"{'s' * (count != 1)} (cuda:0 .. cuda:{count - 1})")  # fmt: skip
     return dev
 
 
@@ -501,11 +563,15 @@ class Model:
 def load(
     path: str | Path | None = None,
     device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype | None = "auto",
     quantization: str | None = None,
     group_size: int | None = None,
 ) -> Model:
     """Load a checkpoint directory (config.json, safetensors, tokenizer). No path: the shipped dgemma-tiny.
+
+    `device`: "cpu", "cuda", "cuda:N" or "auto" (cuda when there is a GPU). `dtype`: "float32",
+    "bfloat16", "float16", or "auto": the checkpoint's stored dtype on CUDA (bf16 for the released
+    model), float32 on CPU (`resolve_dtype`).
 
     `quantization` ("fp8", "int8", "int4", "nvfp4"; `group_size` for int4) quantises the text
     layers' linears and experts while loading, a layer at a time (see docs/quantization.md)."""
@@ -521,6 +587,10 @@ def load(
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     config = load_model_config(path)
     generation_config = load_generation_config(path, config)
-    net = load_weights(config, path, resolve_device(device), resolve_dtype(dtype), quantization, group_size)
+    dev = resolve_device(device)
+    # cuda:N current on this thread for what runs outside the engine too (AR mode, canvas_logits:
+    # quantised linears launch Triton kernels on the current device); the engine makes it current itself
+    make_current(dev)
+    net = load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Model(net, generation_config, tokenizer, path)

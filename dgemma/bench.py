@@ -436,7 +436,7 @@ def plan_lines(args, config, device) -> list[str]:
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
-    from .api import load, resolve_device, resolve_dtype
+    from .api import dtype_name, load, resolve_device, resolve_dtype
     from .cli import apply_threads
     from .kernels import cpu as cpu_kernels
 
@@ -447,8 +447,10 @@ def cmd_bench(args) -> int:
         tqdm.write(f"[{time.perf_counter() - started:5.1f} s] {message}", file=sys.stderr)
 
     torch.manual_seed(0)
-    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    device = resolve_device(args.device)
     config = model_config(args)
+    dtype = resolve_dtype(args.dtype, device, args.model)  # --model's stored dtype on CUDA; float32 on CPU
+    args.dtype = dtype_name(dtype)  # what the plan and the table say
     resolve_settings(args, config.canvas_length)
     print("\n".join(plan_lines(args, config, device)), file=sys.stderr, flush=True)
     peers = list(args.peers)
@@ -531,7 +533,7 @@ def cmd_bench(args) -> int:
 
 
 def add_cli(sub) -> None:
-    from .cli import add_threads_flag
+    from .cli import add_device_flags, add_threads_flag
 
     p = sub.add_parser("bench", help="time dgemma against its AR mode and the transformers reference",
                        description="Runs the peers interleaved on the same weights and prompt and prints medians and "
@@ -543,9 +545,7 @@ def add_cli(sub) -> None:
     p.add_argument("--model", "-m", help="checkpoint directory (default: random weights of --size)")
     p.add_argument("--size", choices=list(PRESETS), default="tiny",
                    help="model size preset for random weights, dgemma/model/presets.py (default: tiny)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the weights' dtype in memory (default: float32)")
+    add_device_flags(p)  # random --size weights on CUDA: --dtype auto is bfloat16, the released model's
     p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
                    help="quantised weights; random --size models are built directly quantised (default: none)")
     p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")

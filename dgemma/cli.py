@@ -29,11 +29,22 @@ DEMO_MODEL_NOTE = ("dgemma: no --model: the shipped demo model dgemma-tiny (10M 
                    "standard library: expect Python-flavoured text, not working code); --model DIR for a real checkpoint")  # fmt: skip
 
 
+# --device and --dtype of run, chat, serve and bench; `dgemma.api.resolve_device` and
+# `resolve_dtype` decide what they mean (the one place "auto" is resolved)
+DEVICE_HELP = "cpu, cuda, cuda:N (the GPU of index N) or auto: cuda when torch sees a GPU (default: cpu)"
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DTYPE_HELP = ("the weights' dtype in memory (default: auto = the checkpoint's dtype on CUDA, bfloat16 for the "
+              "released model; float32 on CPU)")  # fmt: skip
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="checkpoint directory (default: the shipped dgemma-tiny)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the weights' dtype in memory (default: float32; bfloat16 halves it)")  # fmt: skip
+    add_device_flags(p)
     p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
                    help="quantise the text layers' linears and experts while loading (docs/quantization.md)")
     p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")

@@ -23,11 +23,26 @@ from .request import Request
 from .runner import Runner
 from .scheduler import Scheduler
 
-__all__ = ["Engine", "EngineOptions", "Request"]
+__all__ = ["Engine", "EngineOptions", "Request", "make_current"]
+
+
+def make_current(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing for other devices).
+
+    Triton kernels launch on the current CUDA device, and CUDA graphs capture and replay on the
+    current device's stream, whatever device their tensors are on: with the model on cuda:1 and
+    the thread's current device left at cuda:0 (the default) they would run on the wrong GPU and
+    fault. The engine calls this when it is built and before each step: the current device is
+    per thread (the server steps the engine on its own thread) and another engine, on another
+    GPU, may have changed it since (a cudaGetDevice, no synchronisation)."""
+    if device.type == "cuda" and device.index is not None and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
 
 
 class Engine:
     def __init__(self, net: DiffusionGemma, options: EngineOptions | None = None):
+        self.device = net.device
+        make_current(self.device)  # before anything below touches the device (memory, kernels, graphs)
         self.options = (options or EngineOptions()).resolve(net.config, net.device, net.dtype)
         num_blocks = plan_blocks(net.config, self.options, net.dtype)
         blocks = BlockManager(
@@ -42,6 +57,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list:
         """Advance every admitted request by one decoder pass; returns the events it produced."""
+        make_current(self.device)
         plan = self.scheduler.schedule()
         out = self.runner.run(plan)
         return self.scheduler.update(plan, out)
@@ -68,6 +84,7 @@ class Engine:
         """A sequence holding `tokens`' keys/values outside any request, encoded as a prompt is
         (tests and step timings: `runner.cache.plan_decoder(c, [kv])` then decodes after it).
         Its blocks stay taken until `release_prefix(kv)`."""
+        make_current(self.device)
         kv, owner = SequenceBlocks(), next(self._prefix_owners)
         if self.scheduler.blocks.admit(owner, kv, [], len(tokens)) is None:
             raise RuntimeError(f"no room for a {len(tokens)}-token prefix in the KV cache")

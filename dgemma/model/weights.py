@@ -70,6 +70,70 @@ def _weight_files(path: Path) -> dict[str, Path]:
     raise WeightsError(f"no weights in {path}: expected model.safetensors or model.safetensors.index.json")
 
 
+# config.json's dtype names (`dtype` in transformers 5, `torch_dtype` before) and safetensors'
+# header codes of the floating dtypes dgemma computes in
+CONFIG_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEADER_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# quantisation parts (scales, zero points, packed codes): not the dtype of the unquantised parts
+QUANT_PART_MARKERS = ("scale", "zero_point", "weight_packed", "weight_shape", "g_idx")
+
+
+def config_dtype(raw: dict) -> torch.dtype | None:
+    """The dtype config.json says the weights are stored in (`dtype`, or `torch_dtype`, at the
+    top or in text_config), or None where it names none dgemma knows."""
+    for part in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        for key in ("dtype", "torch_dtype"):
+            value = part.get(key)
+            if isinstance(value, str) and value.removeprefix("torch.") in CONFIG_DTYPES:
+                return CONFIG_DTYPES[value.removeprefix("torch.")]
+    return None
+
+
+def safetensors_header(file: Path) -> dict:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets), read without
+    touching the data."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= 100 * 2**20:
+            raise WeightsError(f"{file} is not a safetensors file (header size {size})")
+        try:
+            return json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{file} is not a safetensors file: {e}") from None
+
+
+def header_dtype(path: Path) -> torch.dtype | None:
+    """The floating dtype most of the checkpoint's tensors are stored in (by count), leaving out
+    a quantised checkpoint's codes and scales; None if it holds no such tensor."""
+    counts: dict[torch.dtype, int] = {}
+    for file in sorted(set(_weight_files(path).values())):
+        for name, info in safetensors_header(file).items():
+            if name == "__metadata__" or not isinstance(info, dict) or any(m in name for m in QUANT_PART_MARKERS):
+                continue
+            dtype = HEADER_DTYPES.get(info.get("dtype"))
+            if dtype is not None:
+                counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
+def stored_dtype(path: str | Path) -> torch.dtype | None:
+    """The dtype a checkpoint directory's weights are stored in: config.json's `dtype` /
+    `torch_dtype`, else the safetensors headers' floating dtype (a quantised checkpoint: that
+    of its unquantised parts: embeddings, norms, routers); None if neither says."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        raw = None
+    found = config_dtype(raw) if isinstance(raw, dict) else None
+    if found is not None:
+        return found
+    try:
+        return header_dtype(path)
+    except (WeightsError, OSError):
+        return None
+
+
 def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
@@ -236,4 +300,4 @@ def save_weights(model: DiffusionGemma, path: str | Path, dtype: torch.dtype | N
     return save_safetensors(tensors, path / "model.safetensors")
 
 
-__all__ = ["load_weights", "save_weights", "save_safetensors", "state_dict_for_disk", "WeightsError", "ConfigError"]
+__all__ = ["load_weights", "save_weights", "stored_dtype", "save_safetensors", "state_dict_for_disk", "WeightsError", "ConfigError"]

@@ -1493,9 +1493,9 @@ def media_summary(model, policy: MediaPolicy) -> str:
     return f"images and video from {', '.join(sources)}"
 
 
-def check_device_memory(args) -> None:
-    """Refuse, before loading, a plan that cannot fit the GPU (engine/memory_plan.py), saying
-    what would."""
+def check_device_memory(args, device) -> None:
+    """Refuse, before loading, a plan that cannot fit the GPU `device` (engine/memory_plan.py),
+    saying what would; the plan is in the dtype `dgemma.load` will choose (`resolve_dtype`)."""
     import torch
 
     from ..api import default_model_dir, resolve_dtype
@@ -1505,10 +1505,11 @@ def check_device_memory(args) -> None:
 
     if not torch.cuda.is_available():
         raise CliError(f"--device {args.device}: torch sees no CUDA device")
-    config = load_model_config(args.model or default_model_dir())
-    dtype = resolve_dtype(args.dtype)
-    device = torch.device(args.device)
-    total = torch.cuda.get_device_properties(device.index or 0).total_memory
+    path = args.model or default_model_dir()
+    config = load_model_config(path)
+    dtype = resolve_dtype(args.dtype, device, path)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     plan = plan_memory(config, dtype, getattr(args, "quantization", None), getattr(args, "group_size", None),
                        args.max_active, args.max_context, args.kv_cache_memory, args.prefill_chunk)  # fmt: skip
     try:
@@ -1520,6 +1521,7 @@ def check_device_memory(args) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
+    from ..api import resolve_device
     from ..cli import CliError, apply_chat_template_file, apply_threads, engine_options, load_model, read_chat_template
 
     if not 0 <= args.port <= 65535:
@@ -1532,8 +1534,9 @@ def cmd_serve(args) -> int:
         raise CliError(str(e)) from None
     apply_threads(args)
     template = read_chat_template(args)
-    if str(args.device).startswith("cuda"):
-        check_device_memory(args)
+    device = resolve_device(args.device)  # a bad --device or a missing GPU: one line, before loading
+    if device.type == "cuda":
+        check_device_memory(args, device)
     model = load_model(args)
     apply_chat_template_file(model, args, template)
     name = args.served_model_name or (model.path.name if model.path else "dgemma")
