@@ -168,6 +168,41 @@ def test_a_step_reads_the_device_once():
             assert reads.count == 1, reads.where
 
 
+def test_a_grammar_request_adds_only_its_own_reads():
+    """A grammar request in the batch (the shipped model's tokenizer, a regex): its decoder step
+    takes the grammar's masks with no sync, and the step's reads are the stop flags plus the
+    grammar's own on the host (the pass's argmax canvas it refines, and at most one read of
+    each position's candidates), never one per rejected token or per plain request."""
+    import dgemma
+
+    model = dgemma.load()
+    engine = Engine(to_device(model.net.to(torch.bfloat16).eval()), EngineOptions(
+        triton=True, cuda_graphs=False, block_size=8, batch_invariant=False, prefix_cache=False, kv_cache_memory=2**24))  # fmt: skip
+    c = model.config.canvas_length
+    gen = GenerationConfig(max_new_tokens=2 * c, max_denoising_steps=4)
+    grammar = model.compile_grammar("regex", "[a-z]{3,40}")
+    engine.add(Request([5, 6, 7], gen, 1, constraints=model.grammars.canvas(grammar, c)))
+    for seed in (2, 3, 4):
+        engine.add(Request([8, 9, 10, 11], gen, seed))
+    runner = engine.runner
+    with stub_triton_launches(), torch.no_grad():
+        with count_host_reads():
+            engine.step()  # prompts encoded, first passes (the grammar reads its first draft)
+        for _ in range(2):
+            plan = engine.scheduler.schedule()
+            (group,) = list(runner._groups(plan.decode))
+            with no_host_sync("non_blocking"):
+                canvas, allowed = torch.stack([r.canvas for r in group]), runner._allowed(group)
+                temps, soft = runner._temperatures(group), runner._soft_inputs(group)
+                pass_plan = runner.cache.plan_canvas(c, [r.kv for r in group])
+            assert allowed is not None
+            with no_host_sync("none"):
+                outputs = runner.decoder_step(canvas, soft, temps, pass_plan, allowed)
+            with count_host_reads() as reads:
+                engine.scheduler.update(plan, runner._results(group, runner._decide(group, *outputs)))
+            assert 2 <= reads.count <= 3, reads.where
+
+
 # ---------------------------------------------------------------------------------- static check
 ROOT = Path(__file__).resolve().parents[1] / "dgemma"
 STEP_MODULES = [

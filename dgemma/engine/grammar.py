@@ -170,11 +170,13 @@ class CanvasGrammar:
         self._walked: tuple[list[int], CanvasConstraints] | None = None  # refine's draft and its walk
 
     def __call__(self, request) -> CanvasConstraints:
-        """The constraints of the next pass: the walk of its draft (the last argmax canvas)."""
-        draft = request.argmax.tolist()
-        if self._walked is not None and self._walked[0] == draft:  # refine walked this draft already
+        """The constraints of the next pass: the walk of its draft (the last argmax canvas). After
+        a pass, `refine` has walked that draft already (the runner refines every pass of a grammar
+        request, and the refined canvas is the request's argmax; a commit clears the walk), so the
+        draft is read from the device only for a block's first pass."""
+        if self._walked is not None:
             return self._walked[1]
-        return self._walk(draft)[1]
+        return self._walk(request.argmax.tolist())[1]
 
     def refine(self, argmax: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The pass's argmax canvas made valid left to right: each token the grammar rejects
@@ -263,7 +265,9 @@ def top_candidates(weights: torch.Tensor, k: int = CANDIDATES) -> list[tuple[lis
     """Each position's `k` heaviest tokens, in one read from the device (on a GPU, one copy and one
     wait per refined pass, instead of a row copy and two waits per rejected token)."""
     values, ids = weights.float().topk(min(k, weights.shape[-1]), dim=-1)
-    return list(zip(values.cpu().tolist(), ids.cpu().tolist()))
+    k = values.shape[-1]
+    both = torch.cat([values, ids.float()], dim=-1).cpu()  # one copy: ids < 2^24 are exact in float32
+    return [(row[:k], [int(t) for t in row[k:]]) for row in both.tolist()]
 
 
 def best_allowed_candidate(mask: torch.Tensor, values: list[float], ids: list[int]) -> int | None | bool:

@@ -359,7 +359,7 @@ class Runner:
             return argmax
         rows = weights.view(len(group), self.config.canvas_length, -1)
         refined = [
-            r.constraints.refine(argmax[i].cpu(), rows[i]).to(argmax.device) if hasattr(r.constraints, "refine") else argmax[i]
+            self._to_device(r.constraints.refine(argmax[i].cpu(), rows[i])) if hasattr(r.constraints, "refine") else argmax[i]
             for i, r in enumerate(group)
         ]
         return torch.stack(refined)
