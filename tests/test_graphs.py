@@ -285,3 +285,28 @@ def test_groups_larger_than_the_largest_bucket_are_the_callers_to_split():
     assert [graphs.bucket(n) for n in (1, 2, 3)] == [1, 2, None]
     assert graphs.run(None, [SimpleNamespace(kv=None)] * 3, None, None, None) is None and not graphs.steps
     assert DecoderGraphs().largest == 8
+
+
+def test_gpu_check_fails_a_graph_timing_whose_capture_failed(monkeypatch):
+    """scripts/gpu_check.py's table timed `None` (~0 ms per graph step) when a bucket did not
+    capture; now the timing raises with the capture's reason (the table prints it as failed)."""
+    import importlib.util
+    from pathlib import Path
+
+    from dgemma.engine.engine import Engine, EngineOptions
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def failing_capture(step, graphs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(gpu_check, "eager_capture", failing_capture)
+    net = gpu_check.tiny_model(torch.device("cpu"), torch.bfloat16)
+    engine = Engine(net, EngineOptions(triton=True, block_size=8, batch_invariant=False, kv_cache_memory=2**24))
+    kv = engine.encode_prefix(list(range(3, 14)))
+    with pytest.raises(RuntimeError, match="no CUDA graph for batch 1: RuntimeError: operation not permitted"):
+        gpu_check.step_ms(engine, kv, 1, graphs=True, iters=1)
+    assert gpu_check.step_ms(engine, kv, 1, graphs=False, iters=1) > 0
