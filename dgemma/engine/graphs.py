@@ -6,13 +6,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..model.diffusion_gemma import DiffusionGemma
+    from .paged_cache import PagedKVCache, PagedPass
     from .request import Request
-    from .runner import Runner
+
+
+class StepRunner(Protocol):
+    """What the graphs use of the runner (engine/runner.py): the network, its config, the KV pool
+    and the decoder step they capture."""
+
+    net: DiffusionGemma
+    config: ModelConfig
+    cache: PagedKVCache
+
+    def decoder_step(self, canvas, soft, temps, plan: PagedPass, allowed=None) -> tuple[torch.Tensor, ...]: ...
 
 log = logging.getLogger("dgemma")
 
@@ -68,7 +81,7 @@ class DecoderGraphs:
         """The bucket a group of `rows` requests replays in (None: larger than `largest`)."""
         return next((b for b in self.buckets if b >= rows), None)
 
-    def run(self, runner: Runner, group: list[Request], canvas, soft, temps, allowed=None):
+    def run(self, runner: StepRunner, group: list[Request], canvas, soft, temps, allowed=None):
         """`runner.decoder_step(canvas, soft, temps, <the group's plan_canvas>, allowed)` by a graph
         replay: its outputs (views of the graph's output tensors, valid until the next replay), or
         None where the group must run eagerly (larger than `largest`, or the capture failed)."""
@@ -96,7 +109,7 @@ class DecoderGraphs:
 class _CapturedStep:
     """One bucket's captured decoder step: its static inputs and outputs."""
 
-    def __init__(self, runner: Runner, size: int, graphs: DecoderGraphs, masked: bool = False):
+    def __init__(self, runner: StepRunner, size: int, graphs: DecoderGraphs, masked: bool = False):
         cfg, device = runner.config, runner.net.device
         c = cfg.canvas_length
         self.size, self.masked = size, masked
@@ -111,7 +124,7 @@ class _CapturedStep:
             lambda: runner.decoder_step(self.canvas, self.soft, self.temps, self.plan, self.allowed), graphs
         )
 
-    def replay(self, runner: Runner, group: list[Request], canvas, soft, temps, allowed=None):
+    def replay(self, runner: StepRunner, group: list[Request], canvas, soft, temps, allowed=None):
         if (allowed is not None) != self.masked:
             raise ValueError(f"a {'masked' if self.masked else 'mask-free'} graph needs {'' if self.masked else 'no '}allowed masks")
         n, c = canvas.shape
