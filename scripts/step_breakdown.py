@@ -68,7 +68,8 @@ def main() -> None:
     totals: dict[str, float] = {}
     net.decode = timed(totals, "decoder pass", net.decode)
     engine.runner.decoder_step = timed(totals, "decoder step", engine.runner.decoder_step)
-    engine.runner._advance = timed(totals, "sampler decisions", engine.runner._advance)
+    engine.runner._decide = timed(totals, "sampler decisions", engine.runner._decide)  # on the device
+    engine.runner._results = timed(totals, "sampler decisions", engine.runner._results)  # the host's read
     module_kinds = ("self_attn", "mlp", "router", "experts") if args.modules else ()
     for layer in net.layers:
         for kind in module_kinds:

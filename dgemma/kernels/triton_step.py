@@ -1,5 +1,5 @@
 """The sampler's full-vocabulary work on a GPU, in Triton: what `runner.decoder_step` and
-`runner._advance` do with torch ops over the [rows, vocab] logits.
+`runner._decide` do with torch ops over the [rows, vocab] logits.
 
 Each denoising step reads the LM head's output (rows = canvas positions, vocab 262144 on the
 released model: 256 MB per canvas in float32) and needs, per row, the argmax, the entropy at the
