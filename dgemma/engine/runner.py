@@ -102,12 +102,11 @@ class Runner:
         """The step's encoder work (prompt chunks, committed blocks). Batched: works without
         images share one prefill (one pass per layer for all of them, instead of one per request);
         batch-invariant runs, and works with images, encode one by one."""
-        together = [] if self.options.batch_invariant else [w for w in works if not w.request.images]
-        if together:
-            prefill(self.net, self.cache, [w.request.kv for w in together], [w.request.sequence[w.start : w.end] for w in together])
-        for work in works:
-            if any(work is w for w in together):
-                continue
+        batched = [] if self.options.batch_invariant else [w for w in works if not w.request.images]
+        if batched:
+            prefill(self.net, self.cache, [w.request.kv for w in batched], [w.request.sequence[w.start : w.end] for w in batched])
+        alone = [w for w in works if w.request.images] if batched else works
+        for work in alone:
             req = work.request
             images = [self._images_in(work)] if req.images else None
             prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images)
@@ -262,8 +261,9 @@ class Runner:
 
     # ---------------------------------------------------------------- the sampler
     def _decide(self, group: list[Request], argmax, entropy, weights, total, soft_next) -> StepDecisions:
-        """Sampler decisions for a group after its pass, all on the device (nothing here makes the
-        host wait for the pass: tests/test_host_sync.py proves it on the meta device).
+        """Sampler decisions for a group after its pass, on the device: nothing here makes the host
+        wait for the pass (tests/test_host_sync.py proves it on the meta device), except a grammar
+        request's refinement, whose walk runs on the host (`_refine`).
 
         Randomness comes from each request's own stream, a fixed amount per step: its torch
         generator, or with the Triton kernels its Philox stream on the device (keyed by its seed,
