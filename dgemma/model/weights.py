@@ -89,28 +89,18 @@ def config_dtype(raw: dict) -> torch.dtype | None:
     return None
 
 
-def safetensors_header(file: Path) -> dict:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets), read without
-    touching the data."""
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 0 < size <= 100 * 2**20:
-            raise WeightsError(f"{file} is not a safetensors file (header size {size})")
-        try:
-            return json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise WeightsError(f"{file} is not a safetensors file: {e}") from None
-
-
 def header_dtype(path: Path) -> torch.dtype | None:
     """The floating dtype most of the checkpoint's tensors are stored in (by count), leaving out
     a quantised checkpoint's codes and scales; None if it holds no such tensor."""
     counts: dict[torch.dtype, int] = {}
     for file in sorted(set(_weight_files(path).values())):
-        for name, info in safetensors_header(file).items():
-            if name == "__metadata__" or not isinstance(info, dict) or any(m in name for m in QUANT_PART_MARKERS):
-                continue
-            dtype = HEADER_DTYPES.get(info.get("dtype"))
+        try:
+            with safe_open(file, framework="pt") as f:  # the header only: no tensor data is read
+                stored = [f.get_slice(name).get_dtype() for name in f.keys() if not any(m in name for m in QUANT_PART_MARKERS)]
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad file
+            raise WeightsError(f"{file} is not a safetensors file: {e}") from None
+        for code in stored:
+            dtype = HEADER_DTYPES.get(code)
             if dtype is not None:
                 counts[dtype] = counts.get(dtype, 0) + 1
     return max(counts, key=counts.get) if counts else None
