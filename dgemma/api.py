@@ -14,19 +14,19 @@ import torch
 from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
 from .engine.client import EngineClient
 from .engine.constraints import CanvasConstraints, FirstCanvas
-from .infill import DEFAULT_LENGTHS, EditResult, InfillResult, edit_plan, infill_plan, most_likely_span, snap_spans
+from .engine.constraints.infill import DEFAULT_LENGTHS, EditResult, InfillResult, edit_plan, infill_plan, most_likely_span, snap_spans
 from .engine.engine import Engine, EngineOptions, make_current
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
-from .engine.grammar import Grammar, GrammarCompiler, GrammarError
-from .engine.kv_cache import DenseKVCache
+from .engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
+from .dense.kv_cache import DenseKVCache
 from .engine.prefill import prefill
-from .engine.reference import reference_events
+from .dense.reference import reference_events
 from .engine.request import Request, image_spans, validate_prompts
 from .engine.runner import engine_net
 from .model.diffusion_gemma import DiffusionGemma
 from .model.weights import load_weights
-from .media.inputs import ImagePatches, MediaError, ModelInputs
-from .tokenizer import Tokenizer
+from .inputs.model_inputs import ImagePatches, MediaError, ModelInputs
+from .inputs.tokenizer import Tokenizer
 
 DTYPES = {
     "float32": torch.float32,
@@ -229,11 +229,11 @@ class Model:
 
     @property
     def processor(self):
-        """The Gemma 4 image/video processor of this checkpoint (`media/processor.py`), or None
+        """The Gemma 4 image/video processor of this checkpoint (`inputs/processor.py`), or None
         when it has none: `model.processor(text, images=..., videos=...)` gives `ModelInputs`
         that `generate`, `stream` and `canvas_logits` take as prompts."""
         if self._processor is None and self.path is not None and self.tokenizer is not None:
-            from .media.processor import Processor
+            from .inputs.processor import Processor
 
             self._processor = Processor.from_dir(self.path, self.tokenizer) or False
         return self._processor or None
@@ -404,14 +404,14 @@ class Model:
         `constraints`: one per prompt, a `CanvasConstraints` for every canvas of it, a function
         of the `Request` giving one per decoder pass, or None (see engine/constraints.py).
         `grammar` (from `compile_grammar`): every answer is a sentence of it, or a prefix of one
-        when max_new_tokens ends it first (see engine/grammar.py). `canvas`: one list of
+        when max_new_tokens ends it first (see engine/constraints/grammar.py). `canvas`: one list of
         canvas_length token ids per prompt, where its first canvas starts instead of random
         tokens (a warm start: transformers' `decoder_input_ids`, with either sampling).
         """
         prompt_ids, images = self._split_prompts(prompts)
         constraints = self._grammar_constraints(grammar, len(prompt_ids), constraints)
         if mode == "ar":
-            from .engine.ar import ar_events
+            from .dense.ar import ar_events
 
             if any(images):
                 raise ValueError("mode='ar' takes text prompts only (no images)")
@@ -459,13 +459,13 @@ class Model:
             canvas=None if canvas is None else [canvas],
         )  # fmt: skip
 
-    # ---------------------------------------------------------------- seeded canvases (infill.py)
+    # ---------------------------------------------------------------- seeded canvases (engine/constraints/infill.py)
     def infill(
         self, prefix: str, suffix: str, span_length: int | None = None, lengths: Sequence[int] = DEFAULT_LENGTHS,
         seed: int | None = None, **knobs,
     ) -> InfillResult:
         """The text between `prefix` and `suffix`: `span_length` tokens, or the candidate length
-        (of `lengths`) whose canvas the model finds most likely (see infill.py)."""
+        (of `lengths`) whose canvas the model finds most likely (see engine/constraints/infill.py)."""
         tok, c = self._text_tokenizer(), self.config.canvas_length
         candidates = [span_length] if span_length is not None else sorted({n for n in lengths if 1 <= n < c})
         if not candidates:
@@ -487,7 +487,7 @@ class Model:
 
     def edit(self, text: str, spans: Sequence[tuple[int, int]], seed: int | None = None, **knobs) -> EditResult:
         """`text` with the character ranges `spans` rewritten (snapped outward to token
-        boundaries) and everything else kept byte for byte (see infill.py)."""
+        boundaries) and everything else kept byte for byte (see engine/constraints/infill.py)."""
         tok, c = self._text_tokenizer(), self.config.canvas_length
         ids, offsets = tok.encode_with_offsets(text)
         token_spans = snap_spans(list(spans), offsets, len(text))

@@ -102,7 +102,7 @@ def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode
 
     The diffusion peer runs a fresh engine without the prefix cache: every run encodes its
     prompt, as the other peers do (with the cache, runs after the first would skip it)."""
-    from .engine.ar import ar_events
+    from .dense.ar import ar_events
     from .engine.client import EngineClient
     from .engine.engine import Engine, Request
 

@@ -171,7 +171,7 @@ class Session:
 
     def attach(self, path: str) -> None:
         """An image for the next user message, decoded now so that a bad file is named at once."""
-        from .media.inputs import MediaError
+        from .inputs.model_inputs import MediaError
 
         if not path:
             return self.say("usage: /image PATH (or /image clear)", "red")

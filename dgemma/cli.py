@@ -183,7 +183,7 @@ def media_prompt(model, args):
     """The prompt of `dgemma run --image/--video` as the processor builds it (ModelInputs). With
     --chat the media parts come first in the user turn, in command-line order; without, the prompt
     gets one placeholder per image/video prepended (and a newline), unless it holds placeholders."""
-    from .serve.media import check_soft_tokens
+    from .serve.media_sources import check_soft_tokens
 
     if args.mode == "ar":
         raise CliError("--image and --video work in diffusion mode only, not with --mode ar")
@@ -207,7 +207,7 @@ def media_prompt(model, args):
 
 def run_grammar(model, args):
     """The Grammar of --json-schema FILE / --regex / --grammar FILE (Lark), or None."""
-    from .engine.grammar import GrammarError
+    from .engine.constraints.grammar import GrammarError
 
     given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--regex", args.regex),
                                                 ("--grammar", args.grammar)) if value is not None]  # fmt: skip
@@ -257,7 +257,7 @@ def run_suffix(args) -> str | None:
 
 
 def cmd_infill(model, args, suffix: str) -> int:
-    """`dgemma run PREFIX --suffix TEXT`: print the text between them (see infill.py)."""
+    """`dgemma run PREFIX --suffix TEXT`: print the text between them (see engine/constraints/infill.py)."""
     from .engine.events import Draft
 
     knobs = {k: v for k, v in sampler_knobs(args).items() if k != "max_new_tokens"}
@@ -380,7 +380,7 @@ def cmd_run(args) -> int:
     grammar = run_grammar(model, args)
     timing = RunTiming("encoder" if args.mode == "ar" else "decoder")
     if args.mode == "ar":
-        from .engine.ar import ar_stream
+        from .dense.ar import ar_stream
 
         events = ar_stream(model, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed)
     else:

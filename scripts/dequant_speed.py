@@ -3,7 +3,7 @@
     python scripts/dequant_speed.py [--rows 2048] [--cols 1024] [--threads 2] [--dtype float32] [--repeat 20]
 
 For a [rows, cols] weight per scheme (and plain bf16, widened): the median (and best) ms of
-`dequant.dequantize_into` / `widen_into` into a preallocated output and of the torch path
+`avx2.dequantize_into` / `widen_into` into a preallocated output and of the torch path
 (`formats.dequantize(q, dtype)`; for bf16, `out.copy_(w)`), plus a [256, cols] tile of each natively (the
 size a matmul tile dequantises) in microseconds.
 """
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dgemma.kernels import dequant  # noqa: E402
+from dgemma.kernels import avx2  # noqa: E402
 from dgemma.quant import formats  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    kernel = dequant.extension()
+    kernel = avx2.extension()
     print(f"[{args.rows}, {args.cols}] -> {args.dtype}, {args.threads} threads, "
           f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, native kernel {'on' if kernel else 'OFF (torch path both sides)'}")
     w = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -58,15 +58,15 @@ def main() -> None:
         tile = out[:256]
         if q is None:
             wb = w.bfloat16()
-            native = median_s(lambda: dequant.widen_into(wb, out), args.repeat)
+            native = median_s(lambda: avx2.widen_into(wb, out), args.repeat)
             ref = median_s(lambda: out.copy_(wb), args.repeat)
-            small = median_s(lambda: dequant.widen_into(wb[:256], tile), args.repeat * 5)
+            small = median_s(lambda: avx2.widen_into(wb[:256], tile), args.repeat * 5)
             assert torch.equal(out, wb.to(dtype))
         else:
-            native = median_s(lambda: dequant.dequantize_into(q, out), args.repeat)
+            native = median_s(lambda: avx2.dequantize_into(q, out), args.repeat)
             ref = median_s(lambda: formats.dequantize(q, dtype), args.repeat)
             qt = q.rows(0, 256)
-            small = median_s(lambda: dequant.dequantize_into(qt, tile), args.repeat * 5)
+            small = median_s(lambda: avx2.dequantize_into(qt, tile), args.repeat * 5)
             assert torch.equal(out, formats.dequantize(q, dtype))
         ms = lambda t: f"{t[0] * 1e3:.3f} ({t[1] * 1e3:.3f})"  # noqa: E731
         us = f"{small[0] * 1e6:.1f} ({small[1] * 1e6:.1f})"

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dgemma.kernels import cpu, dequant
+from dgemma.kernels import cpu, avx2
 from dgemma.kernels.native import cpu_model
 from dgemma.kernels.widened import WidenedLinear, WidenedSoftEmbed
 from dgemma.quant import formats
@@ -124,7 +124,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    ext = dequant.extension()
+    ext = avx2.extension()
     # one thread: its own CPU time (a shared machine's other load then only costs cache state);
     # more: wall time
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter

@@ -62,7 +62,7 @@ from dgemma.engine import sampler  # noqa: E402
 from dgemma.engine.client import EngineClient  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.engine.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
-from dgemma.engine.kv_cache import DenseKVCache  # noqa: E402
+from dgemma.dense.kv_cache import DenseKVCache  # noqa: E402
 from dgemma.engine.prefill import prefill  # noqa: E402
 from dgemma.kernels import triton_layer, triton_step  # noqa: E402
 from dgemma.model import rope  # noqa: E402

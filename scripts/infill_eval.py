@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 import dgemma
-from dgemma.infill import DEFAULT_LENGTHS
+from dgemma.engine.constraints.infill import DEFAULT_LENGTHS
 from dgemma.train.data import held_out, stdlib_files, stdlib_root
 
 

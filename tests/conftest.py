@@ -27,10 +27,10 @@ def _native_kernels_built():
     """Build the native CPU kernels (where they run) in this process first, not inside the startup
     timeout of a server subprocess that a test launches: every test's subprocess (dgemma chat,
     serve, scripts) then imports the built libraries."""
-    from dgemma.kernels import dequant, native
+    from dgemma.kernels import avx2, native
 
     native.amx()
-    dequant.extension()
+    avx2.extension()
     yield
 
 

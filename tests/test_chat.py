@@ -13,7 +13,7 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 
 from dgemma.api import default_model_dir  # noqa: E402
-from dgemma.tokenizer import Tokenizer  # noqa: E402
+from dgemma.inputs.tokenizer import Tokenizer  # noqa: E402
 
 SYSTEM = "You are a helpful assistant who answers every question briefly, politely and accurately, in plain English."
 CHAT = [sys.executable, "-m", "dgemma.cli", "chat", "--steps", "4", "--max-new-tokens", "32", "--seed", "0", "--system", SYSTEM]

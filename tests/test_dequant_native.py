@@ -6,13 +6,13 @@ what is wrong; without the kernel the wrappers give the same values."""
 import pytest
 import torch
 
-from dgemma.kernels import dequant
+from dgemma.kernels import avx2
 from dgemma.kernels import native as avx512
 from dgemma.quant import formats
 from dgemma.quant.modules import quantize_stacked
 
 needs_kernel = pytest.mark.skipif(
-    dequant.extension() is None,
+    avx2.extension() is None,
     reason="native dequantisation unavailable (CPU lacks AVX2/FMA/F16C, no C++ compiler, the build failed, or DGEMMA_NATIVE=0)",
 )
 OUT_DTYPES = [torch.float32, torch.bfloat16]
@@ -24,7 +24,7 @@ def kernels(request, monkeypatch):
     """Each kernel set a bf16 output can take: dequant.cpp's AVX2 kernels (also on an AVX-512 CPU,
     where they are the float32 path), and dequant_avx512.cpp's where this CPU has them."""
     if request.param == "avx2":
-        monkeypatch.setattr(dequant, "bf16_extension", dequant.extension)
+        monkeypatch.setattr(avx2, "bf16_extension", avx2.extension)
     elif avx512.extension() is None:
         pytest.skip(AVX512_REASON)
     return request.param
@@ -52,7 +52,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def native(q: formats.QTensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.full(q.shape, float("nan"), dtype=dtype)  # every element must be written
-    assert dequant.dequantize_into(q, out) is out
+    assert avx2.dequantize_into(q, out) is out
     return out
 
 
@@ -181,7 +181,7 @@ def test_row_tiles_and_experts_of_a_stacked_weight(scheme, dtype, kernels):
 def test_into_a_strided_output(dtype, kernels):
     q = formats.quantize(weight(24, 64), "int4", 32)
     big = torch.zeros(24, 96, dtype=dtype)
-    dequant.dequantize_into(q, big[:, 16:80])
+    avx2.dequantize_into(q, big[:, 16:80])
     assert torch.equal(big[:, 16:80], formats.dequantize(q, dtype))
     assert not big[:, :16].any() and not big[:, 80:].any()
 
@@ -192,12 +192,12 @@ def test_widen_bf16_is_exact(k):
     w = weight(37, k).bfloat16()
     w[0, 0] = float("inf")
     out = torch.empty(37, k)
-    assert dequant.widen_into(w, out) is out
+    assert avx2.widen_into(w, out) is out
     assert torch.equal(out, w.float())
     same = torch.empty(37, k, dtype=torch.bfloat16)
-    assert torch.equal(dequant.widen_into(w, same), w)
+    assert torch.equal(avx2.widen_into(w, same), w)
     tile = torch.empty(3, 5, k)  # any leading shape
-    assert torch.equal(dequant.widen_into(w[:15].reshape(3, 5, k), tile), w[:15].reshape(3, 5, k).float())
+    assert torch.equal(avx2.widen_into(w[:15].reshape(3, 5, k), tile), w[:15].reshape(3, 5, k).float())
 
 
 @needs_kernel
@@ -210,8 +210,8 @@ def test_large_tile_runs_in_parallel_chunks(kernels):
 
 
 def test_bf16_outputs_take_the_avx512_kernels_where_the_cpu_has_them():
-    expected = avx512.extension() if avx512.extension() is not None else dequant.extension()
-    assert dequant.bf16_extension() is expected
+    expected = avx512.extension() if avx512.extension() is not None else avx2.extension()
+    assert avx2.bf16_extension() is expected
 
 
 @pytest.mark.skipif(avx512.extension() is None, reason=AVX512_REASON)
@@ -232,7 +232,7 @@ def test_avx512_kernels_refuse_what_the_avx2_ones_do_and_a_float32_out():
 
 @needs_kernel
 def test_bad_arguments_raise_with_a_message():
-    ext = dequant.extension()
+    ext = avx2.extension()
     out = torch.empty(4, 64)
     w8 = torch.zeros(4, 64, dtype=torch.int8)
     s = torch.ones(4, 1)
@@ -274,19 +274,19 @@ def test_bad_arguments_raise_with_a_message():
     with pytest.raises(RuntimeError, match="out must be 2D"):
         ext.widen_bf16(torch.zeros(256, dtype=torch.bfloat16), torch.empty(256))
     with pytest.raises(RuntimeError, match="out has shape"):  # the wrapper checks the shape on either path
-        dequant.dequantize_into(formats.quantize(weight(4, 64), "int8"), torch.empty(4, 32))
+        avx2.dequantize_into(formats.quantize(weight(4, 64), "int8"), torch.empty(4, 32))
 
 
 @pytest.mark.parametrize("scheme", formats.SCHEMES)
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
 def test_fallback_without_the_kernel(monkeypatch, scheme, dtype):
-    monkeypatch.setattr(dequant, "extension", lambda: None)
+    monkeypatch.setattr(avx2, "extension", lambda: None)
     q = formats.quantize(weight(37, 64), scheme, 32)
     out = torch.empty(37, 64, dtype=dtype)
-    assert dequant.dequantize_into(q.rows(3, 34), out[3:34]) is not None
+    assert avx2.dequantize_into(q.rows(3, 34), out[3:34]) is not None
     assert torch.equal(out[3:34], formats.dequantize(q, dtype)[3:34])
     w = weight(5, 33).bfloat16()
-    assert torch.equal(dequant.widen_into(w, torch.empty(5, 33)), w.float())
+    assert torch.equal(avx2.widen_into(w, torch.empty(5, 33)), w.float())
 
 
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
@@ -294,15 +294,15 @@ def test_what_the_kernel_does_not_take_goes_to_torch(dtype):
     """A float16 output or float64 scales: the wrapper takes torch's path (kernel or not)."""
     q = formats.quantize(weight(37, 64), "int8")
     half = torch.empty(37, 64, dtype=torch.float16)
-    assert torch.equal(dequant.dequantize_into(q, half), formats.dequantize(q, torch.float16))
+    assert torch.equal(avx2.dequantize_into(q, half), formats.dequantize(q, torch.float16))
     q.parts["weight_scale"] = q.parts["weight_scale"].double()
-    assert torch.equal(dequant.dequantize_into(q, torch.empty(37, 64, dtype=dtype)), formats.dequantize(q, dtype))
+    assert torch.equal(avx2.dequantize_into(q, torch.empty(37, 64, dtype=dtype)), formats.dequantize(q, dtype))
 
 
 def test_extension_is_off_without_avx2_or_when_switched_off(monkeypatch, caplog):
-    monkeypatch.setattr(dequant, "_cpu_flags", lambda: {"avx", "sse4_2", "f16c"})
+    monkeypatch.setattr(avx2, "_cpu_flags", lambda: {"avx", "sse4_2", "f16c"})
     with caplog.at_level("INFO", logger="dgemma"):
-        assert dequant.extension.__wrapped__() is None
+        assert avx2.extension.__wrapped__() is None
     assert "lacks avx2, fma" in caplog.text
     monkeypatch.setenv("DGEMMA_NATIVE", "0")
-    assert dequant.extension.__wrapped__() is None
+    assert avx2.extension.__wrapped__() is None

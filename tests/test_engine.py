@@ -11,7 +11,7 @@ import dgemma
 from dgemma.config import GLOBAL, SLIDING
 from dgemma.engine.client import EngineClient
 from dgemma.engine.engine import Engine, EngineOptions, Request
-from dgemma.engine.kv_cache import DenseKVCache
+from dgemma.dense.kv_cache import DenseKVCache
 from dgemma.engine.paged_cache import SequenceBlocks
 from dgemma.engine.prefill import prefill
 

@@ -1,7 +1,7 @@
 """Native AVX2 GEMMs on stored weights (kernels/csrc/gemm_avx2.cpp): out = x @ W.T with W bf16,
 int8, int4, fp8 or nvfp4 as stored, against a float64 product with `formats.dequantize(W)`, on
 ragged shapes (M, N, K tails of every microkernel), row slices of a bigger weight and every
-scale dtype; misuse is a RuntimeError that says what is wrong; `dequant.linear` returns None
+scale dtype; misuse is a RuntimeError that says what is wrong; `avx2.linear` returns None
 where the kernels do not apply."""
 
 import itertools
@@ -9,10 +9,10 @@ import itertools
 import pytest
 import torch
 
-from dgemma.kernels import dequant
+from dgemma.kernels import avx2
 from dgemma.quant import formats
 
-ext = dequant.extension()
+ext = avx2.extension()
 needs_kernel = pytest.mark.skipif(
     ext is None,
     reason="native GEMMs unavailable (CPU lacks AVX2/FMA/F16C, no C++ compiler, the build failed, or DGEMMA_NATIVE=0)",
@@ -108,7 +108,7 @@ def test_row_slices_of_a_bigger_weight():
     for scheme, group in (("int8", None), ("int4", 64), ("fp8", None), ("nvfp4", None)):
         q = formats.quantize(w, scheme, group, torch.bfloat16) if scheme == "int4" else formats.quantize(w, scheme)
         tile = q.rows(a, b)
-        got = dequant.linear(x, tile)
+        got = avx2.linear(x, tile)
         assert got is not None, scheme
         check(got, x, formats.dequantize(tile))
 
@@ -117,22 +117,22 @@ def test_linear_dispatch_and_shapes():
     x, w = data(6, 37, 72, seed=6)
     x3 = x.reshape(2, 3, 72)
     wb = w.bfloat16()
-    got = dequant.linear(x3, wb)
+    got = avx2.linear(x3, wb)
     assert got.shape == (2, 3, 37)
     check(got.reshape(6, 37), x, wb.float())
     # a non-contiguous x: linear makes it contiguous; the kernel itself refuses it
     xt = torch.randn(72, 6).t()
-    check(dequant.linear(xt, wb), xt, wb.float())
+    check(avx2.linear(xt, wb), xt, wb.float())
     with pytest.raises(RuntimeError, match="x must be contiguous"):
         ext.gemm_bf16(xt, wb, torch.empty(6, 37))
     # where the kernels do not apply: None (the caller falls back)
-    assert dequant.linear(x.double(), wb) is None
-    assert dequant.linear(x.bfloat16(), wb) is None
-    assert dequant.linear(x, w) is None  # a float32 weight: oneDNN's job
-    assert dequant.linear(x, wb[:, :64]) is None  # K differs
+    assert avx2.linear(x.double(), wb) is None
+    assert avx2.linear(x.bfloat16(), wb) is None
+    assert avx2.linear(x, w) is None  # a float32 weight: oneDNN's job
+    assert avx2.linear(x, wb[:, :64]) is None  # K differs
     stacked = formats.quantize(torch.randn(2, 8, 72), "int8")
-    assert dequant.linear(x, stacked) is None  # [E, N, K]: one 2D weight at a time
-    assert dequant.linear(x, stacked.select(0)) is not None
+    assert avx2.linear(x, stacked) is None  # [E, N, K]: one 2D weight at a time
+    assert avx2.linear(x, stacked.select(0)) is not None
 
 
 def test_empty_sizes():
@@ -234,18 +234,18 @@ def test_bf16_nn_threads_and_sizes():
 def test_matmul_nn_wrapper():
     g = torch.Generator().manual_seed(12)
     x, w = torch.randn(2, 3, 72, generator=g), torch.randn(72, 37, generator=g).bfloat16()
-    got = dequant.matmul_nn(x, w)
+    got = avx2.matmul_nn(x, w)
     assert got.shape == (2, 3, 37)
     check_nn(got.reshape(6, 37), x.reshape(6, 72), w.float())
     xt = torch.randn(72, 6, generator=g).t()  # non-contiguous x: made contiguous
-    check_nn(dequant.matmul_nn(xt, w), xt, w.float())
+    check_nn(avx2.matmul_nn(xt, w), xt, w.float())
     wt = torch.randn(37, 72, generator=g).bfloat16().t()  # non-contiguous w: made contiguous
-    check_nn(dequant.matmul_nn(x.reshape(6, 72), wt), x.reshape(6, 72), wt.float())
-    assert dequant.matmul_nn(x.double(), w) is None
-    assert dequant.matmul_nn(x.bfloat16(), w) is None
-    assert dequant.matmul_nn(x, w.float()) is None  # a float32 w: oneDNN's job
-    assert dequant.matmul_nn(x, w[:64]) is None  # K differs
-    assert dequant.matmul_nn(x, w[None]) is None
+    check_nn(avx2.matmul_nn(x.reshape(6, 72), wt), x.reshape(6, 72), wt.float())
+    assert avx2.matmul_nn(x.double(), w) is None
+    assert avx2.matmul_nn(x.bfloat16(), w) is None
+    assert avx2.matmul_nn(x, w.float()) is None  # a float32 w: oneDNN's job
+    assert avx2.matmul_nn(x, w[:64]) is None  # K differs
+    assert avx2.matmul_nn(x, w[None]) is None
 
 
 def test_bf16_nn_bad_arguments():

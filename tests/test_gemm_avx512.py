@@ -11,24 +11,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dgemma.kernels import dequant, native
+from dgemma.kernels import avx2, native
 from dgemma.quant import formats, modules
 
 ext = native.extension()
 pytestmark = pytest.mark.skipif(
     ext is None, reason="the AVX-512 BF16 kernels need a CPU with AVX-512 BF16 (native.py's extension), which this one lacks or did not build"
 )
-# linear and cpu_quant_linear take these GEMMs where the CPU has no AMX (dequant.fused_bf16_extension)
+# linear and cpu_quant_linear take these GEMMs where the CPU has no AMX (avx2.fused_bf16_extension)
 needs_dispatch = pytest.mark.skipif(
-    dequant.fused_bf16_extension() is None, reason="an AMX CPU: its bf16 activations multiply the weight dequantised whole on oneDNN's AMX GEMM"
+    avx2.fused_bf16_extension() is None, reason="an AMX CPU: its bf16 activations multiply the weight dequantised whole on oneDNN's AMX GEMM"
 )
 
 
 @pytest.fixture(autouse=True)
 def through_linear(monkeypatch):
-    """dequant.linear calls the kernels on any CPU that has them (an AMX one too), so that each
+    """avx2.linear calls the kernels on any CPU that has them (an AMX one too), so that each
     test below checks the kernel through the wrapper's argument handling."""
-    monkeypatch.setattr(dequant, "fused_bf16_extension", lambda: ext)
+    monkeypatch.setattr(avx2, "fused_bf16_extension", lambda: ext)
 
 MS, NS, KS = (1, 5, 6, 7, 13, 67), (1, 3, 4, 37, 130), (8, 72, 1000, 1024)
 
@@ -60,7 +60,7 @@ def quantized(w: torch.Tensor, scheme: str, group: int | None = None, scale_dtyp
 
 def run(x: torch.Tensor, q: formats.QTensor) -> torch.Tensor:
     out = torch.full((x.shape[0], q.shape[0]), float("nan"), dtype=torch.bfloat16)
-    got = dequant.linear(x, q)
+    got = avx2.linear(x, q)
     assert got is not None
     out.copy_(got)
     return out
@@ -104,13 +104,13 @@ def test_row_slices_of_a_bigger_weight_and_a_batch_of_rows():
     a, b = 37, 120
     for scheme, group in (("int8", None), ("int4", 64), ("fp8", None), ("nvfp4", None)):
         tile = quantized(w, scheme, group, torch.bfloat16).rows(a, b)
-        got = dequant.linear(x.reshape(3, 40, 2816), tile)
+        got = avx2.linear(x.reshape(3, 40, 2816), tile)
         assert got.shape == (3, 40, b - a)
         check(got.reshape(120, b - a), x, formats.dequantize(tile, torch.bfloat16))
     # the kernel itself takes any number of rows; linear leaves more than FUSED_BF16_ROWS to oneDNN
-    big, _ = data(dequant.FUSED_BF16_ROWS + 1, 1, 2816, seed=7)
+    big, _ = data(avx2.FUSED_BF16_ROWS + 1, 1, 2816, seed=7)
     q = quantized(w, "int8")
-    assert dequant.linear(big, q) is None and dequant.linear(big[:-1], q) is not None
+    assert avx2.linear(big, q) is None and avx2.linear(big[:-1], q) is not None
     out = torch.empty(big.shape[0], 150, dtype=torch.bfloat16)
     check(ext.gemm_int8(big, q.parts["weight"], q.parts["weight_scale"], out), big, formats.dequantize(q, torch.bfloat16))
 
@@ -121,10 +121,10 @@ def test_cpu_quant_linear_takes_them_for_bf16_and_dequantises_whole_without_them
     x, w = data(9, 40, 512, seed=6)
     q = quantized(w, "int4", 32, torch.bfloat16)
     whole = []
-    monkeypatch.setattr(modules, "dequantize_into", lambda q_, out: whole.append(out.shape) or dequant.dequantize_into(q_, out))
+    monkeypatch.setattr(modules, "dequantize_into", lambda q_, out: whole.append(out.shape) or avx2.dequantize_into(q_, out))
     check(modules.cpu_quant_linear(x, q), x, formats.dequantize(q, torch.bfloat16))
     assert whole == []  # decoded inside the GEMM: no dequantised weight
-    monkeypatch.setattr(dequant, "fused_bf16_extension", lambda: None)
+    monkeypatch.setattr(avx2, "fused_bf16_extension", lambda: None)
     got = modules.cpu_quant_linear(x, q)
     assert whole == [(40, 512)]
     assert torch.equal(got, F.linear(x, formats.dequantize(q, torch.bfloat16)))
@@ -152,9 +152,9 @@ def test_misuse_is_refused_with_a_message():
         ext.gemm_nvfp4(x, torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), 1.0, out)
     # where they do not apply, linear says None (the caller falls back)
     q = quantized(torch.randn(8, 64), "int8")
-    assert dequant.linear(x.half(), q) is None
-    assert dequant.linear(x, torch.randn(8, 64).bfloat16()) is None  # a bf16 weight: oneDNN's job
-    assert dequant.linear(x, formats.quantize(torch.randn(2, 8, 64), "int8")) is None  # [E, N, K]
+    assert avx2.linear(x.half(), q) is None
+    assert avx2.linear(x, torch.randn(8, 64).bfloat16()) is None  # a bf16 weight: oneDNN's job
+    assert avx2.linear(x, formats.quantize(torch.randn(2, 8, 64), "int8")) is None  # [E, N, K]
 
 
 def test_empty_sizes():

@@ -120,7 +120,7 @@ def test_ar_logits_equal_reference_encoder(ref_wide):
     model = dgemma.load(path)
     ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
     expected = _reference_encoder_logits(ref, ids)
-    from dgemma.engine.kv_cache import DenseKVCache
+    from dgemma.dense.kv_cache import DenseKVCache
 
     cache = DenseKVCache(model.config, 2, 19, "cpu", torch.float32)
     got = model.net.logits(model.net.encode(ids, cache.plan_encoder(19)))

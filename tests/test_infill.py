@@ -42,7 +42,7 @@ def test_warm_start_in_the_engine_starts_from_the_given_canvas(ref_gqa):
 # ------------------------------------------------------------------------------------ fixed positions
 from dgemma.engine.constraints import CanvasConstraints, FirstCanvas  # noqa: E402
 from dgemma.engine.events import Block, Draft  # noqa: E402
-from dgemma.infill import edit_plan, infill_plan, snap_spans  # noqa: E402
+from dgemma.engine.constraints.infill import edit_plan, infill_plan, snap_spans  # noqa: E402
 
 
 @pytest.fixture(scope="module")

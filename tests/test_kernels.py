@@ -5,7 +5,7 @@ import torch
 
 import dgemma
 from dgemma.kernels.cpu import PackedExperts, packed_copy, supported
-from dgemma.engine.kv_cache import DenseKVCache
+from dgemma.dense.kv_cache import DenseKVCache
 from oracle import build_reference
 
 pytestmark = pytest.mark.skipif(not supported(torch.float32), reason="no oneDNN packed linears in this torch")

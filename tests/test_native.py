@@ -194,13 +194,13 @@ def test_a_failed_build_or_dgemma_native_0_falls_back_with_one_line(monkeypatch,
 def test_dgemma_cpu_isa_avx2_picks_kernels_as_an_avx2_only_cpu(monkeypatch):
     """The emulation scripts/cpu_speed.py runs: no AVX-512 or AMX kernels, no native bf16, the
     AVX2 kernels' flags kept."""
-    from dgemma.kernels import cpu, dequant
+    from dgemma.kernels import cpu, avx2
 
     real = native._cpu_flags()
     monkeypatch.setenv("DGEMMA_CPU_ISA", "avx2")
     flags = native._cpu_flags()
     assert not {f for f in flags if f.startswith(("avx512", "amx"))}
-    assert (real & dequant.CPU_FLAGS) <= flags  # the AVX2 dequantisation / GEMM kernels still run
+    assert (real & avx2.CPU_FLAGS) <= flags  # the AVX2 dequantisation / GEMM kernels still run
     assert native.extension.__wrapped__() is None and native.amx.__wrapped__() is None and not cpu.native_bf16()
 
 

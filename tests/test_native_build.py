@@ -172,13 +172,13 @@ def test_build_directory_names_no_path(monkeypatch):
 def test_test_subprocesses_import_the_session_build(tmp_path):
     """What `.ci/run` relies on: conftest's session fixture built the kernels, so a test's
     subprocess (dgemma chat, serve, a script) imports them without a build or a wait."""
-    from dgemma.kernels import dequant
+    from dgemma.kernels import avx2
 
-    if dequant.extension() is None and native.extension() is None:
+    if avx2.extension() is None and native.extension() is None:
         pytest.skip("no native kernels here (no AVX2/FMA/F16C and no AVX-512 BF16, no compiler, or DGEMMA_NATIVE=0)")
-    code = "from dgemma.kernels import dequant, native; print(dequant.extension() is not None, native.extension() is not None)"
+    code = "from dgemma.kernels import avx2, native; print(avx2.extension() is not None, native.extension() is not None)"
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env=_environment(PYTHONPATH=str(Path(dgemma.__file__).parents[1])))  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(dequant.extension() is not None), str(native.extension() is not None)]
+    assert done.stdout.split() == [str(avx2.extension() is not None), str(native.extension() is not None)]
     assert [line for line in done.stderr.splitlines() if line.startswith(LINES)] == []

@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 from dgemma.config import ConfigError
-from dgemma.media.decode import open_image
-from dgemma.media.inputs import MediaError
-from dgemma.media.processor import (
+from dgemma.inputs.decode import open_image
+from dgemma.inputs.model_inputs import MediaError
+from dgemma.inputs.processor import (
     ImageProcessorConfig,
     Processor,
     VideoProcessorConfig,
@@ -19,7 +19,7 @@ from dgemma.media.processor import (
     processor_sub_configs,
 )
 from dgemma.model.checkpoint import byte_tokenizer, tokenizer_config_json
-from dgemma.tokenizer import ChatTemplateError, Tokenizer
+from dgemma.inputs.tokenizer import ChatTemplateError, Tokenizer
 from media_fixtures import TOKEN_IDS, save_gemma4_processor
 
 

@@ -11,7 +11,7 @@ from torch import nn
 import dgemma
 from dgemma.engine.engine import Engine
 from dgemma.kernels import native
-from dgemma.kernels.dequant import dequantize_into
+from dgemma.kernels.avx2 import dequantize_into
 from dgemma.quant import modules
 from dgemma.quant.formats import E2M1_VALUES, SCHEMES, QuantError, dequantize, pack_int4, quantize, unpack_int4
 from dgemma.quant.modules import LINEAR_TARGETS, QuantExperts, QuantLinear, cpu_quant_linear, weight_bytes

@@ -96,7 +96,7 @@ def test_fast_self_conditioning_step_matches_reference_logits(ref_gqa):
     processed = torch.randn(2, 8, 128, generator=g) * 5
     with torch.no_grad():
         expected = ref(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=processed).logits
-    from dgemma.engine.kv_cache import DenseKVCache
+    from dgemma.dense.kv_cache import DenseKVCache
 
     net = model.net
     cache = DenseKVCache(model.config, 2, 19, "cpu", torch.float32)

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 import dgemma
-from dgemma.serve.media import MediaPolicy
+from dgemma.serve.media_sources import MediaPolicy
 from dgemma.serve.server import ServerThread, create_app
 from vision_checkpoint import write_vision_checkpoint
 

@@ -1,4 +1,4 @@
-"""Structured output enforced on the canvas (engine/grammar.py) and its request fields (serve/structured.py).
+"""Structured output enforced on the canvas (engine/constraints/grammar.py) and its request fields (serve/structured.py).
 
 A random tiny model writes noise, so whatever it produces under a grammar shows the enforcement:
 every answer must parse and validate, and an answer cut by max_tokens must be a valid prefix."""
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.engine import grammar
-from dgemma.engine.grammar import GrammarError, best_allowed, best_allowed_candidate, single_token, top_candidates
+from dgemma.engine.constraints import grammar
+from dgemma.engine.constraints.grammar import GrammarError, best_allowed, best_allowed_candidate, single_token, top_candidates
 from dgemma.engine.sampler import pack_token_mask
 from dgemma.serve.grammar_limits import LarkStats
 from dgemma.serve.structured import OutputFormat, StructuredError, guided_format

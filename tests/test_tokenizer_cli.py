@@ -10,7 +10,7 @@ import torch
 import dgemma
 from dgemma.model.checkpoint import make_tiny_random
 from dgemma.cli import main
-from dgemma.tokenizer import ChatTemplateError
+from dgemma.inputs.tokenizer import ChatTemplateError
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_encoding_a_long_text_lets_other_threads_run():
     import threading
     import time
 
-    from dgemma.tokenizer import Tokenizer
+    from dgemma.inputs.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(dgemma.default_model_dir())
     text = "def f(x):\n    return x + 1\n" * 40_000  # ~1 MB: about a second of work

@@ -25,7 +25,7 @@ from dgemma.serve.tools import (
     render_chat,
     tool_spec,
 )
-from dgemma.tokenizer import Tokenizer
+from dgemma.inputs.tokenizer import Tokenizer
 from test_server import MODEL, client, model, server  # noqa: F401  (the tiny random model's server fixtures)
 
 Q = QUOTE

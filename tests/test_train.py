@@ -21,7 +21,7 @@ from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model
 from dgemma.cli import main
 from dgemma.config import GenerationConfig
 from dgemma.train.data import ExampleOrder, chat_example, document_examples, load_examples, prompt_completion_example
-from dgemma.engine.kv_cache import DenseKVCache
+from dgemma.dense.kv_cache import DenseKVCache
 from dgemma.train.objective import (
     Example,
     choose_block,

@@ -11,10 +11,10 @@ import av
 import numpy as np
 import pytest
 
-from dgemma.media.decode import open_video
-from dgemma.media.inputs import MediaError, image_token_runs
-from dgemma.media.processor import Processor, VideoProcessorConfig, format_timestamp, sample_frame_indices
-from dgemma.tokenizer import Tokenizer
+from dgemma.inputs.decode import open_video
+from dgemma.inputs.model_inputs import MediaError, image_token_runs
+from dgemma.inputs.processor import Processor, VideoProcessorConfig, format_timestamp, sample_frame_indices
+from dgemma.inputs.tokenizer import Tokenizer
 from media_fixtures import save_gemma4_processor
 
 FPS, FRAMES, WIDTH, HEIGHT = 10, 30, 64, 48  # 3 s

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
 import dgemma
-from dgemma.media.inputs import ImagePatches, MediaError, ModelInputs, image_token_runs, splits_image
+from dgemma.inputs.model_inputs import ImagePatches, MediaError, ModelInputs, image_token_runs, splits_image
 from vision_checkpoint import TOKEN_IDS, write_vision_checkpoint
 
 BOI, EOI, IMAGE = TOKEN_IDS["boi_token_id"], TOKEN_IDS["eoi_token_id"], TOKEN_IDS["image_token_id"]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.kernels import cpu, dequant, widened
+from dgemma.kernels import cpu, avx2, widened
 from dgemma.model.diffusion_gemma import Experts
 from test_kernels import _step_logits
 
@@ -23,8 +23,8 @@ def test_tiled_linear_equals_a_float32_matmul_on_the_widened_weight(tokens, k, n
 @pytest.mark.parametrize("native_gemm", [True, False], ids=["native-gemm", "tiles"])
 def test_soft_embed_and_experts_equal_their_float32_computation(native_gemm, monkeypatch):
     if not native_gemm:
-        monkeypatch.setattr(dequant, "linear", lambda x, w: None)
-        monkeypatch.setattr(dequant, "matmul_nn", lambda x, w: None)
+        monkeypatch.setattr(avx2, "linear", lambda x, w: None)
+        monkeypatch.setattr(avx2, "matmul_nn", lambda x, w: None)
     g = torch.Generator().manual_seed(1)
     table = torch.randn(3000, 24, generator=g).bfloat16()  # more vocabulary rows than one tile
     probs = torch.softmax(torch.randn(2, 5, 3000, generator=g), -1)
@@ -62,11 +62,11 @@ def test_bf16_engine_without_native_bf16_computes_float32_on_bf16_weights(tmp_pa
     with the native AVX2 GEMM (where it is built) and with the tile-by-tile fallback."""
     from oracle import build_reference
 
-    if native_gemm and dequant.extension() is None:
+    if native_gemm and avx2.extension() is None:
         pytest.skip("the native AVX2 kernels are not built here (no AVX2/FMA/F16C, no compiler, or DGEMMA_NATIVE=0)")
     if not native_gemm:
-        monkeypatch.setattr(dequant, "linear", lambda x, w: None)
-        monkeypatch.setattr(dequant, "matmul_nn", lambda x, w: None)
+        monkeypatch.setattr(avx2, "linear", lambda x, w: None)
+        monkeypatch.setattr(avx2, "matmul_nn", lambda x, w: None)
     monkeypatch.setenv("DGEMMA_CPU_BF16", "0")
     monkeypatch.setattr(widened, "TILE_ELEMENTS", 16 * 64)  # several tiles per weight, LM head included
     build_reference(tmp_path, "gqa")

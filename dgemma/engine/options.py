@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..media.inputs import MAX_SOFT_TOKENS
+from ..inputs.model_inputs import MAX_SOFT_TOKENS
 
 from ..config import GLOBAL, SLIDING, ModelConfig
 from .paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held

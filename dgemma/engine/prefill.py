@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ..media.inputs import image_safe_end
+from ..inputs.model_inputs import image_safe_end
 from ..model.diffusion_gemma import DiffusionGemma
 
 # Soft tokens of one image placed in a token list: (index of its first placeholder, features [n, hidden]).

@@ -16,14 +16,14 @@ from typing import Callable, Union
 import torch
 
 from ..config import GenerationConfig
-from ..media.inputs import ImagePatches, image_token_runs
+from ..inputs.model_inputs import ImagePatches, image_token_runs
 from .constraints import CanvasConstraints
 from .events import TokenLogprob
 from .paged_cache import SequenceBlocks
 
 ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstraints | None"], None]
 # A constraint source may also judge what a block commits: `commit(block) -> n` keeps the first n
-# tokens of the converged canvas (a grammar's valid prefix: engine/grammar.py), and the next canvas
+# tokens of the converged canvas (a grammar's valid prefix: engine/constraints/grammar.py), and the next canvas
 # starts after them.
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from ..media.inputs import image_safe_end, splits_image
+from ..inputs.model_inputs import image_safe_end, splits_image
 from .block_manager import BlockManager, extend_hashes
 from .events import Block, Draft, Finished, TokenLogprob, cut_block, shown_entropy
 from .options import EngineOptions

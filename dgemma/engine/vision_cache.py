@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..media.inputs import ImagePatches
+from ..inputs.model_inputs import ImagePatches
 
 
 class VisionCache:

@@ -261,16 +261,16 @@ def describe(net: nn.Module) -> str:
     """Which kernels an engine net runs on, for benchmark reports (a ratio means little without it)."""
     if net.device.type != "cpu":
         return f"torch ({net.device.type})"
-    from . import dequant
-    from .dequant import extension as dequant_kernel
+    from . import avx2
+    from .avx2 import extension as dequant_kernel
 
     native_gemm = dequant_kernel() is not None and net.dtype == torch.float32  # (quant/modules, widened.py)
     tiles = "native AVX2" if dequant_kernel() is not None else "torch"
     quant = getattr(net, "quantization", None)
     parts = []
-    if quant and net.dtype == torch.bfloat16 and dequant.fused_bf16_extension() is not None:
-        # (quant/modules.cpu_quant_linear; dequant.linear says where the row limit comes from)
-        parts.append(f"{quant[0]} weights decoded inside the native AVX-512 BF16 GEMM (up to {dequant.FUSED_BF16_ROWS} "
+    if quant and net.dtype == torch.bfloat16 and avx2.fused_bf16_extension() is not None:
+        # (quant/modules.cpu_quant_linear; avx2.linear says where the row limit comes from)
+        parts.append(f"{quant[0]} weights decoded inside the native AVX-512 BF16 GEMM (up to {avx2.FUSED_BF16_ROWS} "
                      f"rows; more: dequantised per weight (native) + oneDNN)")  # fmt: skip
     elif quant:
         # (bf16 activations without the AVX-512 kernels: each weight dequantised whole for its

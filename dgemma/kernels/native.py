@@ -5,7 +5,7 @@
 - `csrc/rms_norm.cpp`: RMSNorm in one pass per row;
 - `csrc/step_statistics.cpp`: softcap, argmax, entropy and the exp weights of a step's logits in
   one pass per row;
-- `csrc/dequant_avx512.cpp`: quantised weights dequantised into bf16 (`dequant.py` picks them
+- `csrc/dequant_avx512.cpp`: quantised weights dequantised into bf16 (`avx2.py` picks them
   over its AVX2 kernels for a bf16 output).
 
 All are optional. Where the CPU lacks AVX-512 (BF16) or AMX, no C++ compiler is found, or the

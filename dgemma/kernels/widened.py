@@ -8,7 +8,7 @@ widens a tile of weight rows (~1 MB in float32, so it stays in cache) and multip
 the float32 GEMM, so no full-precision copy of a weight outlives its tile. Results are the
 float32 computation on the bf16 weights (closer to a float64 oracle than bf16 compute).
 
-Where the native AVX2 GEMM runs (`dequant.linear`, csrc/gemm_avx2.cpp) it reads the bf16 weight as
+Where the native AVX2 GEMM runs (`avx2.linear`, csrc/gemm_avx2.cpp) it reads the bf16 weight as
 stored and widens it inside its microkernel instead (no tile buffer). `tiled_linear` is the one
 tiling loop of the fallback: quantised weights (`quant/modules.py`) use it too, with a tile
 dequantised instead of widened.
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.diffusion_gemma import Experts
-from . import dequant
-from .dequant import widen_into
+from . import avx2
+from .avx2 import widen_into
 
 TILE_ELEMENTS = 1 << 18  # weight elements widened at once: 1 MB in float32 (L2-sized on current CPUs)
 
@@ -77,8 +77,8 @@ def widened_rows(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> Ca
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (float32) @ W.T for a bf16 W [out, in]: the native AVX2 GEMM, which reads W as stored and
-    widens it inside its microkernel (`dequant.linear`), where it runs; else tile by tile."""
-    out = dequant.linear(x, weight)
+    widens it inside its microkernel (`avx2.linear`), where it runs; else tile by tile."""
+    out = avx2.linear(x, weight)
     return out if out is not None else tiled_linear(x, weight.shape[0], widened_rows(weight))
 
 
@@ -128,7 +128,7 @@ class WidenedSoftEmbed(nn.Module):
         self.embedding = embedding.detach()
 
     def forward(self, probs: torch.Tensor) -> torch.Tensor:
-        native = dequant.matmul_nn(probs.float(), self.embedding)  # E read as stored (csrc/gemm_avx2.cpp)
+        native = avx2.matmul_nn(probs.float(), self.embedding)  # E read as stored (csrc/gemm_avx2.cpp)
         if native is not None:
             return native
         flat = probs.reshape(-1, probs.shape[-1]).float()

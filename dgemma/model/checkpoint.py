@@ -19,7 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from ..config import GLOBAL, SLIDING, GenerationConfig, LayerSpec, ModelConfig, parse_model_config
 from .diffusion_gemma import DiffusionGemma
 from .presets import PRESETS
-from ..tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from .weights import save_weights
 
 # Gemma-style special tokens at fixed ids; <eos> and <turn|> end generation.

@@ -5,7 +5,7 @@
   canvas; reads the cache only. Its input embeddings are mixed with a self-conditioning signal
   built from the previous step's predictions.
 
-Both take a *cache pass* (`dgemma.engine.kv_cache.CachePass` for the dense cache, `PagedPass`
+Both take a *cache pass* (`dgemma.dense.kv_cache.CachePass` for the dense cache, `PagedPass`
 for the engine's block pool): the positions of the pass's tokens, and `attend(layer, sliding, k,
 v)`, which stores this pass's keys/values where the cache keeps them and returns the keys/values
 to attend over with their mask. The model does not know how a cache is laid out.

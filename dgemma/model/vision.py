@@ -1,7 +1,7 @@
 """The Gemma 4 vision tower and its projection into the text model (`model.encoder.vision_tower.*`,
 `model.encoder.embed_vision.*`).
 
-An image arrives as patches (see media/inputs.py) and leaves as `num_soft_tokens` embeddings of
+An image arrives as patches (see inputs/model_inputs.py) and leaves as `num_soft_tokens` embeddings of
 the text hidden size, which replace the image's placeholder tokens in the prompt:
 
     patches -> 2 (p - 0.5) -> input_proj + x/y position embeddings

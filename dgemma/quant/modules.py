@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import dequant
+from ..kernels import avx2
 from ..kernels.cpu import release_freed_memory
-from ..kernels.dequant import dequantize_into
+from ..kernels.avx2 import dequantize_into
 from ..kernels.widened import buffered_rows, sorted_experts, tiled_linear
 from .formats import QTensor, quantize
 
@@ -45,7 +45,7 @@ class QuantWeight(nn.Module):
 
 def dequantized_rows(q: QTensor, dtype: torch.dtype):
     """`weight_tile` for a quantised 2D weight: rows dequantised into one buffer (natively where
-    the kernel runs: kernels/dequant.py)."""
+    the kernel runs: kernels/avx2.py)."""
     return buffered_rows(q.shape, dtype, lambda start, end, into: dequantize_into(q.rows(start, end), into))
 
 
@@ -60,10 +60,10 @@ WHOLE_WEIGHT_ELEMENTS = 1 << 23
 
 def cpu_quant_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
     """x @ dequantize(q).T on the CPU: a native GEMM that decodes the weight inside
-    (`kernels/dequant.linear`: AVX2 for float32 activations, AVX-512 BF16 for bf16 ones) where it
+    (`kernels/avx2.linear`: AVX2 for float32 activations, AVX-512 BF16 for bf16 ones) where it
     runs; else bf16 activations: the weight dequantised whole for one oneDNN GEMM; float32: a
     dequantised tile at a time."""
-    out = dequant.linear(x, q)
+    out = avx2.linear(x, q)
     if out is not None:
         return out
     tile_elements = WHOLE_WEIGHT_ELEMENTS if x.dtype == torch.bfloat16 else None

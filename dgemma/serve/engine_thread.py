@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable
 from ..config import GenerationConfig
 from ..engine.engine import Engine, Request
 from ..engine.events import Block, Draft, Finished, TokenLogprob
-from ..media.inputs import ImagePatches
+from ..inputs.model_inputs import ImagePatches
 from .metrics import Metrics
 from .text import TextStream
 from .threads import start_with_stack
@@ -47,7 +47,7 @@ class Job:
     drafts: bool
     loop: asyncio.AbstractEventLoop
     images: list[ImagePatches] = field(default_factory=list)  # in the order of their placeholders in prompt
-    constraints: Any = None  # the request's constraint source (a grammar's state: engine/grammar.py)
+    constraints: Any = None  # the request's constraint source (a grammar's state: engine/constraints/grammar.py)
     top_logprobs: int | None = None  # log probabilities of the committed tokens, with this many alternatives
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: int | None = None  # the engine's id, once added

@@ -1,5 +1,5 @@
 """OpenAI's insert mode on /v1/completions (`suffix`), and fixed canvas tokens (`canvas`): the
-server side of dgemma/infill.py.
+server side of dgemma/engine/constraints/infill.py.
 
 With `suffix`, the completion is the text between the prompt and the suffix: one engine request
 per candidate span length (`span_length`, or infill.DEFAULT_LENGTHS within max_tokens), each a
@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine.constraints import CanvasConstraints, FirstCanvas
 from ..engine.events import Block, Finished
-from ..infill import DEFAULT_LENGTHS, infill_plan, most_likely_span
+from ..engine.constraints.infill import DEFAULT_LENGTHS, infill_plan, most_likely_span
 
 
 class InsertError(ValueError):

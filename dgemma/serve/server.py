@@ -43,15 +43,15 @@ from ..config import ConfigError
 from ..engine.constraints import FirstCanvas
 from ..engine.engine import Engine, EngineOptions
 from ..engine.events import TokenLogprob
-from ..engine.grammar import Grammar, GrammarError
-from ..media.inputs import MediaError, ModelInputs
+from ..engine.constraints.grammar import Grammar, GrammarError
+from ..inputs.model_inputs import MediaError, ModelInputs
 from .playground import add_playground
-from . import media
+from . import media_sources as media
 from .access import Access, AccessGuard
 from .listener import Limits, ServerThread, bind, uvicorn_config  # noqa: F401 - ServerThread: tests, scripts
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull, Update
 from .logprobs import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
-from .media import MediaPolicy, MediaRef, PartError
+from .media_sources import MediaPolicy, MediaRef, PartError
 from .metrics import Metrics
 from .text import TextStream
 from .insert import InsertError, fixed_canvas, insert, span_lengths
@@ -60,7 +60,7 @@ from .structured import GUIDED_FIELDS, GrammarCache, OutputFormat, StructuredErr
 from .reasoning import THINK, ReasoningParser, Thought, keeping_channel, template_thinks, think_in_system_turn
 from .tools import ToolCallParser, ToolError, ToolSpec, check_messages, keeping_decoder, render_chat, tool_spec
 from .threads import CompileWorker
-from ..tokenizer import ChatTemplateError
+from ..inputs.tokenizer import ChatTemplateError
 
 log = logging.getLogger("dgemma.serve")
 

@@ -1,4 +1,4 @@
-"""Structured output fields of a request, checked and compiled to a grammar (engine/grammar.py
+"""Structured output fields of a request, checked and compiled to a grammar (engine/constraints/grammar.py
 enforces it on the canvas).
 
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), and vLLM's extra
@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.grammar import Grammar, GrammarCompiler, GrammarError
+from ..engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
 from .grammar_limits import MAX_CHOICES, LimitError, check_choices, check_lark, check_regex, check_schema, text_bytes  # noqa: F401
 
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -24,7 +24,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .objective import Example
-from ..tokenizer import Tokenizer
+from ..inputs.tokenizer import Tokenizer
 
 STDLIB = "stdlib"
 # Generated tables and data blobs rather than code; skipped so the corpus is Python as people write it.

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine.kv_cache import DenseKVCache
+from ..dense.kv_cache import DenseKVCache
 from ..model.diffusion_gemma import DiffusionGemma
 
 EPS = 1e-3

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ..model.checkpoint import SPECIAL_TOKENS
-from ..tokenizer import Tokenizer
+from ..inputs.tokenizer import Tokenizer
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:

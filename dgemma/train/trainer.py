@@ -44,7 +44,7 @@ from ..config import ConfigError, GenerationConfig, ModelConfig, load_generation
 from .data import ExampleOrder, iter_records, load_examples
 from ..model.diffusion_gemma import DiffusionGemma
 from .objective import Losses, TrainingModule, collate, draw_noise, example_generator
-from ..tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from .tokenizer_train import as_tokenizer, train_bpe
 from ..model.weights import load_weights
 

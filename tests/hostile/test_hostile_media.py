@@ -31,9 +31,9 @@ import openai
 import pytest
 
 import dgemma
-from dgemma.media.decode import open_video
-from dgemma.media.inputs import MediaError
-from dgemma.serve.media import (GuardedBackend, MediaPolicy, MediaRef, PartError, address_allowed, fetch, file_bytes,
+from dgemma.inputs.decode import open_video
+from dgemma.inputs.model_inputs import MediaError
+from dgemma.serve.media_sources import (GuardedBackend, MediaPolicy, MediaRef, PartError, address_allowed, fetch, file_bytes,
                                  host_allowed)  # fmt: skip
 from dgemma.serve.server import add_media_flags, media_policy, media_summary
 from test_server_media import FAST, MODEL, PNG, data_url, image_part, mp4_bytes, png_bytes, serve, user, write_checkpoint
@@ -467,7 +467,7 @@ def test_outside_is_one_answer_whether_the_path_exists_or_not(remote, allowed):
 def test_images_are_decoded_one_at_a_time(default, monkeypatch):
     """Each image is decoded and reduced to its patches before the next is decoded: when one is
     decoded, no earlier decoded image is alive."""
-    from dgemma.media import decode, processor
+    from dgemma.inputs import decode, processor
 
     real, decoded, alive_before = decode.open_image, [], []
 

@@ -1,5 +1,5 @@
 // Dequantise (or widen) a tile of weight rows into float32 or bfloat16: AVX2 + FMA + F16C only
-// (built by dgemma/kernels/dequant.py as its own extension, so it runs on AVX2-only CPUs too).
+// (built by dgemma/kernels/avx2.py as its own extension, so it runs on AVX2-only CPUs too).
 //
 // Each function takes the parts of rows [start, end) of a weight (contiguous: tiles are slices
 // along dim 0) and writes `out` [rows, K] (contiguous; its dtype, float32 or bfloat16, chooses the

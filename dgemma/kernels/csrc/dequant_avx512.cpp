@@ -7,7 +7,7 @@
 //    a time at the end (float32 accumulation, rounded once to bf16). No dequantised weight is
 //    written out. An MoE expert at the released size, [16, 2816] @ [1408, 2816]^T in int4: 0.54 ms,
 //    where dequantising the weight whole for oneDNN's bf16 GEMM took 0.78 and oneDNN's GEMM on the
-//    unquantised bf16 weight 0.53 (AMD EPYC Zen 4, 2 cores; dequant.py says when it is used).
+//    unquantised bf16 weight 0.53 (AMD EPYC Zen 4, 2 cores; avx2.py says when it is used).
 //
 // 2. The row dequantisers those GEMMs use, also bound as dequant.cpp's functions (same names and
 //    arguments) for a bf16 `out`: 16 and 32 values a step where dequant.cpp (built for AVX2-only

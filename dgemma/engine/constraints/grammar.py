@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from .constraints import CanvasConstraints
-from .sampler import pack_token_mask, unpack_token_mask
+from . import CanvasConstraints
+from ..sampler import pack_token_mask, unpack_token_mask
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 # what llguidance raises for input it cannot take (a lone surrogate: UnicodeEncodeError, a ValueError;

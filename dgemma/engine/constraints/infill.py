@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .engine.constraints import CanvasConstraints
+from . import CanvasConstraints
 
 DEFAULT_LENGTHS = (1, 2, 3, 4, 6, 8, 11, 16, 23)  # candidate span lengths when none is given
 

@@ -17,7 +17,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .config import ConfigError
+from ..config import ConfigError
 
 # Gemma 4's turn format: <bos><|turn>user\n...<turn|>\n<|turn>model\n
 _TURNS_TEMPLATE = (

@@ -21,11 +21,11 @@ import torch
 
 from ..config import GenerationConfig
 from ..model.diffusion_gemma import DiffusionGemma
-from . import sampler
-from .events import Block, Draft, GenerationOutput, cut_block, shown_entropy
+from ..engine import sampler
+from ..engine.events import Block, Draft, GenerationOutput, cut_block, shown_entropy
 from .kv_cache import DenseKVCache
-from .prefill import PlacedImage, prefill
-from .request import validate_prompts
+from ..engine.prefill import PlacedImage, prefill
+from ..engine.request import validate_prompts
 
 
 @dataclass

@@ -12,10 +12,10 @@ from typing import Iterator
 import torch
 
 from ..model.diffusion_gemma import DiffusionGemma
-from .events import Block, GenerationOutput
+from ..engine.events import Block, GenerationOutput
 from .kv_cache import DenseKVCache
-from .prefill import prefill
-from .sampler import sample_from_weights
+from ..engine.prefill import prefill
+from ..engine.sampler import sample_from_weights
 
 
 @torch.no_grad()

@@ -27,10 +27,10 @@ import numpy as np
 from PIL import Image
 
 from ..config import ConfigError
-from ..tokenizer import Tokenizer
+from .tokenizer import Tokenizer
 from .decode import DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS, Video, VideoMetadata, open_image, open_video
-from .inputs import SOFT_TOKEN_BUDGETS as SUPPORTED_SOFT_TOKENS
-from .inputs import ImagePatches, MediaError, ModelInputs
+from .model_inputs import SOFT_TOKEN_BUDGETS as SUPPORTED_SOFT_TOKENS
+from .model_inputs import ImagePatches, MediaError, ModelInputs
 
 # Gemma 4's token strings, used when tokenizer_config.json does not name them.
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN, VIDEO_TOKEN = "<|image|>", "<|image>", "<image|>", "<|video|>"

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .sampler import pack_token_mask, unpack_token_mask
+from ..sampler import pack_token_mask, unpack_token_mask
 
 
 @dataclass(frozen=True)

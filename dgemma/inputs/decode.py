@@ -17,7 +17,7 @@ from typing import Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .inputs import MediaError
+from .model_inputs import MediaError
 
 # Larger images are refused before their pixels are decoded (a decompression bomb is a small
 # file that decodes to gigabytes).
