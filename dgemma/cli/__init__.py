@@ -136,7 +136,7 @@ def apply_chat_template_file(model, args, text: str | None = None) -> None:
 
 
 def engine_options(args):
-    from .engine.options import EngineOptions
+    from ..engine.options import EngineOptions
 
     return EngineOptions(
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
@@ -183,7 +183,7 @@ def media_prompt(model, args):
     """The prompt of `dgemma run --image/--video` as the processor builds it (ModelInputs). With
     --chat the media parts come first in the user turn, in command-line order; without, the prompt
     gets one placeholder per image/video prepended (and a newline), unless it holds placeholders."""
-    from .serve.media_sources import check_soft_tokens
+    from ..serve.media_sources import check_soft_tokens
 
     if args.mode == "ar":
         raise CliError("--image and --video work in diffusion mode only, not with --mode ar")
@@ -207,7 +207,7 @@ def media_prompt(model, args):
 
 def run_grammar(model, args):
     """The Grammar of --json-schema FILE / --regex / --grammar FILE (Lark), or None."""
-    from .engine.constraints.grammar import GrammarError
+    from ..engine.constraints.grammar import GrammarError
 
     given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--regex", args.regex),
                                                 ("--grammar", args.grammar)) if value is not None]  # fmt: skip
@@ -258,7 +258,7 @@ def run_suffix(args) -> str | None:
 
 def cmd_infill(model, args, suffix: str) -> int:
     """`dgemma run PREFIX --suffix TEXT`: print the text between them (see engine/constraints/infill.py)."""
-    from .engine.events import Draft
+    from ..engine.events import Draft
 
     knobs = {k: v for k, v in sampler_knobs(args).items() if k != "max_new_tokens"}
     try:
@@ -357,7 +357,7 @@ class RunTiming:
 
 
 def cmd_run(args) -> int:
-    from .engine.events import Block, Draft
+    from ..engine.events import Block, Draft
 
     args.prompt = run_prompt(args)
     temperature = check_temperature(args)
@@ -380,7 +380,7 @@ def cmd_run(args) -> int:
     grammar = run_grammar(model, args)
     timing = RunTiming("encoder" if args.mode == "ar" else "decoder")
     if args.mode == "ar":
-        from .dense.ar import ar_stream
+        from ..dense.ar import ar_stream
 
         events = ar_stream(model, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed)
     else:
@@ -426,7 +426,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    from .model.checkpoint import make_tiny_random
+    from ..model.checkpoint import make_tiny_random
 
     path = make_tiny_random(args.out, seed=args.seed)
     print(f"wrote a tiny random DiffusionGemma checkpoint to {path}")
@@ -436,8 +436,8 @@ def cmd_make_tiny(args) -> int:
 def print_memory_plan(config, args) -> int:
     """`dgemma memory --card SIZE`: what serving takes on a device of SIZE bytes, by part, and
     whether it fits (the check `dgemma serve --device cuda` makes before loading)."""
-    from .api import resolve_dtype
-    from .engine.memory_plan import check_fits, plan_memory
+    from ..api import resolve_dtype
+    from ..engine.memory_plan import check_fits, plan_memory
 
     dtype = resolve_dtype(args.dtype)
     try:
@@ -463,15 +463,15 @@ def print_memory_plan(config, args) -> int:
 
 def cmd_memory(args) -> int:
     """KV cache bytes of one request: the paged layout against preallocated rows."""
-    from .api import resolve_dtype
-    from .config import load_model_config
-    from .engine.options import kv_report
+    from ..api import resolve_dtype
+    from ..config import load_model_config
+    from ..engine.options import kv_report
 
     if args.model:
         config = load_model_config(args.model)
     else:
-        from .model.checkpoint import make_config
-        from .model.presets import PRESETS
+        from ..model.checkpoint import make_config
+        from ..model.presets import PRESETS
 
         if args.size not in PRESETS:
             raise CliError(f"--size must be one of {', '.join(PRESETS)} (got {args.size!r})")
@@ -576,9 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    from .config import ConfigError
-    from .kernels.cpu import keep_freed_memory
-    from .model.weights import WeightsError
+    from ..config import ConfigError
+    from ..kernels.cpu import keep_freed_memory
+    from ..model.weights import WeightsError
 
     keep_freed_memory()  # a long-running process: no page faults for every step's temporaries
 
@@ -595,7 +595,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":  # `python -m dgemma.cli`: run the package's module, whose CliError the subcommands raise
-    from dgemma.cli import main as package_main
-
-    sys.exit(package_main())
