@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from .engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
 from .dense.kv_cache import DenseKVCache
 from .engine.prefill import prefill
 from .dense.reference import reference_events
-from .engine.request import Request, image_spans, validate_prompts
+from .engine.request import Request, check_seed, image_spans, random_seed, validate_prompts
 from .engine.runner import engine_net
 from .model.diffusion_gemma import DiffusionGemma
 from .model.weights import load_weights
@@ -294,7 +293,7 @@ class Model:
             raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {sampling!r}")
         config = self.generation_config.with_overrides(**overrides)
         if seed is None:
-            seeds = [random.SystemRandom().randrange(2**63) for _ in range(num_prompts)]
+            seeds = [random_seed() for _ in range(num_prompts)]
         elif isinstance(seed, int) and not isinstance(seed, bool):
             seeds = [seed] * num_prompts
         elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
@@ -305,8 +304,8 @@ class Model:
             seeds = list(seed)
         else:
             raise ValueError(f"seed must be an int or a list of ints, got {seed!r}")
-        if any(not 0 <= s < 2**64 for s in seeds):
-            raise ValueError("seeds must be in [0, 2**64)")
+        for s in seeds:
+            check_seed(s)
         return SamplingRequest(config, sampling, seeds)
 
     def _events(

@@ -10,6 +10,7 @@ does not depend on what else runs.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -157,3 +158,18 @@ def validate_prompts(prompts: list[list[int]], vocab_size: int) -> None:
         for t in p:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"prompt {i} holds {t!r}, not a token id in [0, {vocab_size})")
+
+
+SEED_MAX = 2**64 - 1  # a request's seed: any unsigned 64-bit integer (the generator and the Triton sampler take all of them)
+
+
+def check_seed(seed: object, what: str = "seed") -> int:
+    """The one seed rule for the API, the CLI and the server: an int in [0, 2**64)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"{what} must be an integer in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def random_seed() -> int:
+    """A seed for a request that named none (drawn from the OS, so concurrent requests differ)."""
+    return random.SystemRandom().randrange(2**63)
