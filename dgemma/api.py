@@ -21,7 +21,7 @@ from .dense.kv_cache import DenseKVCache
 from .engine.prefill import prefill
 from .dense.reference import reference_events
 from .engine.request import Request, check_seed, image_spans, random_seed, validate_prompts
-from .engine.runner import engine_net
+from .kernels.choice import engine_net
 from .model.diffusion_gemma import DiffusionGemma
 from .model.weights import load_weights
 from .inputs.model_inputs import ImagePatches, MediaError, ModelInputs
@@ -158,7 +158,7 @@ class Model:
 
     @property
     def engine_net(self) -> DiffusionGemma:
-        """The network the engine and AR mode run (`engine.runner.engine_net`: on CPU a copy with
+        """The network the engine and AR mode run (`kernels.choice.engine_net`: on CPU a copy with
         packed weights). The reference-exact paths (`sampling="reference"`, `canvas_logits`)
         always use `net`. Made on first use; after changing `net`'s weights in place or
         attaching adapters, call `reset_engine_net()`."""

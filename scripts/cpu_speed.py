@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dgemma.kernels.cpu import native_bf16  # noqa: E402
+from dgemma.kernels.choice import native_bf16  # noqa: E402
 from dgemma.kernels.native import _cpu_flags, cpu_model  # noqa: E402
 
 EMULATE_AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",

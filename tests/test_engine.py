@@ -11,6 +11,7 @@ import dgemma
 from dgemma.config import GLOBAL, SLIDING
 from dgemma.engine.client import EngineClient
 from dgemma.engine.engine import Engine, EngineOptions, Request
+from dgemma.engine.request import RequestStatus
 from dgemma.dense.kv_cache import DenseKVCache
 from dgemma.engine.paged_cache import SequenceBlocks
 from dgemma.engine.prefill import prefill
@@ -197,7 +198,7 @@ def test_fixed_tokens_never_change_and_masked_tokens_are_never_sampled(ref_gqa, 
                 drafts += 1
                 assert [ev.canvas[p] for p in fixed] == list(fixed.values())
                 assert all(t in allowed_set for p, t in enumerate(ev.canvas) if p not in fixed)
-        if req.canvas is not None and not req.done:
+        if req.canvas is not None and req.status is not RequestStatus.FINISHED:
             sampled = req.canvas.tolist()
             assert all(sampled[p] == t for p, t in fixed.items())
             assert all(t in allowed_set for p, t in enumerate(sampled) if p not in fixed)
@@ -294,3 +295,24 @@ def test_several_rows_in_one_pass_equal_each_row_alone(ref_wide):
     for i, kv in enumerate(alone):
         single = net.logits(net.decode(canvas[i : i + 1], cache.plan_decoder(c, [kv]), None))
         assert (batched[i] - single[0]).abs().max() < 5e-5
+
+
+def test_a_request_status_moves_waiting_running_finished(ref_gqa):
+    """The scheduler alone moves a request's status, and says why it finished."""
+    model = dgemma.load(ref_gqa[0])
+    engine = Engine(model.engine_net, EngineOptions(max_active=1))
+    first = Request(PREFIX[:10], config(model, max_new_tokens=8, eos_token_ids=[]), 1)
+    second = Request(PREFIX[:12], config(model, max_new_tokens=8, eos_token_ids=[]), 2)
+    third = Request(PREFIX[:9], config(model, max_new_tokens=8), 3)
+    for req in (first, second, third):
+        engine.add(req)
+        assert req.status is RequestStatus.WAITING and req.finish_reason is None
+    engine.cancel(third.request_id)
+    engine.step()
+    assert first.status is RequestStatus.RUNNING  # admitted: one at a time (max_active=1)
+    assert second.status is RequestStatus.WAITING
+    assert third.status is RequestStatus.FINISHED and third.finish_reason == "cancelled"
+    while engine.has_work:
+        engine.step()
+    assert [r.status for r in (first, second)] == [RequestStatus.FINISHED] * 2
+    assert first.finish_reason == second.finish_reason == "length" and len(first.tokens) == 8

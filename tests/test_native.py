@@ -10,7 +10,8 @@ from dgemma.engine import sampler
 from dgemma.engine.engine import Engine
 from dgemma.kernels import native
 from dgemma.kernels.cpu import LeanRMSNorm
-from dgemma.model.diffusion_gemma import DenseMLP, Experts, RMSNorm
+from dgemma.model.diffusion_gemma import DenseMLP, Experts
+from dgemma.model.layers import RMSNorm
 
 needs_native = pytest.mark.skipif(native.extension() is None, reason="native kernels unavailable (no AVX-512 BF16 or no compiler)")
 needs_amx = pytest.mark.skipif(native.amx() is None, reason="no AMX on this CPU")
@@ -194,14 +195,14 @@ def test_a_failed_build_or_dgemma_native_0_falls_back_with_one_line(monkeypatch,
 def test_dgemma_cpu_isa_avx2_picks_kernels_as_an_avx2_only_cpu(monkeypatch):
     """The emulation scripts/cpu_speed.py runs: no AVX-512 or AMX kernels, no native bf16, the
     AVX2 kernels' flags kept."""
-    from dgemma.kernels import cpu, avx2
+    from dgemma.kernels import avx2, choice
 
     real = native._cpu_flags()
     monkeypatch.setenv("DGEMMA_CPU_ISA", "avx2")
     flags = native._cpu_flags()
     assert not {f for f in flags if f.startswith(("avx512", "amx"))}
     assert (real & avx2.CPU_FLAGS) <= flags  # the AVX2 dequantisation / GEMM kernels still run
-    assert native.extension.__wrapped__() is None and native.amx.__wrapped__() is None and not cpu.native_bf16()
+    assert native.extension.__wrapped__() is None and native.amx.__wrapped__() is None and not choice.native_bf16()
 
 
 def test_builds_live_by_source_content(monkeypatch, tmp_path):

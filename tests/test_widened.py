@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.kernels import cpu, avx2, widened
+from dgemma.kernels import avx2, choice, widened
 from dgemma.model.diffusion_gemma import Experts
 from test_kernels import _step_logits
 
@@ -51,7 +51,7 @@ def test_soft_embed_and_experts_equal_their_float32_computation(native_gemm, mon
 
 def test_native_bf16_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("DGEMMA_CPU_BF16", "0")
-    assert cpu.native_bf16() is False
+    assert choice.native_bf16() is False
 
 
 @pytest.mark.parametrize("native_gemm", [True, False], ids=["native-gemm", "tiles"])

@@ -16,7 +16,8 @@ import torch
 
 from ..model.diffusion_gemma import DiffusionGemma
 from .block_manager import BlockManager
-from .options import EngineOptions, plan_blocks
+from .kv_budget import plan_blocks
+from .options import EngineOptions
 from .paged_cache import SequenceBlocks
 from .prefill import prefill
 from .request import Request

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SLIDING, ModelConfig
-from .options import dtype_bytes
+from .kv_budget import dtype_bytes
 from .paged_cache import kv_bytes_per_token
 
 RESERVE = int(1.5 * 2**30)  # CUDA context, cuBLAS / Triton workspaces, allocator slack

@@ -9,9 +9,10 @@ logical blocks (position // block_size) to block ids, one table per kind; the bl
 A pass's keys are gathered block by block into one buffer per layer (prefix, then the pass's own
 keys placed right after it), so attention runs on a contiguous [keys, kv_heads, head_dim] view.
 On a CPU the gather costs about 1% of the attention it feeds (a key is read once per copy, then
-used by every canvas query of every head); a GPU kernel that reads blocks in place belongs to the
-GPU work. Encoder passes write their keys into the pool; decoder passes never do: the canvas's
-keys/values are scratch, placed after the prefix in the gathered buffer only.
+used by every canvas query of every head). With the Triton kernels (kernels/choice.py decides),
+a decoder pass instead reads the prefix's blocks where they are (`plan_canvas`,
+kernels/triton_attention.py). Encoder passes write their keys into the pool; decoder passes
+never do: the canvas's keys/values are scratch, placed after the prefix only.
 
 Sliding-window layers only ever see the last `window - 1` committed keys (plus the pass's own),
 so the manager releases the sliding blocks behind that and a sequence holds a bounded number.

@@ -9,6 +9,7 @@ does not depend on what else runs.
 
 from __future__ import annotations
 
+import enum
 import math
 import random
 from dataclasses import dataclass, field
@@ -26,6 +27,14 @@ ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstra
 # A constraint source may also judge what a block commits: `commit(block) -> n` keeps the first n
 # tokens of the converged canvas (a grammar's valid prefix: engine/constraints/grammar.py), and the next canvas
 # starts after them.
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: the scheduler moves it WAITING -> RUNNING -> FINISHED, and only it."""
+
+    WAITING = "waiting"  # queued: no KV blocks yet
+    RUNNING = "running"  # admitted: holds its KV blocks; encoding its prompt or denoising a canvas
+    FINISHED = "finished"  # ended (`finish_reason`: eos, length or cancelled); its blocks are free
 
 
 @dataclass(eq=False)  # requests are identities (their tensors do not compare)
@@ -71,8 +80,9 @@ class Request:
     generator: torch.Generator | None = None
     canvas_logprobs: list[TokenLogprob] | None = None  # of the last pass's argmax canvas, when it ended its block
 
-    cancelled: bool = False
-    done: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # with FINISHED: "eos", "length" or "cancelled"
+    cancelled: bool = False  # a cancel was asked (any thread); the scheduler ends it at the next step
 
     def __post_init__(self) -> None:
         if not self.sequence:

@@ -1,16 +1,12 @@
 """The runner: the passes a step plan asks for, on the KV pool, with the kernels this machine runs.
 
-This is the one place that decides which kernels run:
-- `engine_net(net)`: on CPU a copy of the network with packed weights (oneDNN, or dgemma's AMX
-  kernels where they run; `kernels/cpu.py`), elsewhere the network itself;
-- the step statistics: dgemma's native kernel on a CPU with AVX-512 (softcap, argmax, entropy
-  and exp weights in two sweeps per row), the Triton kernels on a GPU (`options.triton`:
-  kernels/triton_step.py, which also samples from each request's Philox stream on the device),
-  torch elsewhere; all honour allowed-token masks;
-- attention of a canvas: gathered keys and SDPA, or (Triton) a kernel reading the paged pool in
-  place (`PagedKVCache.plan_canvas`);
-- CUDA graphs for the decoder step on GPU (`graphs.DecoderGraphs`: one per batch-size bucket,
-  replayed for any prefix length; eager where a capture fails).
+Which kernels run is decided once, by kernels/choice.py (`plan_kernels`): the runner follows its
+`KernelPlan` for the step statistics (dgemma's native kernel on an AVX-512 CPU, the Triton
+kernels on a GPU, which also sample from each request's Philox stream on the device, or torch;
+all honour allowed-token masks), canvas attention (gathered keys and SDPA, or a Triton kernel
+reading the paged pool in place: `PagedKVCache.plan_canvas`) and CUDA graphs for the decoder
+step on a GPU (`graphs.DecoderGraphs`: one per batch-size bucket, replayed for any prefix
+length; eager where a capture fails).
 
 A step runs the plan's encoder work (prefill chunks, committed blocks) through `prefill`, then one
 decoder pass per denoising canvas, each followed by the sampler: entropy-bound acceptance,
@@ -31,7 +27,7 @@ from typing import Iterable
 import torch
 
 from ..kernels import native, triton_step
-from ..kernels.cpu import packed_copy
+from ..kernels.choice import plan_kernels
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
 from .events import TokenLogprob
@@ -43,13 +39,6 @@ from .request import Request
 from .scheduler import DecodeResult, EncodeWork, EngineStats, StepPlan
 from .vision_cache import VisionCache
 
-
-
-def engine_net(net: DiffusionGemma) -> DiffusionGemma:
-    """The network the engine and AR mode run: on CPU a copy with packed weights (faster, equal
-    to `net` at float32 rounding; modules with hooks, e.g. LoRA adapters, stay as they are),
-    elsewhere `net` itself. The reference-exact paths always run `net`."""
-    return packed_copy(net) if net.device.type == "cpu" else net
 
 
 @dataclass
@@ -70,7 +59,8 @@ class StepDecisions:
 
 class Runner:
     def __init__(self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int], stats: EngineStats | None = None):
-        if options.triton:  # attention's norms + RoPE and the MoE block on the Triton kernels (kernels/gpu.py)
+        self.kernels = plan_kernels(net, options)
+        if self.kernels.network == "triton":  # attention's norms + RoPE and the MoE block on the Triton kernels (kernels/gpu.py)
             from ..kernels.gpu import triton_modules
 
             net = triton_modules(net)
@@ -78,15 +68,13 @@ class Runner:
         self.stats = stats if stats is not None else EngineStats()
         self.vision_cache = VisionCache()
         self.cache = PagedKVCache(net.config, num_blocks, options.block_size, net.device, net.dtype)
-        cpu = net.device.type == "cpu"
         self.pass_tokens = options.block_size if options.batch_invariant else None
-        self.triton = bool(options.triton)  # GPU: the Triton step kernels (statistics, Philox sampling, attention)
-        self.native = native.extension() if cpu and not self.triton and self.config.vocab_size % 16 == 0 else None
-        # graphs replay for any prefix length only where attention reads the block tables on the device
-        self.graphs = DecoderGraphs() if options.cuda_graphs and self.triton and not cpu else None
+        self.triton = self.kernels.triton  # GPU: the Triton step kernels (statistics, Philox sampling, attention)
+        self.native = native.extension() if self.kernels.statistics == "native" else None
+        self.graphs = DecoderGraphs() if self.kernels.cuda_graphs else None
         # GPU: sample every position (no host sync); CPU: only the accepted ones. Same tokens either way.
-        self.sample_all_positions = not cpu
-        self.reuse_buffers = cpu
+        self.sample_all_positions = self.kernels.sample_all_positions
+        self.reuse_buffers = self.kernels.reuse_buffers
         self._buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from ..inputs.model_inputs import image_safe_end, splits_image
 from .block_manager import BlockManager, extend_hashes
 from .events import Block, Draft, Finished, TokenLogprob, cut_block, shown_entropy
 from .options import EngineOptions
-from .request import Request, image_spans, max_sequence_length
+from .request import Request, RequestStatus, image_spans, max_sequence_length
 
 
 @dataclass
@@ -198,6 +198,7 @@ class Scheduler:
                 break  # wait for blocks: no overtaking, so a long request is not starved
             req.cached_tokens = cached
             req.registered_blocks = cached // self.options.block_size
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.stats.prompt_tokens += len(req.prompt)
             self.stats.cached_tokens += cached
@@ -281,10 +282,10 @@ class Scheduler:
         req.tokens += tokens
         req.counted += sum(1 for t in block[:counted] if t != pad)
         req.passes += req.block_passes
-        req.done = hit_eos or len(req.tokens) >= req.config.max_new_tokens
+        done = hit_eos or len(req.tokens) >= req.config.max_new_tokens
         logprobs = None if req.canvas_logprobs is None else req.canvas_logprobs[: len(tokens)]
-        events.append(Block(req.request_id, req.block, tokens, req.done, req.block_passes, logprobs))
-        if req.done:
+        events.append(Block(req.request_id, req.block, tokens, done, req.block_passes, logprobs))
+        if done:
             self._finish(req, "eos" if hit_eos else "length", events)
             return
         req.sequence += block  # encoded next step, then the next canvas starts
@@ -294,6 +295,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, events: list) -> None:
         self.running.remove(req)
         self.blocks.free(req.request_id, req.kv)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
         events.append(
             Finished(req.request_id, reason, req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), req.cached_tokens)
         )
@@ -301,6 +303,7 @@ class Scheduler:
     def _drop_cancelled(self, events: list) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
+            req.status, req.finish_reason = RequestStatus.FINISHED, "cancelled"
             events.append(Finished(req.request_id, "cancelled", req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), 0))
         for req in [r for r in self.running if r.cancelled]:
             req.passes += req.block_passes

@@ -16,13 +16,13 @@ from __future__ import annotations
 import copy
 import ctypes
 import logging
-import os
 
 import torch
 from torch import nn
 
 from . import native, widened
-from ..model.diffusion_gemma import DenseMLP, DiffusionGemma, Experts, RMSNorm, SelfConditioning, grouped_matmul
+from ..model.diffusion_gemma import DenseMLP, DiffusionGemma, Experts, SelfConditioning, grouped_matmul
+from ..model.layers import RMSNorm
 
 log = logging.getLogger("dgemma")
 BATCH_HINT = 256  # rows the packed layout is tuned for; any row count works
@@ -224,12 +224,6 @@ def packed_modules(module: nn.Module) -> nn.Module:
     return fast
 
 
-def native_bf16() -> bool:
-    """This CPU multiplies bf16 natively (AVX-512 BF16 or AMX). `DGEMMA_CPU_BF16=0` says it does
-    not, to run (and measure) the widened path on a machine that has it."""
-    if os.environ.get("DGEMMA_CPU_BF16", "1") == "0":
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & native._cpu_flags())
 
 
 def _widened_module(module: nn.Module) -> nn.Module | None:
@@ -288,14 +282,9 @@ def describe(net: nn.Module) -> str:
 
 
 def packed_copy(net: DiffusionGemma) -> DiffusionGemma:
-    """The engine's CPU copy of the model (CPU only; every tensor shared): packed linears, experts,
-    LM head and self-conditioning matmul; for a bf16 model on a CPU without native bf16, the
-    widened float32 path instead."""
-    if net.device.type != "cpu":
-        return net
-    if net.dtype == torch.bfloat16 and not native_bf16():
-        return widened_copy(net)
-    if not supported(net.dtype):
+    """A CPU copy of the model (every tensor shared): packed linears, experts, LM head and
+    self-conditioning matmul. Which copy the engine runs is kernels/choice.py's `engine_net`."""
+    if net.device.type != "cpu" or not supported(net.dtype):
         return net
     fast = packed_modules(net)
     if getattr(net, "quantization", None):  # quantised to save memory: no packed copies of the embeddings
@@ -309,4 +298,4 @@ def packed_copy(net: DiffusionGemma) -> DiffusionGemma:
     return fast
 
 
-__all__ = ["describe", "keep_freed_memory", "native_bf16", "packed_copy", "packed_modules", "release_freed_memory", "supported", "widened_copy", "PackedLinear", "PackedExperts", "grouped_matmul"]
+__all__ = ["describe", "keep_freed_memory", "packed_copy", "packed_modules", "release_freed_memory", "supported", "widened_copy", "PackedLinear", "PackedExperts", "grouped_matmul"]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import avx2
+from ..kernels.choice import gpu_kernels_run
 from ..kernels.cpu import release_freed_memory
 from ..kernels.avx2 import dequantize_into
 from ..kernels.widened import buffered_rows, sorted_experts, tiled_linear
@@ -71,13 +72,8 @@ def cpu_quant_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
-    """The GPU kernels (kernels/triton_quant.py) run for x: a device that is not the CPU (CUDA,
-    which ROCm reports too; the meta device of the host-sync tests) with triton installed."""
-    if x.device.type == "cpu":
-        return False
-    from ..kernels import triton_quant
-
-    return triton_quant.available(x.device)
+    """x's device runs the GPU kernels (kernels/triton_quant.py): kernels/choice.py decides."""
+    return gpu_kernels_run(x.device)
 
 
 class QuantLinear(QuantWeight):
