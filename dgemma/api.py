@@ -12,8 +12,8 @@ import torch
 
 from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
 from .engine.client import EngineClient
-from .engine.constraints import CanvasConstraints, FirstCanvas
-from .engine.constraints.infill import DEFAULT_LENGTHS, EditResult, InfillResult, edit_plan, infill_plan, most_likely_span, snap_spans
+from .engine.constraints import CanvasConstraints, FirstCanvas, canvas_row
+from .engine.constraints.infill import DEFAULT_LENGTHS, EditResult, InfillResult, candidate_lengths, edit_plan, infill_plan, most_likely_span, snap_spans
 from .engine.engine import Engine, EngineOptions, make_current
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
 from .engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
@@ -349,12 +349,9 @@ class Model:
         if canvas is None:
             return None
         c, vocab = self.config.canvas_length, self.config.vocab_size
-        rows = [list(r.tolist() if isinstance(r, torch.Tensor) else r) for r in canvas]
-        if len(rows) != count:
-            raise ValueError(f"got {len(rows)} canvases for {count} prompts")
-        for i, row in enumerate(rows):
-            if len(row) != c or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in row):
-                raise ValueError(f"canvas {i} must be {c} token ids in [0, {vocab})")
+        if len(canvas) != count:
+            raise ValueError(f"got {len(canvas)} canvases for {count} prompts")
+        rows = [canvas_row(row, c, vocab, what=f"canvas {i}") for i, row in enumerate(canvas)]
         return torch.tensor(rows, dtype=torch.long)
 
     def _engine_events(self, requests: list[Request]) -> Iterator[Draft | Block]:
@@ -466,9 +463,7 @@ class Model:
         """The text between `prefix` and `suffix`: `span_length` tokens, or the candidate length
         (of `lengths`) whose canvas the model finds most likely (see engine/constraints/infill.py)."""
         tok, c = self._text_tokenizer(), self.config.canvas_length
-        candidates = [span_length] if span_length is not None else sorted({n for n in lengths if 1 <= n < c})
-        if not candidates:
-            raise ValueError(f"no candidate span length in 1..{c - 1}")
+        candidates = candidate_lengths(c, span_length, lengths)
         prefix_ids, suffix_ids = tok.encode(prefix), tok.encode(suffix, add_special_tokens=False)
         plans = [infill_plan(prefix_ids, suffix_ids, n, c, *self.end_tokens()) for n in candidates]
         blocks = self._seeded_blocks(plans, seed, **knobs)

@@ -1,5 +1,7 @@
 """Seeded canvases: warm starts (the reference's decoder_input_ids), fixed positions, infill and editing."""
 
+import re
+
 import pytest
 import torch
 
@@ -211,3 +213,41 @@ def test_bad_infill_requests_are_400s(client, extra, param):  # noqa: F811
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="def f():", max_tokens=extra.pop("max_tokens", 16), extra_body=extra)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_one_rule_for_candidate_span_lengths():
+    """The API, the CLI and the server's insert mode all ask infill.candidate_lengths."""
+    from dgemma.engine.constraints.infill import DEFAULT_LENGTHS, candidate_lengths
+
+    assert candidate_lengths(32) == list(DEFAULT_LENGTHS)
+    assert candidate_lengths(8) == [1, 2, 3, 4, 6]  # 1 to canvas_length - 1
+    assert candidate_lengths(32, max_tokens=5, max_candidates=3) == [1, 3, 4]  # thinned: shortest, longest, between
+    assert candidate_lengths(32, max_candidates=1) == [6]
+    assert candidate_lengths(32, span_length=31) == [31]
+    for bad in (0, 32, True, 2.0, "3"):
+        with pytest.raises(ValueError, match="span_length must be 1 to 31"):
+            candidate_lengths(32, span_length=bad)
+    with pytest.raises(ValueError, match="span_length=6 is more than max_tokens=3"):
+        candidate_lengths(32, span_length=6, max_tokens=3)
+    with pytest.raises(ValueError, match="no candidate span length"):
+        candidate_lengths(32, lengths=[40, 50])
+
+
+def test_one_rule_for_a_given_canvas():
+    """A warm-start canvas (API) and a fixed `canvas` field (server) are checked by canvas_row."""
+    from dgemma.engine.constraints import CanvasError, canvas_row
+
+    assert canvas_row([1, None, 3], 3, 10, nulls=True) == [1, None, 3]
+    assert canvas_row(torch.tensor([1, 2, 3]), 3, 10) == [1, 2, 3]
+    cases = [
+        (dict(row=[1, 2], nulls=True), "canvas", "list of 3 entries"),
+        (dict(row=["a", None, None], nulls=True), "canvas[0]", "or null"),
+        (dict(row=[1, None, 3]), "canvas[1]", "token id in [0, 10)"),
+        (dict(row=[1, 2, 10]), "canvas[2]", "token id in [0, 10)"),
+        (dict(row=[1, True, 3]), "canvas[1]", "token id"),
+        (dict(row=7), "canvas", "got int"),
+    ]
+    for kwargs, param, message in cases:
+        with pytest.raises(CanvasError, match=re.escape(message)) as e:
+            canvas_row(kwargs.pop("row"), 3, 10, **kwargs)
+        assert e.value.param == param

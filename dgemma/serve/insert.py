@@ -14,9 +14,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.constraints import CanvasConstraints, FirstCanvas
+from ..engine.constraints import CanvasConstraints, CanvasError, FirstCanvas, canvas_row
+from ..engine.constraints.infill import DEFAULT_LENGTHS, candidate_lengths, infill_plan, most_likely_span
 from ..engine.events import Block, Finished
-from ..engine.constraints.infill import DEFAULT_LENGTHS, infill_plan, most_likely_span
 
 
 class InsertError(ValueError):
@@ -37,38 +37,21 @@ class Insertion:
 
 
 def span_lengths(span_length: Any, max_tokens: int | None, canvas_length: int, max_candidates: int) -> list[int]:
-    """The candidate span lengths of an insert request, checked: `span_length`, or
-    infill.DEFAULT_LENGTHS within max_tokens, thinned evenly to at most `max_candidates` (each is
-    an engine request of its own, so they count against the server's --max-active)."""
-    if span_length is not None:
-        if isinstance(span_length, bool) or not isinstance(span_length, int) or not 1 <= span_length < canvas_length:
-            raise InsertError("span_length", f"span_length must be an integer from 1 to {canvas_length - 1} (the canvas "
-                                             f"holds {canvas_length} tokens, one at least for the suffix); got {span_length!r}")  # fmt: skip
-        if max_tokens is not None and span_length > max_tokens:
-            raise InsertError("span_length", f"span_length={span_length} is more than max_tokens={max_tokens}")
-        return [span_length]
-    limit = canvas_length - 1 if max_tokens is None else min(canvas_length - 1, max_tokens)
-    lengths = [n for n in DEFAULT_LENGTHS if n <= limit] or [limit]
-    if len(lengths) <= max_candidates:
-        return lengths
-    if max_candidates == 1:
-        return [lengths[len(lengths) // 2]]
-    step = (len(lengths) - 1) / (max_candidates - 1)  # the shortest, the longest, and evenly between
-    return sorted({lengths[round(k * step)] for k in range(max_candidates)})
+    """The candidate span lengths of an insert request (infill.candidate_lengths, as `Model.infill`
+    checks them); `max_candidates` because each counts against the server's --max-active."""
+    try:
+        return candidate_lengths(canvas_length, span_length, DEFAULT_LENGTHS, max_tokens, max_candidates)
+    except ValueError as e:
+        raise InsertError("span_length", str(e)) from None
 
 
 def fixed_canvas(canvas: Any, canvas_length: int, vocab_size: int) -> FirstCanvas:
     """The `canvas` field (canvas_length entries: a token id to fix, or null) as constraints."""
-    if not isinstance(canvas, list) or len(canvas) != canvas_length:
-        raise InsertError("canvas", f"canvas must be a list of {canvas_length} entries (a token id to fix, or null); "
-                                    f"got {type(canvas).__name__} of length {len(canvas) if isinstance(canvas, list) else '-'}")  # fmt: skip
-    fixed = {}
-    for i, t in enumerate(canvas):
-        if t is None:
-            continue
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise InsertError(f"canvas[{i}]", f"canvas[{i}] must be a token id in [0, {vocab_size}) or null (got {t!r})")
-        fixed[i] = t
+    try:
+        row = canvas_row(canvas, canvas_length, vocab_size, nulls=True)
+    except CanvasError as e:
+        raise InsertError(e.param, str(e)) from None
+    fixed = {i: t for i, t in enumerate(row) if t is not None}
     if not fixed:
         raise InsertError("canvas", "canvas fixes no position (every entry is null)")
     return FirstCanvas(CanvasConstraints.build(canvas_length, vocab_size, fixed=fixed))

@@ -17,7 +17,7 @@ The one API that seeded canvases (infill, editing) and grammars (structured outp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -94,6 +94,33 @@ class CanvasConstraints:
     def allowed_dense(self, vocab_size: int) -> torch.Tensor | None:
         """The mask unpacked to bool [C, vocab] (tests and debugging)."""
         return None if self.allowed is None else unpack_token_mask(self.allowed, vocab_size)
+
+
+class CanvasError(ValueError):
+    """A canvas given by a caller that is not one: `param` names the field or entry at fault."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def canvas_row(row: Any, canvas_length: int, vocab_size: int, what: str = "canvas", nulls: bool = False) -> list[int | None]:
+    """One canvas given by a caller (the API's warm start, the server's fixed `canvas` field), checked
+    the one way: `canvas_length` token ids in [0, vocab_size) (or, with `nulls`, None for a free
+    position). A tensor row is taken as its list."""
+    if isinstance(row, torch.Tensor):
+        row = row.tolist()
+    entries = "a token id, or null" if nulls else "token ids"
+    if not isinstance(row, (list, tuple)) or len(row) != canvas_length:
+        size = f"of length {len(row)}" if isinstance(row, (list, tuple)) else ""
+        raise CanvasError(what, f"{what} must be a list of {canvas_length} entries ({entries}); got {type(row).__name__} {size}".rstrip())
+    for i, t in enumerate(row):
+        if t is None and nulls:
+            continue
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            either = " or null" if nulls else ""
+            raise CanvasError(f"{what}[{i}]", f"{what}[{i}] must be a token id in [0, {vocab_size}){either} (got {t!r})")
+    return list(row)
 
 
 def _positions(tokens: Mapping[int, int] | None, canvas_length: int, vocab_size: int, what: str) -> torch.Tensor | None:

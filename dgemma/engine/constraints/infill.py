@@ -25,6 +25,7 @@ suffix token is seen); spans of an edit must fit in one canvas from the first sp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from . import CanvasConstraints
 
@@ -59,6 +60,30 @@ class EditResult:
     replacements: list[str]  # what each snapped span became
 
 
+def candidate_lengths(canvas_length: int, span_length: int | None = None, lengths: Sequence[int] = DEFAULT_LENGTHS,
+                      max_tokens: int | None = None, max_candidates: int | None = None) -> list[int]:  # fmt: skip
+    """The span lengths an infill tries, for the API, the CLI and the server alike: `span_length`
+    (checked), or those of `lengths` that fit (1 to canvas_length - 1, at most `max_tokens`),
+    thinned evenly to at most `max_candidates` (each is an engine request of its own)."""
+    limit = canvas_length - 1 if max_tokens is None else min(canvas_length - 1, max_tokens)
+    if span_length is not None:
+        if isinstance(span_length, bool) or not isinstance(span_length, int) or not 1 <= span_length <= canvas_length - 1:
+            raise ValueError(f"span_length must be 1 to {canvas_length - 1} (the canvas holds {canvas_length} tokens and "
+                             f"the span must leave one for the suffix); got {span_length!r}")  # fmt: skip
+        if span_length > limit:
+            raise ValueError(f"span_length={span_length} is more than max_tokens={max_tokens}")
+        return [span_length]
+    fits = sorted({n for n in lengths if 1 <= n <= limit})
+    if not fits:
+        raise ValueError(f"no candidate span length in 1..{limit}")
+    if max_candidates is None or len(fits) <= max_candidates:
+        return fits
+    if max_candidates == 1:
+        return [fits[len(fits) // 2]]
+    step = (len(fits) - 1) / (max_candidates - 1)  # the shortest, the longest, and evenly between
+    return sorted({fits[round(k * step)] for k in range(max_candidates)})
+
+
 def most_likely_span(lengths: list[int], blocks: list) -> tuple[int, dict[int, float]]:
     """The span length whose committed canvas (`blocks[i]`, an engine Block with logprobs) has the
     highest mean log probability, and every candidate's score."""
@@ -69,9 +94,7 @@ def most_likely_span(lengths: list[int], blocks: list) -> tuple[int, dict[int, f
 def infill_plan(prefix: list[int], suffix: list[int], span_length: int, canvas_length: int, eos: int, pad: int) -> CanvasPlan:
     """The canvas of an infill: `span_length` free positions, then the suffix (fixed), then EOS
     and pad where the suffix ends inside the canvas."""
-    if not 1 <= span_length <= canvas_length - 1:
-        raise ValueError(f"span_length must be 1 to {canvas_length - 1} (the canvas holds {canvas_length} tokens and "
-                         f"the span must leave one for the suffix); got {span_length}")  # fmt: skip
+    candidate_lengths(canvas_length, span_length)  # checked as every caller's
     room = canvas_length - span_length
     tail = suffix[:room]
     if len(tail) < room:
