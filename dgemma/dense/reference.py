@@ -47,7 +47,7 @@ def _finish(results: list[_RowResult]) -> GenerationOutput:
 
 @torch.no_grad()
 def reference_events(
-    model: DiffusionGemma,
+    net: DiffusionGemma,
     prompts: list[list[int]],
     gen: GenerationConfig,
     drafts: bool = False,
@@ -58,12 +58,12 @@ def reference_events(
     `images[r]`: prompt r's image soft tokens placed in it (see prefill). `initial_canvas`
     [B, C]: the first canvas (transformers' `decoder_input_ids`); the random one is drawn all
     the same, as the reference draws it before it looks for decoder_input_ids."""
-    cfg = model.config
+    cfg = net.config
     validate_prompts(prompts, cfg.vocab_size)
-    device, batch, canvas_len, vocab = model.device, len(prompts), cfg.canvas_length, cfg.vocab_size
+    device, batch, canvas_len, vocab = net.device, len(prompts), cfg.canvas_length, cfg.vocab_size
     max_len = max(len(p) for p in prompts)
     num_blocks = math.ceil(gen.max_new_tokens / canvas_len)
-    cache = DenseKVCache(cfg, batch, max_len + num_blocks * canvas_len, device, model.dtype)
+    cache = DenseKVCache(cfg, batch, max_len + num_blocks * canvas_len, device, net.dtype)
 
     ids = torch.full((batch, max_len), gen.pad_token_id, dtype=torch.long)
     valid = torch.zeros(batch, max_len, dtype=torch.bool)
@@ -82,7 +82,7 @@ def reference_events(
     # left padding shifts each prompt's images as it shifts its tokens
     placed = [[(s + max_len - len(p), f) for s, f in row] for p, row in zip(prompts, images)] if images else None
     for block in range(num_blocks):
-        prefill(model, cache, rows, block_input.tolist(), images=placed if block == 0 else None)  # one pass per block
+        prefill(net, cache, rows, block_input.tolist(), images=placed if block == 0 else None)  # one pass per block
 
         decode_pass = cache.plan_decoder(canvas_len)
         canvas = torch.randint(0, vocab, (batch, canvas_len), device=device)
@@ -95,8 +95,8 @@ def reference_events(
         block_passes = torch.zeros(batch, dtype=torch.long, device=device)
         for steps_remaining in reversed(range(1, gen.max_denoising_steps + 1)):
             block_passes += ~(finished_denoising | finished)
-            soft = model.soft_embed_from_logits(sc_logits) if sc_logits is not None else None
-            logits = model.logits(model.decode(canvas, decode_pass, soft))
+            soft = net.soft_embed_from_logits(sc_logits) if sc_logits is not None else None
+            logits = net.logits(net.decode(canvas, decode_pass, soft))
             processed = logits / sampler.temperature(steps_remaining, gen.max_denoising_steps, gen.t_min, gen.t_max)
             probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
             denoised = torch.multinomial(probs.view(-1, vocab), num_samples=1).view(batch, canvas_len)
@@ -116,7 +116,7 @@ def reference_events(
             )
             converged = finished_denoising.clone()  # rows that kept their canvas this step
             finished_denoising |= stop
-            sc_logits = processed.to(model.dtype)
+            sc_logits = processed.to(net.dtype)
             canvas, argmax_canvas = new_canvas, new_argmax
             if drafts:
                 step = gen.max_denoising_steps - steps_remaining + 1

@@ -185,30 +185,30 @@ def byte_tokenizer() -> HFTokenizer:
 
 
 @torch.no_grad()
-def init_weights(model: DiffusionGemma, std: float = 0.02, seed: int | None = None) -> DiffusionGemma:
+def init_weights(net: DiffusionGemma, std: float = 0.02, seed: int | None = None) -> DiffusionGemma:
     """The reference's initialisation: normal(0, std) matrices and embeddings, unit norms and scales."""
     gen = torch.Generator(device="cpu")
     if seed is not None:
         gen.manual_seed(seed)
-    for name, p in model.named_parameters():
+    for name, p in net.named_parameters():
         if p.dim() >= 2:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
         else:
             p.fill_(1.0)
-    for name, b in model.named_buffers():
+    for name, b in net.named_buffers():
         if name.endswith("layer_scalar"):
             b.fill_(1.0)
-    return model
+    return net
 
 
 def random_model(config: ModelConfig, seed: int = 0, std: float = 0.02, dtype=torch.float32, device="cpu") -> DiffusionGemma:
     with torch.device(device):
-        model = DiffusionGemma(config)
-    return init_weights(model, std=std, seed=seed).to(dtype).eval()
+        net = DiffusionGemma(config)
+    return init_weights(net, std=std, seed=seed).to(dtype).eval()
 
 
 def save_checkpoint(
-    model: DiffusionGemma,
+    net: DiffusionGemma,
     path: str | Path,
     generation: GenerationConfig | None = None,
     tokenizer: HFTokenizer | Tokenizer | None = None,
@@ -218,12 +218,12 @@ def save_checkpoint(
     """Write a complete checkpoint directory."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = config_json(model.config)
+    cfg = config_json(net.config)
     if dtype is not None:
         cfg["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_side_files(path, model.config, generation, tokenizer, chat_template)
-    save_weights(model, path, dtype=dtype)
+    save_side_files(path, net.config, generation, tokenizer, chat_template)
+    save_weights(net, path, dtype=dtype)
     return path
 
 
@@ -248,5 +248,5 @@ def save_side_files(
 def make_tiny_random(path: str | Path, seed: int = 0) -> Path:
     """A tiny random checkpoint with a byte-level tokenizer (for trying the tools; it writes noise)."""
     config = make_config(**PRESETS["micro"])
-    model = random_model(config, seed=seed, std=0.5)
-    return save_checkpoint(model, path, tokenizer=byte_tokenizer())
+    net = random_model(config, seed=seed, std=0.5)
+    return save_checkpoint(net, path, tokenizer=byte_tokenizer())
