@@ -24,6 +24,11 @@ MOVED = {  # old module path -> where it lives now
     "dgemma.media.decode": "dgemma.inputs.decode",
     "dgemma.media.inputs": "dgemma.inputs.model_inputs",
     "dgemma.kernels.dequant": "dgemma.kernels.avx2",
+    "dgemma.chat": "dgemma.cli.chat",
+    "dgemma.bench": "dgemma.cli.bench",  # the measuring code is dgemma.benchmark; cli.bench forwards its names
+    "dgemma.quant.cli": "dgemma.cli.quantize",
+    "dgemma.serve.loadtest": "dgemma.cli.loadtest",
+    "dgemma.quant.checkpoint": "dgemma.quant.read",  # split; its documented names (read_quantized, ...) read
     "dgemma.serve.media": "dgemma.serve.media_sources",
 }
 

@@ -214,7 +214,7 @@ def bf16_moe(hidden: int, inter: int, experts: int, top_k: int, tokens: int):
 def bf16_rmsnorm(hidden: int, tokens: int):
     """bf16 RMSNorm over [tokens, hidden]: the reference's op sequence vs the engine's leaner one."""
     from dgemma.kernels.cpu import LeanRMSNorm
-    from dgemma.model.diffusion_gemma import RMSNorm
+    from dgemma.model.layers import RMSNorm
 
     norm = RMSNorm(hidden).to(torch.bfloat16)
     lean = LeanRMSNorm(norm)

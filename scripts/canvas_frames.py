@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import dgemma
-from dgemma.chat import plain_frame, token_pieces
+from dgemma.cli.chat import plain_frame, token_pieces
 from dgemma.engine.events import Block, Draft
 
 

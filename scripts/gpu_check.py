@@ -67,7 +67,8 @@ from dgemma.engine.prefill import prefill  # noqa: E402
 from dgemma.kernels import triton_layer, triton_step  # noqa: E402
 from dgemma.model import rope  # noqa: E402
 from dgemma.model.checkpoint import make_config  # noqa: E402
-from dgemma.model.diffusion_gemma import DiffusionGemma, Experts, RMSNorm  # noqa: E402
+from dgemma.model.diffusion_gemma import DiffusionGemma, Experts  # noqa: E402
+from dgemma.model.layers import RMSNorm  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
 
 FAILED: list[str] = []

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dgemma.api import load, resolve_dtype  # noqa: E402
-from dgemma.bench import FIXED_STEPS_CONFIDENCE, quantized_synthetic_model, synthetic_checkpoint  # noqa: E402
+from dgemma.benchmark import FIXED_STEPS_CONFIDENCE, quantized_synthetic_model, synthetic_checkpoint  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402

@@ -1,3 +1,8 @@
+"""Session fixtures shared by the test modules (each built once per session) and the markers that
+conftest applies from what a test uses. Helpers live in modules beside it (servers.py,
+checkpoints.py, media_samples.py, tool_fakes.py, oracle.py, ...): test files import those, never
+one another (tests/test_layout.py checks)."""
+
 import os
 import sys
 from pathlib import Path
@@ -11,13 +16,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from checkpoints import EOS, write_vision_with_processor  # noqa: E402
 from oracle import build_reference  # noqa: E402
-
-EOS = list(range(40, 52))  # a dozen EOS ids, so that EOS turns up inside canvases
 
 
 @pytest.fixture(autouse=True)
 def _threads():
+    """One intra-op thread a test: the tiny models' ops are too small to share, so a second thread
+    only spins (measured: the same wall time, twice the CPU), and the README's `-n 2` runs two
+    test processes on the 2-core host. `two_threads` gives a test two."""
+    torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture
+def two_threads(_threads):
+    """Two intra-op threads, as on a 2-core host: for the kernels that split work across threads and
+    for the tests that check that rows in a batch equal each row alone."""
     torch.set_num_threads(2)
     yield
 
@@ -34,6 +49,7 @@ def _native_kernels_built():
     yield
 
 
+# ------------------------------------------------------------------------------------ reference checkpoints
 @pytest.fixture(scope="session")
 def ref_gqa(tmp_path_factory):
     path = tmp_path_factory.mktemp("gqa")
@@ -46,3 +62,41 @@ def ref_wide(tmp_path_factory):
     path = tmp_path_factory.mktemp("wide")
     model = build_reference(path, "wide", seed=1, generation={"eos_token_id": EOS, "pad_token_id": 0})
     return path, model
+
+
+@pytest.fixture(scope="session")
+def vision_checkpoint(tmp_path_factory) -> Path:
+    """The tiny vision checkpoint with its processor (tests/vision_checkpoint.py), written once;
+    each module loads its own model from it, so no module sees another's vision cache."""
+    return write_vision_with_processor(tmp_path_factory.mktemp("vision") / "ckpt")
+
+
+# ------------------------------------------------------------------------------------ the tiny random model's server
+@pytest.fixture(scope="session")
+def model(tmp_path_factory):
+    """The tiny random model (seed 0) that `server` serves, shared by the server, structured output,
+    tools, n/logprobs, infill and client tests (their prompts differ, so no test meets another's
+    prefix cache). Modules with a `model` fixture of their own override it."""
+    import dgemma
+    from dgemma.model.checkpoint import make_tiny_random
+
+    return dgemma.load(make_tiny_random(tmp_path_factory.mktemp("srv") / "ckpt", seed=0))
+
+
+@pytest.fixture(scope="session")
+def server(model):
+    """`model` served in-process as servers.MODEL; `server.app` is its app."""
+    from servers import tiny_random_app
+    from dgemma.serve.listener import ServerThread
+
+    app = tiny_random_app(model)
+    with ServerThread(app) as s:
+        s.app = app
+        yield s
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from servers import openai_client
+
+    return openai_client(server.url)

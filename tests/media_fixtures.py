@@ -20,7 +20,7 @@ from unittest import mock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from dgemma.model.checkpoint import SPECIAL_TOKENS
-from dgemma.tokenizer import GEMMA4_CHAT_TEMPLATE
+from dgemma.inputs.tokenizer import GEMMA4_CHAT_TEMPLATE
 
 MEDIA_TOKENS = {
     "boi_token": "<|image>",

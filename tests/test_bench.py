@@ -23,7 +23,7 @@ def test_bench_quick_prints_its_plan_first_and_finishes_within_a_minute():
 
 
 def test_bench_flags_say_their_defaults_and_explicit_flags_beat_the_preset():
-    from dgemma.bench import add_cli, resolve_settings
+    from dgemma.cli.bench import add_cli, resolve_settings
 
     parser = argparse.ArgumentParser()
     add_cli(subparsers := parser.add_subparsers())

@@ -158,7 +158,7 @@ def tiny():
 def chat_turns(model, lines: list[str], capsys, system: str | None = None, **knobs):
     """An in-process session (a pipe's): each turn's prompt as passed to the engine, its figures
     (answer tokens, new prompt tokens, cached), and the session. A fresh engine: an empty cache."""
-    from dgemma.chat import Session
+    from dgemma.cli.chat import Session
 
     model.configure_engine()
     session = Session(model, system, knobs, 0, canvas=False, tty=False)
@@ -202,6 +202,16 @@ def test_turn_two_keeps_its_prefix(tiny, capsys):
     assert rendered == head + answer + tail and tail.startswith("<turn|>") and tail.endswith("<|turn>model\n")
     text = tok.decode(p2, skip_special_tokens=False)
     assert text.startswith(head) and text.endswith(tail) and text[len(head) : -len(tail)].strip() == answer
+
+
+def test_set_seed_takes_the_range_of_the_api_and_the_server(tiny, capsys):
+    from dgemma.cli.chat import Session
+
+    session = Session(tiny, None, {}, 0, canvas=False, tty=False)
+    session.command("/set seed -1")
+    assert "/set seed: seed must be an integer in [0, 2**64)" in capsys.readouterr().err and session.seed == 0
+    session.command(f"/set seed {2**64 - 1}")
+    assert session.seed == 2**64 - 1
 
 
 def test_a_changed_conversation_is_rendered_afresh(tiny, capsys, tmp_path):

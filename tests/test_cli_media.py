@@ -6,14 +6,13 @@ from PIL import Image
 
 import dgemma
 from dgemma.cli import main
-from test_server_media import write_checkpoint
 
 FAST = ["--max-new-tokens", "8", "--steps", "2", "--seed", "3", "--max-soft-tokens", "70"]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("cli-vision") / "ckpt")
+def ckpt(vision_checkpoint):
+    return vision_checkpoint
 
 
 @pytest.fixture(scope="module")

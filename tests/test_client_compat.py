@@ -5,20 +5,19 @@ fixtures/client_bodies.json; the file says which versions) are posted as they ar
 OpenAI / vLLM field is accepted, ignored or refused with a 400 naming it; Gemma 4's thinking is
 switched on in the prompt and its thought channel comes back as `reasoning_content`, whole and
 streamed. A random model never thinks or calls tools, so most requests here are answered by
-`FakeEngine` (test_tools.py: fixed text, in blocks of 32 tokens)."""
+`FakeEngine` (tests/tool_fakes.py: fixed text, in blocks of 32 tokens)."""
 
 import json
 import random
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from dgemma.serve.reasoning import CHANNEL, CHANNEL_END, THINK, ReasoningParser, Thought, keeping_channel, split_reasoning
-from dgemma.serve.tools import QUOTE as Q
-from test_server import MODEL, client, model, server  # noqa: F401  (the tiny random model's server fixtures)
-from test_tools import TOOLS, FakeEngine
+from dgemma.serve.tool_format import QUOTE as Q
+from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
+from tool_fakes import TOOLS, FakeEngine
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures" / "client_bodies.json").read_text())
 USER = [{"role": "user", "content": "What is 2+2?"}]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dgemma
-from conftest import EOS
+from checkpoints import EOS
 from dgemma.engine.engine import Engine, EngineOptions, Request
 
 PROMPTS = [list(range(5, 27)), [20, 21, 22], [30, 31, 32, 33, 34, 35], [7] * 9]

@@ -19,7 +19,8 @@ from dgemma.api import dtype_name, parse_device, resolve_device, resolve_dtype
 from dgemma.cli import build_parser, main
 from dgemma.engine import engine as engine_module
 from dgemma.engine.engine import Engine, EngineOptions, make_current
-from dgemma.model.weights import save_safetensors, stored_dtype
+from dgemma.model.layout import save_safetensors
+from dgemma.model.weights import stored_dtype
 
 
 def checkpoint(path, config: dict | None = None, tensors: dict | None = None):
@@ -236,7 +237,7 @@ def test_bench_routes_its_dtype_through_resolve_dtype(monkeypatch, capsys):
 def test_serve_plans_memory_in_the_checkpoints_dtype(monkeypatch):
     """`dgemma serve --device cuda:1`'s fit check plans in the dtype the load will choose, on cuda:1."""
     from dgemma.engine import memory_plan
-    from dgemma.serve.server import check_device_memory
+    from dgemma.cli.serve import check_device_memory
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

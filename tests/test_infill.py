@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dgemma
-from test_parity import _cut
+from checkpoints import cut
 
 
 def test_warm_start_matches_reference_decoder_input_ids(ref_gqa):
@@ -23,7 +23,7 @@ def test_warm_start_matches_reference_decoder_input_ids(ref_gqa):
         expected = ref.generate(prompt, max_new_tokens=2 * c, decoder_input_ids=start.clone())
         torch.manual_seed(seed)
         got = model.generate(prompt.tolist(), max_new_tokens=2 * c, sampling="reference", canvas=start.tolist())
-        assert got.sequences == [_cut(r[9:], 2 * c) for r in expected.sequences.tolist()]
+        assert got.sequences == [cut(r[9:], 2 * c) for r in expected.sequences.tolist()]
         torch.manual_seed(seed)
         cold = model.generate(prompt.tolist(), max_new_tokens=2 * c, sampling="reference")
         assert cold.sequences != got.sequences  # the start mattered
@@ -37,7 +37,7 @@ def test_warm_start_in_the_engine_starts_from_the_given_canvas(ref_gqa):
     drafts = [ev for ev in model.stream([1, 2, 3], drafts=True, seed=0, canvas=start, max_denoising_steps=1, max_new_tokens=c)]
     cold = [ev for ev in model.stream([1, 2, 3], drafts=True, seed=0, max_denoising_steps=1, max_new_tokens=c)]
     assert drafts[0].canvas != cold[0].canvas
-    with pytest.raises(ValueError, match="must be 8 token ids"):
+    with pytest.raises(ValueError, match=re.escape("canvas 0 must be a list of 8 entries (token ids)")):
         model.generate([[1, 2]], canvas=[[1, 2]])
 
 
@@ -159,7 +159,7 @@ def test_run_suffix_errors(argv, words, capsys):
 
 
 # ------------------------------------------------------------------------------------ the server's suffix
-from test_server import MODEL, client, model, server  # noqa: E402, F401  (the tiny random model's server fixtures)
+from servers import MODEL  # noqa: E402  (conftest.py serves the tiny random `model` once a session: `server`, `client`)
 
 import openai  # noqa: E402
 

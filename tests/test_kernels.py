@@ -5,18 +5,10 @@ import torch
 
 import dgemma
 from dgemma.kernels.cpu import PackedExperts, packed_copy, supported
-from dgemma.dense.kv_cache import DenseKVCache
+from checkpoints import step_logits
 from oracle import build_reference
 
 pytestmark = pytest.mark.skipif(not supported(torch.float32), reason="no oneDNN packed linears in this torch")
-
-
-def _step_logits(net, prompt, canvas, soft=None):
-    cache = DenseKVCache(net.config, prompt.shape[0], prompt.shape[1] + canvas.shape[1], "cpu", net.dtype)
-    plan = cache.plan_encoder(prompt.shape[1])
-    enc = net.encode(prompt, plan)
-    cache.commit(plan)
-    return net.logits(enc), net.logits(net.decode(canvas, cache.plan_decoder(canvas.shape[1]), soft))
 
 
 @torch.no_grad()
@@ -31,7 +23,7 @@ def test_packed_copy_matches_and_shares_tensors(ref_wide):
     prompt = torch.randint(0, 160, (2, 21), generator=g)
     canvas = torch.randint(0, 160, (2, 16), generator=g)
     soft = torch.randn(2, 16, 48, generator=g)
-    for a, b in zip(_step_logits(model.net, prompt, canvas, soft), _step_logits(fast, prompt, canvas, soft)):
+    for a, b in zip(step_logits(model.net, prompt, canvas, soft), step_logits(fast, prompt, canvas, soft)):
         assert (a - b).abs().max().item() < 1e-4
     probs = torch.softmax(torch.randn(5, 160, generator=g), -1)
     assert torch.allclose(fast.soft_embed(probs), model.net.soft_embed(probs), atol=1e-5)
@@ -44,7 +36,7 @@ def test_packed_copy_follows_the_activation(tmp_path):
     g = torch.Generator().manual_seed(1)
     prompt, canvas = torch.randint(0, 160, (1, 9), generator=g), torch.randint(0, 160, (1, 16), generator=g)
     soft = torch.randn(1, 16, 48, generator=g)
-    for a, b in zip(_step_logits(model.net, prompt, canvas, soft), _step_logits(packed_copy(model.net), prompt, canvas, soft)):
+    for a, b in zip(step_logits(model.net, prompt, canvas, soft), step_logits(packed_copy(model.net), prompt, canvas, soft)):
         assert (a - b).abs().max().item() < 1e-4
 
 
@@ -55,12 +47,12 @@ def test_engine_net_keeps_lora_adapters(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     g = torch.Generator().manual_seed(2)
     prompt, canvas = torch.randint(0, 128, (1, 7), generator=g), torch.randint(0, 128, (1, 8), generator=g)
-    before = _step_logits(model.engine_net, prompt, canvas)[1]
+    before = step_logits(model.engine_net, prompt, canvas)[1]
     lora.apply_lora(model.net, rank=2)
     for adapter in lora.adapters(model.net).values():
         adapter.B.normal_(std=0.5, generator=g)
     model.reset_engine_net()
-    expected, got = _step_logits(model.net, prompt, canvas)[1], _step_logits(model.engine_net, prompt, canvas)[1]
+    expected, got = step_logits(model.net, prompt, canvas)[1], step_logits(model.engine_net, prompt, canvas)[1]
     assert (expected - before).abs().max().item() > 1e-3  # the adapters change the logits
     assert (got - expected).abs().max().item() < 1e-4
 

@@ -8,7 +8,7 @@ import torch
 
 import dgemma
 from dgemma.config import ConfigError, load_generation_config, load_model_config
-from dgemma.model.weights import WeightsError
+from dgemma.model.layout import WeightsError
 
 
 def _copy(src, dst):

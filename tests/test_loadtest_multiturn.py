@@ -1,9 +1,9 @@
-"""`python -m dgemma.serve.loadtest --multi-turn`: chat conversations that resend their history each turn."""
+"""`python -m dgemma.cli.loadtest --multi-turn`: chat conversations that resend their history each turn."""
 
 import json
 
 from dgemma.model.checkpoint import make_tiny_random
-from dgemma.serve import loadtest
+from dgemma.cli import loadtest
 
 
 def test_multi_turn_load_script(tmp_path, capsys):

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from test_server import MODEL, client, model, server  # noqa: F401  (the tiny random model's server fixtures)
+from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
 
 FAST = {"max_denoising_steps": 4}
 LENGTH = {**FAST, "ignore_eos": True}  # no EOS: every choice runs to max_tokens

@@ -156,7 +156,7 @@ def test_bf16_engine_net_on_amx_is_as_close_to_float32_as_the_reference(tmp_path
     """A bf16 model whose shapes the AMX kernels take: the engine's step logits (AMX experts, MLPs,
     linears, native norms) are as close to the float32 model's as the bf16 reference path's are."""
     from oracle import build_reference
-    from test_kernels import _step_logits
+    from checkpoints import step_logits
 
     dims = {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "head_dim": 16, "global_head_dim": 32}
     build_reference(tmp_path, "gqa", text_overrides=dims)
@@ -166,9 +166,9 @@ def test_bf16_engine_net_on_amx_is_as_close_to_float32_as_the_reference(tmp_path
     g = torch.Generator().manual_seed(6)
     prompt, canvas = torch.randint(0, 128, (1, 21), generator=g), torch.randint(0, 128, (1, 8), generator=g)
     soft = torch.randn(1, 8, 64, generator=g)
-    truth = _step_logits(full.net, prompt, canvas, soft)
-    reference = _step_logits(half.net, prompt, canvas, soft.bfloat16())
-    engine = _step_logits(half.engine_net, prompt, canvas, soft.bfloat16())
+    truth = step_logits(full.net, prompt, canvas, soft)
+    reference = step_logits(half.net, prompt, canvas, soft.bfloat16())
+    engine = step_logits(half.engine_net, prompt, canvas, soft.bfloat16())
     for t, r, e in zip(truth, reference, engine):
         reference_error = (r.float() - t).abs().max().item()
         engine_error = (e.float() - t).abs().max().item()

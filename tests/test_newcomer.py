@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 import dgemma
-from dgemma.cli import DEMO_MODEL_NOTE, build_parser, main
+from dgemma.cli import build_parser, main
+from dgemma.cli.run import DEMO_MODEL_NOTE
 
 FAST = ["--max-new-tokens", "8", "--seed", "3", "--steps", "4"]
 
@@ -71,6 +72,11 @@ def test_temperature_belongs_to_ar_mode(capsys):
 def test_sampler_errors_name_the_flags_as_typed(capsys, flags, words):
     err = one_line_error(capsys, "x", *flags)
     assert words in err and "max_denoising_steps" not in err and "t_min" not in err
+
+
+def test_seed_takes_the_range_of_the_api_and_the_server(capsys):
+    for seed in ("-1", str(2**64)):  # dgemma.engine.request.check_seed, before the model loads
+        assert "--seed must be an integer in [0, 2**64)" in one_line_error(capsys, "x", "--seed", seed)
 
 
 def test_a_file_as_model_is_called_a_file(capsys, tmp_path):

@@ -5,7 +5,7 @@ import torch
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
 import dgemma
-from conftest import EOS
+from checkpoints import EOS, cut
 from oracle import build_reference
 
 
@@ -14,15 +14,6 @@ def _reference_knobs(knobs):
     if "entropy_bound" in knobs:  # the reference takes it inside a sampler config
         knobs["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=knobs.pop("entropy_bound"))
     return knobs
-
-
-def _cut(row, max_new, eos=EOS):
-    out = []
-    for t in row[:max_new]:
-        out.append(t)
-        if t in eos:
-            break
-    return out
 
 
 @pytest.mark.parametrize("shape", ["ref_gqa", "ref_wide"])
@@ -65,7 +56,7 @@ def test_reference_sampling_is_token_exact(request, shape, knobs):
         expected = ref.generate(prompt, max_new_tokens=max_new, **_reference_knobs(knobs))
         torch.manual_seed(seed)
         got = model.generate(prompt.tolist(), max_new_tokens=max_new, sampling="reference", **knobs)
-        want = [_cut(r[12:], max_new) for r in expected.sequences.tolist()]
+        want = [cut(r[12:], max_new) for r in expected.sequences.tolist()]
         assert got.sequences == want
         assert got.tokens_per_forward == pytest.approx(expected.tokens_per_forward.tolist(), rel=1e-6)
         hit_eos += sum(1 for s in want if s and s[-1] in EOS and len(s) < max_new)
@@ -85,7 +76,7 @@ def test_reference_sampling_ragged_batch_is_left_padded(ref_gqa):
         torch.manual_seed(seed)
         expected = ref.generate(ids, attention_mask=mask, max_new_tokens=20, **_reference_knobs({"entropy_bound": 1.0}))
         got = model.generate(prompts, max_new_tokens=20, sampling="reference", entropy_bound=1.0, seed=seed)
-        assert got.sequences == [_cut(r[12:], 20) for r in expected.sequences.tolist()]
+        assert got.sequences == [cut(r[12:], 20) for r in expected.sequences.tolist()]
 
 
 def test_reference_seed_argument_equals_manual_seed(ref_gqa):

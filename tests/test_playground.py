@@ -20,7 +20,8 @@ import browser as browser_tools
 import dgemma
 from dgemma.serve.access import Access
 from dgemma.serve.playground import STATIC
-from dgemma.serve.server import ServerThread, create_app
+from dgemma.serve.app import create_app
+from dgemma.serve.listener import ServerThread
 
 ARTIFACTS = Path(os.environ.get("DGEMMA_TEST_ARTIFACTS", Path(__file__).parents[1] / "test-artifacts"))
 PROMPT = "Write a function that adds two numbers."

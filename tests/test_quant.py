@@ -154,7 +154,7 @@ def test_quantised_weights_take_fewer_bytes_and_generate(quant_ref):
 def test_a_written_checkpoint_loads_and_equals_the_reference_on_its_weights(quant_ref, scheme, tmp_path):
     """`dgemma quantize`'s files (experts unfused per expert) load fused and run: the logits equal
     transformers' on the file's dequantised weights; int4 / int8 / fp8 also equal quantising at load."""
-    from dgemma.quant.checkpoint import write_quantized
+    from dgemma.quant.write import write_quantized
 
     path, _ = quant_ref
     out = write_quantized(path, tmp_path / scheme, scheme, 16 if scheme == "int4" else None)

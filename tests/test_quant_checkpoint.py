@@ -1,6 +1,7 @@
-"""Quantised checkpoints (dgemma/quant/checkpoint.py): what `dgemma quantize` writes, decompressed by
-the compressed-tensors library itself, equals what dgemma reads back; the library's own config
-block and layouts, ModelOpt's NVFP4, and every bad config's one-line error."""
+"""Quantised checkpoints (dgemma/quant/: write.py, read.py, quant_config.py, pack.py): what
+`dgemma quantize` writes, decompressed by the compressed-tensors library itself, equals what dgemma
+reads back; the library's own config block and layouts, ModelOpt's NVFP4, and every bad config's
+one-line error."""
 
 import json
 import re
@@ -15,11 +16,11 @@ import dgemma
 from dgemma.cli import main
 from dgemma.config import ConfigError
 from dgemma.model.checkpoint import make_tiny_random
-from dgemma.model.weights import WeightsError
-from dgemma.quant.checkpoint import (
-    DISK_FORMATS, EMBEDDING_FORMATS, QuantConfigError, QuantGroup, QuantPartsError, TensorReader, quantised_modules,
-    quantization_config, read_quantized, split_rows, to_qtensor,
-)  # fmt: skip
+from dgemma.model.layout import WeightsError
+from dgemma.quant.pack import QuantPartsError, split_rows
+from dgemma.quant.quant_config import DISK_FORMATS, EMBEDDING_FORMATS, QuantConfigError, QuantGroup, quantization_config
+from dgemma.quant.read import quantised_modules, read_quantized, to_qtensor
+from dgemma.quant.tensor_sources import TensorReader
 from dgemma.quant.formats import SCHEMES, QuantError, dequantize, quantize
 from dgemma.quant.modules import QuantExperts
 

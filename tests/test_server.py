@@ -13,31 +13,13 @@ import httpx
 import openai
 import pytest
 
-import dgemma
-from dgemma.model.checkpoint import make_tiny_random
-from dgemma.serve.server import ServerThread, create_app
+from dgemma.serve.app import create_app
+from dgemma.serve.listener import ServerThread
 from dgemma.serve.engine_thread import TextStream
 
-MODEL = "tiny"
+from servers import MODEL  # conftest.py's session fixtures: `model` (tiny, random), its `server` and `client`
+
 FAST = {"max_denoising_steps": 6, "ignore_eos": True}  # few steps; no EOS, so lengths are exact
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return dgemma.load(make_tiny_random(tmp_path_factory.mktemp("srv") / "ckpt", seed=0))
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    app = create_app(model, MODEL, max_active=16, max_queue=16)
-    with ServerThread(app) as s:
-        s.app = app
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def expected_tokens(model, ids, max_tokens, seed, steps=6):
@@ -280,8 +262,8 @@ def test_cancelled_stream_frees_its_slot_and_full_queue_gets_429(model):
 
 
 def test_serve_cli_and_load_script(model, capsys):
-    """`python -m dgemma.serve.loadtest --model` starts `dgemma serve` in a subprocess and drives it."""
-    from dgemma.serve import loadtest
+    """`python -m dgemma.cli.loadtest --model` starts `dgemma serve` in a subprocess and drives it."""
+    from dgemma.cli import loadtest
 
     argv = ["--model", str(model.path), "--concurrency", "1", "2", "--requests", "1", "--max-tokens", "32", "--steps", "2"]
     assert loadtest.main(argv) == 0
@@ -313,7 +295,7 @@ def test_text_stream_cuts_and_holds_back():
 
 def test_serve_cli_errors_are_one_line(model, tmp_path, capsys):
     from dgemma.cli import main
-    from dgemma.serve.server import bind
+    from dgemma.serve.listener import bind
 
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err

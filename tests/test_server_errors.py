@@ -7,8 +7,10 @@ import openai
 import pytest
 
 import dgemma
+from dgemma.engine.request import SEED_MAX
 from dgemma.model.checkpoint import make_tiny_random
-from dgemma.serve.server import ServerThread, create_app
+from dgemma.serve.app import create_app
+from dgemma.serve.listener import ServerThread
 
 MODEL = "tiny"
 CONTEXT = 512  # small, so "too long" is cheap to send
@@ -62,6 +64,7 @@ BAD = [
     ("max_tokens beyond context", "POST", C, completion(max_tokens=600), 400, "does not fit"),
     ("negative seed", "POST", C, completion(seed=-1), 400, "seed"),
     ("huge seed", "POST", C, completion(seed=2**70), 400, "seed"),
+    ("seed of 2**64", "POST", C, completion(seed=2**64), 400, "seed"),
     ("seed as a bool", "POST", C, completion(seed=True), 400, "seed"),
     ("stop not a string", "POST", C, completion(stop=5), 400, "stop"),
     ("too many stop strings", "POST", C, completion(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
@@ -139,6 +142,16 @@ def test_openai_client_sees_typed_errors(server):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
     with pytest.raises(openai.BadRequestError, match="t_max must be greater than t_min"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"t_min": 2.0, "t_max": 1.0})
+
+
+def test_seed_range_is_the_engines(server):
+    """One seed range for the API, the CLI and the server: [0, 2**64-1] (engine/request.py)."""
+    assert SEED_MAX == 2**64 - 1
+    r = send(server, "POST", C, completion(seed=SEED_MAX, n=2, max_denoising_steps=4))  # the second choice: seed 0
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    r = send(server, "POST", C, completion(seed=SEED_MAX + 1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
 
 
 def test_engine_failure_is_contained(tmp_path):

@@ -6,7 +6,6 @@ Remote media comes from a local http.server on 127.0.0.1; nothing reaches anothe
 """
 
 import base64
-import io
 import re
 import struct
 import threading
@@ -16,30 +15,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import httpx
-import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 import dgemma
 from dgemma.serve.media_sources import MediaPolicy
-from dgemma.serve.server import ServerThread, create_app
-from vision_checkpoint import write_vision_checkpoint
+from media_samples import PNG, data_url, image_part, mp4_bytes, png_bytes, user
+from servers import VISION_FAST as FAST, VISION_MODEL as MODEL, serve_vision as serve
 
-MODEL = "vision"
 CONTEXT = 1024  # a 1120-token image does not fit; a 70-token one does
 MAX_BYTES = 200_000
-FAST = {"max_denoising_steps": 2, "ignore_eos": True, "max_soft_tokens": 70}
 
 
 # ------------------------------------------------------------------------------------ media
-def png_bytes(width: int = 40, height: int = 30, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
 def bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
     """A valid PNG header claiming width x height pixels, over a few bytes of data."""
 
@@ -48,36 +36,6 @@ def bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
-
-
-def mp4_bytes(frames: int = 3, size: int = 32) -> bytes:
-    import av
-
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=4)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), 40 * i, np.uint8), format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return out.getvalue()
-
-
-def data_url(raw: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(raw).decode()
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def user(*parts, text: str = "what is this?") -> list[dict]:
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-PNG = png_bytes()
 
 
 # ------------------------------------------------------------------------------------ a local media host
@@ -152,15 +110,9 @@ def media_host():
 
 
 # ------------------------------------------------------------------------------------ servers
-def write_checkpoint(path):
-    """The vision checkpoint with its processor."""
-    write_vision_checkpoint(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return dgemma.load(write_checkpoint(tmp_path_factory.mktemp("vision") / "ckpt"))
+def model(vision_checkpoint):
+    return dgemma.load(vision_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -174,12 +126,6 @@ def dirs(tmp_path_factory):
     (outside / "secret.png").write_bytes(PNG)
     (allowed / "link.png").symlink_to(outside / "secret.png")
     return allowed, outside
-
-
-def serve(model, **app_kwargs):
-    server = ServerThread(create_app(model, MODEL, max_active=4, max_queue=8, **app_kwargs))
-    server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    return server
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.cli import load_model, main
+from dgemma.cli import main
+from dgemma.cli.common import load_model
 
 REQUIRED = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", "MODEL_CARD.md")

@@ -19,7 +19,7 @@ from dgemma.engine.constraints.grammar import GrammarError, best_allowed, best_a
 from dgemma.engine.sampler import pack_token_mask
 from dgemma.serve.grammar_limits import LarkStats
 from dgemma.serve.structured import OutputFormat, StructuredError, guided_format
-from test_server import MODEL, client, model, server  # noqa: F401  (the tiny random model's server fixtures)
+from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
 
 FAST = {"max_denoising_steps": 4}
 # One pass per block: each block is then the refined (valid left to right) argmax of its first

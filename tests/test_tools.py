@@ -4,45 +4,22 @@ the official `openai` client. A random model never writes a call, so `FakeEngine
 the engine where a test needs one: it answers every request with fixed text, in blocks of 32
 tokens, and keeps the prompts it was given."""
 
-import asyncio
 import json
 import random
 
 import openai
 import pytest
 
-from dgemma.engine.events import Block, Finished
 from dgemma.model.checkpoint import byte_tokenizer
-from dgemma.serve.engine_thread import Job
-from dgemma.serve.tools import (
-    QUOTE,
-    ToolCallParser,
-    ToolSpec,
-    check_messages,
-    format_call,
-    keeping_decoder,
-    parse_tool_calls,
-    render_chat,
-    tool_spec,
-)
+from dgemma.serve.tool_calls import ToolCallParser, keeping_decoder, parse_tool_calls
+from dgemma.serve.tool_format import QUOTE, format_call
+from dgemma.serve.tool_render import render_chat
+from dgemma.serve.tool_specs import ToolSpec, check_messages, tool_spec
 from dgemma.inputs.tokenizer import Tokenizer
-from test_server import MODEL, client, model, server  # noqa: F401  (the tiny random model's server fixtures)
+from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
+from tool_fakes import TOOLS, WEATHER, FakeEngine  # the tools on offer; the engine's stand-in
 
 Q = QUOTE
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": "City name"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
-TOOLS = [WEATHER, TIME]
 NAMES = {"get_weather", "get_time"}
 WEATHER_DECL = (
     f"<|tool>declaration:get_weather{{description:{Q}Current weather in a city{Q},parameters:{{properties:{{"
@@ -268,24 +245,6 @@ def test_native_template_gets_tools_and_results(model, monkeypatch):  # noqa: F8
 
 
 # ------------------------------------------------------------------------------------ the server
-class FakeEngine:
-    """Stands in for `EngineThread.submit`: answers with `text` (then EOS) in blocks of 32 tokens."""
-
-    def __init__(self, tokenizer, eos: int):
-        self.tokenizer, self.eos = tokenizer, eos
-        self.text, self.prompts, self.block = "", [], 32
-
-    def __call__(self, prompt, config, seed, drafts=False, images=(), constraints=None, deadline=None):
-        job = Job(list(prompt), config, seed, drafts, asyncio.get_running_loop(), list(images))
-        self.prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
-        ids = self.tokenizer.encode(self.text, add_special_tokens=False) + [self.eos]
-        blocks = [ids[i : i + self.block] for i in range(0, len(ids), self.block)]
-        for k, block in enumerate(blocks):
-            job.deliver(Block(0, k, block, k == len(blocks) - 1, 1))
-        job.deliver(Finished(0, "eos", ids, len(blocks), len(ids) / len(blocks), len(prompt)))
-        return job
-
-
 @pytest.fixture
 def fake(server, model, monkeypatch):  # noqa: F811
     engine = FakeEngine(model.tokenizer, model.generation_config.eos_token_ids[0])
@@ -590,7 +549,7 @@ def test_forced_call_grammar_with_thousands_of_properties():
 
 def test_tool_schemas_over_the_limits_are_refused():
     from dgemma.serve.grammar_limits import MAX_TOOL_DEPTH, MAX_TOOL_PROPERTIES
-    from dgemma.serve.tools import ToolError
+    from dgemma.serve.tool_specs import ToolError
 
     deep: dict = {"type": "string"}
     for _ in range(MAX_TOOL_DEPTH):

@@ -24,7 +24,8 @@ pytest.importorskip("triton", reason="triton is an optional (Linux) test depende
 from dgemma.config import GLOBAL, LayerSpec  # noqa: E402
 from dgemma.kernels import triton_layer as tk  # noqa: E402
 from dgemma.model import rope  # noqa: E402
-from dgemma.model.diffusion_gemma import Experts, RMSNorm  # noqa: E402
+from dgemma.model.diffusion_gemma import Experts  # noqa: E402
+from dgemma.model.layers import RMSNorm  # noqa: E402
 
 if not tk.INTERPRETED:
     pytest.skip("triton_layer was imported before TRITON_INTERPRET was set: its kernels need a GPU", allow_module_level=True)

@@ -16,28 +16,7 @@ from dgemma.inputs.model_inputs import MediaError, image_token_runs
 from dgemma.inputs.processor import Processor, VideoProcessorConfig, format_timestamp, sample_frame_indices
 from dgemma.inputs.tokenizer import Tokenizer
 from media_fixtures import save_gemma4_processor
-
-FPS, FRAMES, WIDTH, HEIGHT = 10, 30, 64, 48  # 3 s
-
-
-def colour(i):
-    return ((i * 8) % 256, 255 - i * 8, (i * 37) % 256)
-
-
-def make_clip(container="matroska", codec="ffv1", pix_fmt="bgr0") -> bytes:
-    """A 3 s clip, one solid colour a frame (ffv1 is lossless; Matroska does not store a frame count)."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=container) as out:
-        stream = out.add_stream(codec, rate=FPS)
-        stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, pix_fmt
-        for i in range(FRAMES):
-            frame = np.empty((HEIGHT, WIDTH, 3), np.uint8)
-            frame[:] = colour(i)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
+from media_samples import FPS, FRAMES, HEIGHT, WIDTH, colour, make_clip  # make_clip: a 3 s clip of FPS x FRAMES, one colour a frame
 
 
 @pytest.fixture(scope="module")

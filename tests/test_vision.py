@@ -224,7 +224,7 @@ def test_processor_to_logits_matches_reference(tmp_path):
 def test_video_frames_run_as_images(tmp_path):
     """A clip through the processor gives one image per sampled frame behind its timestamp, and the
     engine generates from it; the tower runs once per distinct frame."""
-    from test_video import make_clip
+    from media_samples import make_clip
 
     write_vision_checkpoint(tmp_path, generation={"eos_token_id": [1], "pad_token_id": 0})
     model = dgemma.load(tmp_path)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import dgemma
 from dgemma.kernels import avx2, choice, widened
 from dgemma.model.diffusion_gemma import Experts
-from test_kernels import _step_logits
+from checkpoints import step_logits
 
 
 @pytest.mark.parametrize("tokens, k, n, tile", [(1, 24, 40, 64), (7, 48, 37, 100), (33, 64, 128, 1 << 18), (5, 16, 8, 8)])
@@ -82,9 +82,9 @@ def test_bf16_engine_without_native_bf16_computes_float32_on_bf16_weights(tmp_pa
     g = torch.Generator().manual_seed(3)
     prompt, canvas = torch.randint(0, 128, (1, 21), generator=g), torch.randint(0, 128, (1, 8), generator=g)
     soft = torch.randn(1, 8, truth.config.hidden_size, generator=g)
-    want = _step_logits(truth.engine_net, prompt, canvas, soft)
-    got = _step_logits(net, prompt, canvas, soft)
-    bf16_compute = _step_logits(half.net, prompt, canvas, soft.bfloat16())
+    want = step_logits(truth.engine_net, prompt, canvas, soft)
+    got = step_logits(net, prompt, canvas, soft)
+    bf16_compute = step_logits(half.net, prompt, canvas, soft.bfloat16())
     for w, e, b in zip(want, got, bf16_compute):
         assert (e - w).abs().max().item() < 1e-4
         assert (b.float() - w).abs().max().item() > 10 * (e - w).abs().max().item()  # bf16 compute is farther

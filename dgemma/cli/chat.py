@@ -34,6 +34,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.request import check_seed
+from .common import (
+    CliError, add_chat_template_flag, add_engine_flags, add_model_flags, add_sampler_flags, add_threads_flag,
+    apply_chat_template_file, apply_threads, check_seed_flag, engine_options, load_model, print_growing, sampler_knobs,
+)  # fmt: skip
+
 HISTORY_FILE = Path.home() / ".cache" / "dgemma" / "chat_history"
 
 # /set NAME VALUE: the sampler knobs (Model.stream's keyword arguments) and the seed
@@ -171,7 +177,7 @@ class Session:
 
     def attach(self, path: str) -> None:
         """An image for the next user message, decoded now so that a bad file is named at once."""
-        from .inputs.model_inputs import MediaError
+        from ..inputs.model_inputs import MediaError
 
         if not path:
             return self.say("usage: /image PATH (or /image clear)", "red")
@@ -263,7 +269,10 @@ class Session:
             except ValueError:
                 return self.say(f"/set {name}: {value!r} is not a{'n integer' if kind is int else ' number'}", "red")
         if dest == "seed":
-            self.seed = parsed
+            try:  # the API's and the server's seed range
+                self.seed = parsed if parsed is None else check_seed(parsed, "seed")
+            except ValueError as e:
+                return self.say(f"/set {name}: {e}", "red")
         elif parsed is None:
             self.knobs.pop(dest, None)
         else:
@@ -276,7 +285,7 @@ class Session:
 
     # ---------------------------------------------------------------- a turn
     def turn(self, text: str) -> None:
-        from .engine.events import Block, Draft
+        from ..engine.events import Block, Draft
 
         content = [{"type": "image", "image": p} for p in self.images] + [{"type": "text", "text": text}]
         self.messages.append({"role": "user", "content": content if self.images else text})
@@ -310,9 +319,7 @@ class Session:
                     if live is not None:
                         live.update(Text(answer))
                     elif self.tty:  # the answer as blocks commit
-                        sys.stdout.write(answer[len(printed):] if answer.startswith(printed) else "\n" + answer)
-                        sys.stdout.flush()
-                        printed = answer
+                        printed = print_growing(answer, printed)
                 elif isinstance(ev, Draft) and live is not None:
                     view = Text(self.tok.decode(tokens))
                     view.append_text(canvas_frame(token_pieces(self.tok, ev.canvas), ev.accepted, ev.entropy))
@@ -394,9 +401,8 @@ def setup_readline() -> None:
 
 
 def cmd_chat(args) -> int:
-    from .cli import CliError, apply_chat_template_file, apply_threads, engine_options, load_model, sampler_knobs
-
     apply_threads(args)
+    check_seed_flag(args)
     model = load_model(args)
     apply_chat_template_file(model, args)
     model.configure_engine(engine_options(args))
@@ -422,8 +428,7 @@ def cmd_chat(args) -> int:
 
 
 def add_cli(sub) -> None:
-    from .cli import add_chat_template_flag, add_engine_flags, add_model_flags, add_sampler_flags, add_threads_flag
-
+    """The `chat` subcommand."""
     p = sub.add_parser("chat", help="an interactive multi-turn chat in the terminal (live canvas view)")
     add_model_flags(p)
     add_sampler_flags(p)

@@ -1,9 +1,9 @@
 """Load test for `dgemma serve`: 1, 4, 16 ... concurrent streaming clients; tokens/s and latency percentiles.
 
-    python -m dgemma.serve.loadtest --model DIR                # starts `dgemma serve` on a free port, then drives it
-    python -m dgemma.serve.loadtest --url http://127.0.0.1:8000 --served-model-name NAME
-    python -m dgemma.serve.loadtest --model DIR --multi-turn --turns 3 --prefix-tokens 2048
-    python -m dgemma.serve.loadtest --model DIR --multi-turn --server-arg=--no-prefix-cache   # flags for `dgemma serve`
+    python -m dgemma.cli.loadtest --model DIR                # starts `dgemma serve` on a free port, then drives it
+    python -m dgemma.cli.loadtest --url http://127.0.0.1:8000 --served-model-name NAME
+    python -m dgemma.cli.loadtest --model DIR --multi-turn --turns 3 --prefix-tokens 2048
+    python -m dgemma.cli.loadtest --model DIR --multi-turn --server-arg=--no-prefix-cache   # flags for `dgemma serve`
 
 Each client sends `--requests` streaming completions one after another (fixed seeds, `ignore_eos`, so
 every request yields exactly `--max-tokens` tokens). Per concurrency level it reports aggregate output
@@ -24,6 +24,8 @@ cached prompt tokens as the server's `usage` gives them (`usage.prompt_tokens_de
 
 `--server-arg` (repeatable; write it `--server-arg=--flag` for flags) is appended to the `dgemma serve`
 command line when the script starts the server itself (`--model`).
+
+Its old name, `python -m dgemma.serve.loadtest`, runs this module too (dgemma/moved.py).
 """
 
 from __future__ import annotations
@@ -361,7 +363,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dgemma.serve.loadtest", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dgemma.cli.loadtest", description=__doc__.split("\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="checkpoint directory: start `dgemma serve` for it")
     where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")

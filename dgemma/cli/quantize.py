@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..model.presets import PRESETS
-
-from .formats import DEFAULT_GROUP_SIZE, SCHEMES, QuantError
+from ..quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, QuantError
+from .common import parse_size
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}  # fmt: skip
@@ -16,8 +16,8 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 def cmd_quantize(args) -> int:
     import torch
 
-    from ..cli import parse_size
-    from .checkpoint import check_group_size, check_output_dir, write_quantized
+    from ..quant.quant_config import check_group_size
+    from ..quant.write import check_output_dir, write_quantized
 
     check_group_size(args.scheme, args.group_size)  # the arguments first, then the directories
     if args.dtype is not None and args.dtype not in DTYPES:
@@ -47,8 +47,8 @@ def write_random_quantized(size: str, out: str, scheme: str, group_size: int | N
     import torch
 
     from ..model.checkpoint import byte_tokenizer, config_json, make_config, save_side_files
-    from ..model.presets import PRESETS
-    from .checkpoint import RandomTensors, write_quantized_from
+    from ..quant.tensor_sources import RandomTensors
+    from ..quant.write import write_quantized_from
 
     config = make_config(**PRESETS[size])
     dtype = dtype or torch.bfloat16
@@ -59,6 +59,7 @@ def write_random_quantized(size: str, out: str, scheme: str, group_size: int | N
 
 
 def add_cli(sub) -> None:
+    """The `quantize` subcommand."""
     p = sub.add_parser("quantize", help="write a quantised checkpoint (compressed-tensors format; docs/quantization.md)")
     p.add_argument("--model", "-m", default=None, help="full-precision checkpoint directory")
     p.add_argument("--size", choices=sorted(PRESETS), default=None,

@@ -45,7 +45,8 @@ class Engine:
         self.device = net.device
         make_current(self.device)  # before anything below touches the device (memory, kernels, graphs)
         self.options = (options or EngineOptions()).resolve(net.config, net.device, net.dtype)
-        num_blocks = plan_blocks(net.config, self.options, net.dtype)
+        o = self.options
+        num_blocks = plan_blocks(net.config, net.dtype, o.block_size, o.kv_cache_memory, o.max_span(net.config), o.max_active)
         blocks = BlockManager(
             num_blocks, self.options.block_size, net.config.sliding_window, self.options.max_span(net.config),
             prefix_cache=self.options.prefix_cache,

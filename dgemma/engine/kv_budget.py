@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import GLOBAL, SLIDING, ModelConfig
 from .paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held
-
-if TYPE_CHECKING:
-    from .options import EngineOptions
 
 SIZING_ACTIVE = 8  # requests the sliding pool is sized for when max_active is not set
 
@@ -44,19 +40,18 @@ def default_kv_memory(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     return int(min(enough, free * share)) if free else enough
 
 
-def plan_blocks(config: ModelConfig, options: EngineOptions, dtype: torch.dtype) -> dict[str, int]:
-    """Blocks per pool for a resolved `options`.
+def plan_blocks(config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int, max_span: int, max_active: int | None) -> dict[str, int]:
+    """Blocks per pool for a KV `budget` in bytes (resolved EngineOptions give the other arguments).
 
     Global blocks grow with a sequence, sliding ones are bounded by the window; so the sliding
     pool gets what `max_active` (or SIZING_ACTIVE) requests hold at most at once, twice over (the
     rest stays cached for prefix hits), and the global pool the remaining budget; when the
     budget is smaller than that, both get the same number of blocks.
     """
-    b = options.block_size
+    b = block_size
     per_block = {k: v * b for k, v in kv_bytes_per_token(config, dtype_bytes(dtype)).items()}
-    budget = options.kv_cache_memory
-    peak = sliding_blocks_held(config.sliding_window, options.max_span(config), b)
-    sliding_cap = 2 * (options.max_active or SIZING_ACTIVE) * peak
+    peak = sliding_blocks_held(config.sliding_window, max_span, b)
+    sliding_cap = 2 * (max_active or SIZING_ACTIVE) * peak
     if per_block[SLIDING] == 0 or per_block[GLOBAL] == 0:  # a model with one kind only
         kind = GLOBAL if per_block[GLOBAL] else SLIDING
         blocks = {kind: budget // per_block[kind], (SLIDING if kind == GLOBAL else GLOBAL): 0}

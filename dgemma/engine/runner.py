@@ -59,7 +59,7 @@ class StepDecisions:
 
 class Runner:
     def __init__(self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int], stats: EngineStats | None = None):
-        self.kernels = plan_kernels(net, options)
+        self.kernels = plan_kernels(net, bool(options.triton), bool(options.cuda_graphs))
         if self.kernels.network == "triton":  # attention's norms + RoPE and the MoE block on the Triton kernels (kernels/gpu.py)
             from ..kernels.gpu import triton_modules
 

@@ -30,7 +30,6 @@ import torch
 from . import native
 
 if TYPE_CHECKING:
-    from ..engine.options import EngineOptions
     from ..model.diffusion_gemma import DiffusionGemma
 
 
@@ -103,10 +102,10 @@ def engine_net(net: DiffusionGemma) -> DiffusionGemma:
     return packed_copy(net) if kind == "packed" else net
 
 
-def plan_kernels(net: DiffusionGemma, options: EngineOptions) -> KernelPlan:
-    """The kernels an engine over `net` (already `engine_net`'s copy) runs with resolved `options`."""
+def plan_kernels(net: DiffusionGemma, triton: bool, cuda_graphs: bool) -> KernelPlan:
+    """The kernels an engine over `net` (already `engine_net`'s copy) runs, with the resolved
+    EngineOptions' `triton` and `cuda_graphs`."""
     cpu = net.device.type == "cpu"
-    triton = bool(options.triton)
     if triton:
         statistics = "triton"
     elif cpu and net.config.vocab_size % 16 == 0 and native.extension() is not None:
@@ -117,7 +116,7 @@ def plan_kernels(net: DiffusionGemma, options: EngineOptions) -> KernelPlan:
         network="triton" if triton else (cpu_network(net.dtype) if cpu else "plain"),
         statistics=statistics,
         attention="paged" if triton else "gathered",
-        cuda_graphs=bool(options.cuda_graphs) and triton and not cpu,
+        cuda_graphs=bool(cuda_graphs) and triton and not cpu,
         sample_all_positions=not cpu,
         reuse_buffers=cpu,
     )

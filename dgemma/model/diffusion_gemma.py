@@ -24,27 +24,7 @@ from torch import nn
 
 from . import rope
 from ..config import LayerSpec, ModelConfig
-
-
-def gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """down(gelu(gate(x)) * up(x)): the dense MLP's and the self-conditioning MLP's body."""
-    return mlp.down_proj(F.gelu(mlp.gate_proj(x), approximate=mlp.approximate) * mlp.up_proj(x))
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; `with_scale=False` is the scale-free variant (v_norm, router)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            out = out * self.weight.float()
-        return out.type_as(x)
+from .layers import RMSNorm, gated_mlp
 
 
 class Attention(nn.Module):

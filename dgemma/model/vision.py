@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import VisionConfig
 from .attention import sdpa
-from .diffusion_gemma import RMSNorm, gated_mlp
+from .layers import RMSNorm, gated_mlp
 from .rope import apply_axial_rope, axial_cos_sin
 
 

@@ -8,66 +8,27 @@ model in RAM. Names on disk are the `transformers` ones:
     model.encoder.language_model.layers.N.layer_scalar                 the encoder's own scalars
     model.encoder.vision_tower.*, model.encoder.embed_vision.*          the vision tower (`net.vision`), if present
 
-There is no lm_head on disk (tied to embed_tokens).
+There is no lm_head on disk (tied to embed_tokens). layout.py holds these names and the files'
+layout, which quant/ shares.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..config import ConfigError, ModelConfig
+from ..quant.read import read_quantized
 from .diffusion_gemma import DiffusionGemma
+from .layout import SINGLE_FILE, VISION_PREFIXES, WeightsError, checkpoint_name, save_safetensors, weight_files
 
 log = logging.getLogger("dgemma")
 
-DECODER = "model.decoder."
-ENCODER_SCALAR = "model.encoder.language_model.layers.{}.layer_scalar"
-VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 TIED_NAMES = ("lm_head.weight",)
-
-
-class WeightsError(ValueError):
-    """A checkpoint's weights are missing, misshapen or unreadable."""
-
-
-def checkpoint_name(param_name: str) -> str:
-    """dgemma parameter name -> name on disk."""
-    if param_name.endswith(".encoder_layer_scalar"):
-        layer = param_name.split(".")[1]
-        return ENCODER_SCALAR.format(layer)
-    if param_name.startswith("vision."):
-        return "model.encoder." + param_name[len("vision.") :]
-    return DECODER + param_name
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Map each tensor name to the file holding it (single file or sharded with an index)."""
-    index = path / "model.safetensors.index.json"
-    single = path / "model.safetensors"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise WeightsError(f"{index} is not a valid safetensors index: {e}") from None
-        files = {name: path / shard for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.exists():
-                raise WeightsError(f"missing shard {shard.name} (listed in {index.name})")
-        return files
-    if single.exists():
-        try:
-            with safe_open(single, framework="pt") as f:
-                return {name: single for name in f.keys()}
-        except Exception as e:  # safetensors raises its own error types
-            raise WeightsError(f"cannot read {single}: {e}") from None
-    raise WeightsError(f"no weights in {path}: expected model.safetensors or model.safetensors.index.json")
 
 
 # config.json's dtype names (`dtype` in transformers 5, `torch_dtype` before) and safetensors'
@@ -93,7 +54,7 @@ def header_dtype(path: Path) -> torch.dtype | None:
     """The floating dtype most of the checkpoint's tensors are stored in (by count), leaving out
     a quantised checkpoint's codes and scales; None if it holds no such tensor."""
     counts: dict[torch.dtype, int] = {}
-    for file in sorted(set(_weight_files(path).values())):
+    for file in sorted(set(weight_files(path).values())):
         try:
             with safe_open(file, framework="pt") as f:  # the header only: no tensor data is read
                 stored = [f.get_slice(name).get_dtype() for name in f.keys() if not any(m in name for m in QUANT_PART_MARKERS)]
@@ -145,7 +106,7 @@ def load_weights(
     quant/formats.py), each text layer is quantised as soon as its tensors are read, so the
     full-precision model is never held in memory (one layer at most)."""
     path = Path(path)
-    files = _weight_files(path)
+    files = weight_files(path)
     # A config.json may describe a vision tower the weights leave out (text-only checkpoints,
     # dgemma-tiny among them): those run text only and refuse images.
     vision = config.vision is not None and any(n.startswith(VISION_PREFIXES) for n in files)
@@ -156,8 +117,6 @@ def load_weights(
 
     stored = None  # a quantised checkpoint's weights (compressed-tensors or ModelOpt layouts)
     if isinstance(config.raw.get("quantization_config"), dict):
-        from ..quant.checkpoint import read_quantized
-
         if quantization is not None:
             raise WeightsError(f"{path} is already quantised: load it without a quantization scheme")
         info, stored = read_quantized(path)
@@ -257,29 +216,6 @@ def state_dict_for_disk(model: DiffusionGemma) -> dict[str, torch.Tensor]:
     return out
 
 
-def _umask() -> int:
-    """This process's umask (read, not changed, where /proc says it: changing it races other threads)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], target: str | Path) -> Path:
-    """safetensors' save_file, then the mode any new file gets (0644 under umask 022):
-    save_file writes through a private temporary file, which would leave the weights at 0600
-    beside a checkpoint's other files."""
-    target = Path(target)
-    save_file(tensors, str(target), metadata={"format": "pt"})
-    os.chmod(target, 0o666 & ~_umask())
-    return target
-
-
 def save_weights(model: DiffusionGemma, path: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write model.safetensors in the checkpoint layout."""
     path = Path(path)
@@ -287,7 +223,8 @@ def save_weights(model: DiffusionGemma, path: str | Path, dtype: torch.dtype | N
     tensors = state_dict_for_disk(model)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    return save_safetensors(tensors, path / "model.safetensors")
+    return save_safetensors(tensors, path / SINGLE_FILE)
 
 
-__all__ = ["load_weights", "save_weights", "stored_dtype", "save_safetensors", "state_dict_for_disk", "WeightsError", "ConfigError"]
+__all__ = ["load_weights", "save_weights", "stored_dtype", "save_safetensors", "state_dict_for_disk", "WeightsError", "ConfigError",
+           "checkpoint_name"]

@@ -4,7 +4,7 @@ uvicorn closes an idle keep-alive connection only after a response; a client tha
 sends nothing, or sends its headers a byte a minute (slowloris), holds a connection forever.
 `TimedProtocol` gives every request `read_timeout` seconds from the connection (or the previous
 response) to the end of its headers; the body has its own deadline where the server reads it
-(server.read_json). `limit_concurrency` bounds connections and tasks (more get a 503).
+(connection.read_json). `limit_concurrency` bounds connections and tasks (more get a 503).
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
-from .tools import TOOL_CALL, _join, _partial_tail
+from .tool_calls import _partial_tail
+from .tool_format import TOOL_CALL
+from .tool_render import _join
 
 THINK = "<|think|>"
 CHANNEL, CHANNEL_END = "<|channel>", "<channel|>"

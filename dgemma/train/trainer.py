@@ -6,8 +6,8 @@ model with FSDP2 (`fully_shard` on each layer and the root) and splits each step
 across ranks.
 
 Exact resume: the examples and the diffusion noise of step s come from generators seeded by
-(seed, s, example index), the learning rate is a function of s, and a checkpoint holds the fp32
-weights and the optimizer state. So a run restarted from step s's checkpoint continues exactly as
+(seed, s, example index), the learning rate is a function of s, and a checkpoint (resume.py) holds
+the fp32 weights and the optimizer state. So a run restarted from step s's checkpoint continues exactly as
 the uninterrupted run would have. A kill loses the steps since the last checkpoint; Ctrl-C or
 SIGTERM finishes the current step, saves, and exits.
 
@@ -20,7 +20,6 @@ Output layout (`--out DIR`):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -44,12 +43,14 @@ from ..config import ConfigError, GenerationConfig, ModelConfig, load_generation
 from .data import ExampleOrder, iter_records, load_examples
 from ..model.diffusion_gemma import DiffusionGemma
 from .objective import Losses, TrainingModule, collate, draw_noise, example_generator
+from .resume import (
+    checkpoint_dir, cpu_net, full_state, latest_checkpoint, publish, restore_optimizer, staging_dir, write_state,
+)  # fmt: skip
 from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from .tokenizer_train import as_tokenizer, train_bpe
 from ..model.weights import load_weights
 
 EVAL_SALT = 0xE7A1
-STATE_FILE = "trainer_state.pt"
 
 @dataclass
 class TrainArgs:
@@ -188,35 +189,6 @@ def shard(module: TrainingModule, device: torch.device) -> TrainingModule:
     return module
 
 
-# ------------------------------------------------------------------ checkpoints
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    ckpts = sorted((out / "checkpoints").glob("step-*/" + STATE_FILE))
-    return ckpts[-1].parent if ckpts else None
-
-
-def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, world: int):
-    """Full (unsharded, CPU) model and optimizer state dicts; collective under FSDP."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=world > 1)
-    model_sd = get_model_state_dict(module, options=opts)
-    optim_sd = get_optimizer_state_dict(module, optimizer, options=opts) if optimizer is not None else None
-    return model_sd, optim_sd
-
-
-def cpu_net(config: ModelConfig, model_sd: dict[str, torch.Tensor], lora_scale: float | None = None) -> DiffusionGemma:
-    """A plain DiffusionGemma from the `net.*` tensors of a full state dict, LoRA adapters folded in."""
-    sd = {k[len("net.") :]: v for k, v in model_sd.items() if k.startswith("net.")}
-    if lora_scale is not None:
-        sd = lora.merged_state_dict(sd, lora_scale)
-    with torch.device("meta"):
-        net = DiffusionGemma(config)
-    net.load_state_dict(sd, assign=True)
-    return net.eval()
-
-
 # ------------------------------------------------------------------ the trainer
 
 
@@ -327,13 +299,7 @@ class Trainer:
         return torch.optim.AdamW(groups, lr=a.lr, betas=a.betas, eps=1e-8)
 
     def _load_state(self, ckpt: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
-        set_optimizer_state_dict(
-            self.module, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-        )
-        self.step = int(state["step"])
+        self.step = restore_optimizer(self.module, self.optimizer, ckpt)
         self._say(f"resuming from {ckpt} (step {self.step})")
 
     def _data(self):
@@ -405,10 +371,10 @@ class Trainer:
     def save(self, final: bool = False) -> Path:
         """A resumable checkpoint at self.step (or the final model in --out); atomic on disk."""
         model_sd, optim_sd = full_state(self.module, None if final else self.optimizer, self.world)
-        target = self.out if final else self.out / "checkpoints" / f"step-{self.step:06d}"
+        target = self.out if final else checkpoint_dir(self.out, self.step)
         if self.is_main:
             save_dtype = {"float32": None, "bfloat16": torch.bfloat16}[self.args.save_dtype] if final else None
-            tmp = target if final else target.with_name(f".{target.name}.tmp")
+            tmp = target if final else staging_dir(target)
             if not final:
                 shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
@@ -420,20 +386,13 @@ class Trainer:
                 template = self.tok.chat_template or DEFAULT_CHAT_TEMPLATE
                 save_checkpoint(net, tmp, self.generation, self.tok, template, dtype=save_dtype)
             if not final:
-                torch.save({"step": self.step, "optimizer": optim_sd, "args": asdict(self.args)}, tmp / STATE_FILE)
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(tmp, target)
-                self._prune()
+                write_state(tmp, self.step, optim_sd, asdict(self.args))
+                publish(tmp, target, self.args.keep)
             else:
                 (tmp / "train_args.json").write_text(json.dumps(asdict(self.args), indent=2) + "\n")
         if self.world > 1:
             dist.barrier()
         return target
-
-    def _prune(self) -> None:
-        ckpts = sorted((self.out / "checkpoints").glob("step-*"))
-        for old in ckpts[: -self.args.keep]:
-            shutil.rmtree(old, ignore_errors=True)
 
     # ---- the loop
     def _say(self, text: str) -> None:
@@ -537,85 +496,3 @@ def _from_file(path: Path) -> Tokenizer:
 def train(args: TrainArgs, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
     """Run (or resume) a training run described by `args`."""
     return Trainer(args).run(on_step)
-
-
-# ------------------------------------------------------------------ CLI
-
-
-def add_cli(sub) -> None:
-    t = sub.add_parser("train", help="train a model from scratch, given a config")
-    t.add_argument("--config", required=True, help=f"a preset ({', '.join(PRESETS)}) or a JSON file of model sizes")
-    _common_flags(t, lr=3e-4)
-    t.set_defaults(func=cmd_train)
-
-    f = sub.add_parser("finetune", help="fine-tune a checkpoint (full or LoRA)")
-    f.add_argument("--model", "-m", required=True, help="checkpoint directory to start from")
-    f.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
-    f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
-    f.add_argument("--lora-targets", default="attention,mlp", help="attention, mlp and/or module-name suffixes")
-    f.add_argument("--no-merge", dest="merge", action="store_false", help="LoRA: write the adapters only")
-    _common_flags(f, lr=1e-4)
-    f.set_defaults(func=cmd_train)
-
-    m = sub.add_parser("merge-lora", help="fold LoRA adapters into a full checkpoint")
-    m.add_argument("--model", "-m", required=True, help="the base checkpoint")
-    m.add_argument("--adapter", required=True, help="directory with adapter_config.json and adapter_model.safetensors")
-    m.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
-    m.set_defaults(func=cmd_merge_lora)
-
-
-def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
-    d = TrainArgs(out="", data=[])
-    p.add_argument("--data", nargs="+", required=True, help="text files, directories, .jsonl files, or 'stdlib'")
-    p.add_argument("--out", "-o", required=True, help="output directory (checkpoints, final model, log)")
-    p.add_argument("--tokenizer", help="tokenizer.json or checkpoint dir (train: default trains a BPE on --data)")
-    p.add_argument("--eval-data", nargs="+", help="held-out data (default: --eval-fraction of --data)")
-    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction,
-                   help=f"share of --data held out for eval losses, without --eval-data (default: {d.eval_fraction})")  # fmt: skip
-    for flag, kind, default, text in (
-        ("--steps", int, d.steps, "optimizer steps"),
-        ("--batch-size", int, d.batch_size, "sequences per micro-batch per process"),
-        ("--grad-accum", int, d.grad_accum, "micro-batches per optimizer step"),
-        ("--seq-len", int, d.seq_len, "tokens per training sequence"),
-        ("--blocks", int, d.blocks, "canvas blocks drawn per sequence (1 = the published objective)"),
-        ("--lr", float, lr, "peak learning rate"),
-        ("--min-lr-ratio", float, d.min_lr_ratio, "final lr as a fraction of the peak"),
-        ("--warmup", int, d.warmup, "linear warmup steps"),
-        ("--weight-decay", float, d.weight_decay, "AdamW weight decay (matrices only)"),
-        ("--clip", float, d.clip, "gradient-norm clipping (0 = off)"),
-        ("--ar-weight", float, d.ar_weight, "weight of the encoder's autoregressive loss"),
-        ("--sc-prob", float, d.sc_prob, "probability of the self-conditioning second pass"),
-        ("--eval-every", int, d.eval_every, "steps between eval losses"),
-        ("--eval-batches", int, d.eval_batches, "batches per eval"),
-        ("--save-every", int, d.save_every, "steps between checkpoints"),
-        ("--save-minutes", float, d.save_minutes, "also checkpoint when this many minutes passed"),
-        ("--keep", int, d.keep, "checkpoints to keep"),
-        ("--seed", int, d.seed, "seed for init, data order and noise"),
-        ("--threads", int, None, "torch CPU threads"),
-        ("--log-every", int, d.log_every, "steps between log lines"),
-    ):
-        p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (bf16 autocast)")
-    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the final weights")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--fresh", action="store_true", help="ignore checkpoints in --out and start over")
-
-
-def cmd_train(args) -> int:
-    fields_ = TrainArgs.__dataclass_fields__
-    values = {k: v for k, v in vars(args).items() if k in fields_}
-    result = train(TrainArgs(**values))
-    return 130 if result.interrupted else 0
-
-
-def cmd_merge_lora(args) -> int:
-    import dgemma
-
-    model = dgemma.load(args.model)
-    lora.load_adapters(model.net, args.adapter)
-    lora.merge_lora(model.net)
-    tok = model.tokenizer
-    template = (tok.chat_template if tok else None) or DEFAULT_CHAT_TEMPLATE
-    save_checkpoint(model.net, args.out, generation=model.generation_config, tokenizer=tok, chat_template=template)
-    print(f"wrote the merged checkpoint to {args.out}")
-    return 0

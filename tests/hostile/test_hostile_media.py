@@ -35,8 +35,9 @@ from dgemma.inputs.decode import open_video
 from dgemma.inputs.model_inputs import MediaError
 from dgemma.serve.media_sources import (GuardedBackend, MediaPolicy, MediaRef, PartError, address_allowed, fetch, file_bytes,
                                  host_allowed)  # fmt: skip
-from dgemma.serve.server import add_media_flags, media_policy, media_summary
-from test_server_media import FAST, MODEL, PNG, data_url, image_part, mp4_bytes, png_bytes, serve, user, write_checkpoint
+from dgemma.cli.serve import add_media_flags, media_policy, media_summary
+from media_samples import PNG, data_url, image_part, mp4_bytes, png_bytes, user
+from servers import VISION_FAST as FAST, VISION_MODEL as MODEL, serve_vision as serve
 
 C0 = "messages[0].content[0]"
 UNFETCHABLE = "(unreachable, not allowed on this server, or not an HTTP 200 answer)"
@@ -119,8 +120,8 @@ def connections(monkeypatch):
 
 # ------------------------------------------------------------------------------------ servers
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return dgemma.load(write_checkpoint(tmp_path_factory.mktemp("hostile-vision") / "ckpt"))
+def model(vision_checkpoint):
+    return dgemma.load(vision_checkpoint)
 
 
 def _status(key: str) -> int:

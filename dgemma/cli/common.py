@@ -1,0 +1,190 @@
+"""What several commands share: the model, device, sampler, engine, thread and chat-template flags,
+and the helpers that turn them into a loaded model; the one error type a command raises.
+
+Imports of anything heavy (jinja2, the engine's options, the model) wait inside the functions, so
+that building the parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+
+class CliError(Exception):
+    """A mistake in what the user typed: `dgemma` prints it as one line and exits with 2."""
+
+
+SAMPLER_FLAGS = (
+    ("--max-new-tokens", "max_new_tokens", int, "tokens to generate at most"),
+    ("--steps", "max_denoising_steps", int, "denoising steps per canvas at most"),
+    ("--entropy-bound", "entropy_bound", float, "entropy budget for accepting tokens per step"),
+    ("--t-min", "t_min", float, "temperature at the last step"),
+    ("--t-max", "t_max", float, "temperature at the first step"),
+    ("--stability-threshold", "stability_threshold", int, "steps the argmax must hold before stopping"),
+    ("--confidence-threshold", "confidence_threshold", float, "mean entropy below which a canvas may stop"),
+)
+
+# --device and --dtype of run, chat, serve and bench; `dgemma.api.resolve_device` and
+# `resolve_dtype` decide what they mean (the one place "auto" is resolved)
+DEVICE_HELP = "cpu, cuda, cuda:N (the GPU of index N) or auto: cuda when torch sees a GPU (default: cpu)"
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DTYPE_HELP = ("the weights' dtype in memory (default: auto = the checkpoint's dtype on CUDA, bfloat16 for the "
+              "released model; float32 on CPU)")  # fmt: skip
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="checkpoint directory (default: the shipped dgemma-tiny)")
+    add_device_flags(p)
+    p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
+                   help="quantise the text layers' linears and experts while loading (docs/quantization.md)")
+    p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
+
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+              "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """A byte count: '4GiB', '512MB', '1.5g', '1073741824'."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in SIZE_UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4GiB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * SIZE_UNITS[unit])
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """KV cache and scheduling flags shared by `dgemma run` and `dgemma serve` (see EngineOptions)."""
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="memory for the KV cache blocks, e.g. 4GiB (default: half of the free memory on CUDA, a quarter on a CPU, at most "
+                        "what 8 requests of max_position_embeddings need)")  # fmt: skip
+    p.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="prompt tokens encoded per engine step, between other requests' decoder steps (default: 2048)")  # fmt: skip
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not reuse the cached keys/values of earlier prompts and committed blocks")  # fmt: skip
+    p.add_argument("--batched-passes", action="store_true",
+                   help="run a step's canvases as one batched pass even on CPU (faster; a seeded request's text "
+                        "then depends on its batch and on the prefix cache at float-rounding level). "
+                        "Default: batched on GPU only")  # fmt: skip
+
+
+def engine_options(args):
+    """The EngineOptions of the flags add_engine_flags added."""
+    from ..engine.options import EngineOptions
+
+    return EngineOptions(
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
+        prefill_chunk=args.prefill_chunk, batch_invariant=False if args.batched_passes else None,
+    )  # fmt: skip
+
+
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the model's matmuls (default: torch's choice, one per core it sees); "
+                        "on a shared or busy CPU fewer, even 1, can be several times faster")  # fmt: skip
+
+
+def apply_threads(args) -> None:
+    """--threads, set before any work (torch's intra-op pool)."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise CliError(f"--threads must be at least 1 (got {threads})")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template to use instead of the checkpoint's (tokenizer_config.json or "
+                        "chat_template.jinja)")  # fmt: skip
+
+
+def read_chat_template(args) -> str | None:
+    """--chat-template FILE's text, checked that Jinja parses it (before minutes of loading)."""
+    path = getattr(args, "chat_template", None)
+    if path is None:
+        return None
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"--chat-template: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise CliError(f"--chat-template: {path} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+    return text
+
+
+def apply_chat_template_file(model, args, text: str | None = None) -> None:
+    """--chat-template FILE (or its `text`, read before loading) set on the model's tokenizer;
+    the processor renders through the same tokenizer."""
+    text = text if text is not None else read_chat_template(args)
+    if text is None:
+        return
+    if model.tokenizer is None:
+        raise CliError(f"--chat-template: {model.path} has no tokenizer.json to render it with")
+    model.tokenizer.chat_template = text
+
+
+def add_sampler_flags(p: argparse.ArgumentParser) -> None:
+    for flag, dest, kind, text in SAMPLER_FLAGS:
+        p.add_argument(flag, dest=dest, type=kind, default=None, help=f"{text} (default: generation_config.json)")
+
+
+def sampler_knobs(args) -> dict:
+    return {dest: getattr(args, dest) for _, dest, _, _ in SAMPLER_FLAGS}
+
+
+def flag_names(message: str, args) -> str:
+    """`message` with the sampler fields the user set by flag named as those flags
+    (`max_denoising_steps` -> `--steps`)."""
+    for flag, dest, _, _ in SAMPLER_FLAGS:
+        if getattr(args, dest, None) is not None:
+            message = re.sub(rf"\b{dest}\b", flag, message)
+    return message
+
+
+def check_seed_flag(args) -> None:
+    """--seed in the range the API and the server take (`dgemma.engine.request.check_seed`),
+    refused before the model loads."""
+    from ..engine.request import check_seed
+
+    if getattr(args, "seed", None) is not None:
+        try:
+            check_seed(args.seed, "--seed")
+        except ValueError as e:
+            raise CliError(str(e)) from None
+
+
+def load_model(args):
+    """The model named by --model/--device/--dtype (the shipped dgemma-tiny without --model)."""
+    import dgemma
+
+    if args.model is None and not (dgemma.default_model_dir() / "config.json").exists():
+        raise CliError("no --model given and the shipped model is missing; create one with `dgemma make-tiny DIR`")
+    quantization, group_size = getattr(args, "quantization", None), getattr(args, "group_size", None)
+    return dgemma.load(args.model, device=args.device, dtype=args.dtype, quantization=quantization, group_size=group_size)
+
+
+def print_growing(text: str, printed: str) -> str:
+    """Write to stdout what `text` (the answer decoded so far) adds to `printed` (what is on the
+    screen already), or, when decoding the longer answer changed what was printed (tokens that
+    merge), the whole text again on a new line. Returns `text`: what is printed now."""
+    sys.stdout.write(text[len(printed) :] if text.startswith(printed) else "\n" + text)
+    sys.stdout.flush()
+    return text

@@ -1,0 +1,86 @@
+"""`dgemma memory`: the KV cache bytes of one request (paged against preallocated rows), or with
+--card SIZE whether serving fits a device of that size, part by part."""
+
+from __future__ import annotations
+
+from .common import CliError, parse_size
+
+
+def print_memory_plan(config, args) -> int:
+    """`dgemma memory --card SIZE`: what serving takes on a device of SIZE bytes, by part, and
+    whether it fits (the check `dgemma serve --device cuda` makes before loading)."""
+    from ..api import resolve_dtype
+    from ..engine.memory_plan import check_fits, plan_memory
+
+    dtype = resolve_dtype(args.dtype)
+    try:
+        plan = plan_memory(config, dtype, args.quantization, args.group_size, args.max_active, args.max_context)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    gib = 2**30
+    print(f"serving {args.model or args.size} on a {args.card / gib:.1f} GiB device, {args.dtype}, "
+          f"{plan.scheme or 'unquantised'} weights, batch {plan.batch}, context {plan.context}:")  # fmt: skip
+    for part, size in plan.weights.items():
+        print(f"  weights: {part:<12} {size / gib:8.2f} GiB")
+    for name, size in (("KV cache", plan.kv_cache), ("step buffers", plan.step_buffers), ("reserve", plan.reserve)):
+        print(f"  {name:<21} {size / gib:8.2f} GiB")
+    print(f"  {'total':<21} {plan.total / gib:8.2f} GiB")
+    try:
+        check_fits(plan, args.card, config, dtype, args.group_size)
+    except ValueError as e:
+        print(f"does not fit: {e}")
+        return 1
+    print("fits")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    """KV cache bytes of one request: the paged layout against preallocated rows."""
+    from ..api import resolve_dtype
+    from ..config import load_model_config
+    from ..engine.kv_budget import kv_report
+
+    if args.model:
+        config = load_model_config(args.model)
+    else:
+        from ..model.checkpoint import make_config
+        from ..model.presets import PRESETS
+
+        if args.size not in PRESETS:
+            raise CliError(f"--size must be one of {', '.join(PRESETS)} (got {args.size!r})")
+        config = make_config(**PRESETS[args.size])
+    if args.tokens < 1:
+        raise CliError(f"--tokens must be positive (got {args.tokens})")
+    if args.card is not None:
+        return print_memory_plan(config, args)
+    r = kv_report(config, args.tokens, resolve_dtype(args.dtype), args.block_size)
+    unit, scale = ("GiB", 2**30) if r["dense_total"] >= 2**30 else ("MiB", 2**20)
+    print(f"KV cache for one request of {r['tokens']} tokens, {args.dtype}, blocks of {r['block_size']} positions "
+          f"({args.model or args.size}: window {config.sliding_window})")  # fmt: skip
+    print(f"{'layers':<20} {'bytes/token':>12} {'paged ' + unit:>10} {'preallocated rows ' + unit:>22}")
+    for kind in r["paged"]:
+        n = sum(1 for spec in config.layers if spec.kind == kind)
+        print(f"{f'{n} {kind}':<20} {r['bytes_per_token'][kind]:>12} {r['paged'][kind] / scale:>10.2f} {r['dense'][kind] / scale:>22.2f}")
+    print(f"{'total':<20} {sum(r['bytes_per_token'].values()):>12} {r['paged_total'] / scale:>10.2f} {r['dense_total'] / scale:>22.2f}")
+    print("paged: sliding layers hold the blocks their window sees, global layers every block; "
+          "preallocated rows: every layer holds every position")
+    return 0
+
+
+def add_cli(sub) -> None:
+    """The `memory` subcommand."""
+    mem = sub.add_parser("memory", help="KV cache bytes of one request of --tokens tokens (paged vs preallocated)")
+    mem.add_argument("--model", "-m", help="checkpoint directory (its config.json); default: --size")
+    mem.add_argument("--size", default="real", help="a model-size preset (default: real, the released model)")
+    mem.add_argument("--tokens", type=int, default=131072, help="tokens of the request (default: 131072)")
+    mem.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                     help="dtype of the KV cache and weights (default: bfloat16)")  # fmt: skip
+    mem.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
+    mem.add_argument("--card", type=parse_size, default=None,
+                     help="plan serving on a device of this many bytes (e.g. 24GB, 80GiB): weights, KV, step buffers, fit")  # fmt: skip
+    mem.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4", "nvfp4"], help="with --card: the scheme")
+    mem.add_argument("--group-size", type=int, default=None, help="with --card: int4's group size (default 64)")
+    mem.add_argument("--max-active", type=int, default=8, help="with --card: canvases denoised at once (default 8)")
+    mem.add_argument("--max-context", type=int, default=None,
+                     help="with --card: positions of the longest request (default: max_position_embeddings)")  # fmt: skip
+    mem.set_defaults(func=cmd_memory)

@@ -1,0 +1,97 @@
+"""`dgemma train` (a model from a config), `dgemma finetune` (a checkpoint, full or LoRA) and
+`dgemma merge-lora` (adapters folded into a checkpoint); the loop is dgemma/train/trainer.py."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..model.presets import PRESETS
+
+
+def add_cli(sub) -> None:
+    """The `train`, `finetune` and `merge-lora` subcommands."""
+    t = sub.add_parser("train", help="train a model from scratch, given a config")
+    t.add_argument("--config", required=True, help=f"a preset ({', '.join(PRESETS)}) or a JSON file of model sizes")
+    _common_flags(t, lr=3e-4)
+    t.set_defaults(func=cmd_train)
+
+    f = sub.add_parser("finetune", help="fine-tune a checkpoint (full or LoRA)")
+    f.add_argument("--model", "-m", required=True, help="checkpoint directory to start from")
+    f.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
+    f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    f.add_argument("--lora-targets", default="attention,mlp", help="attention, mlp and/or module-name suffixes")
+    f.add_argument("--no-merge", dest="merge", action="store_false", help="LoRA: write the adapters only")
+    _common_flags(f, lr=1e-4)
+    f.set_defaults(func=cmd_train)
+
+    m = sub.add_parser("merge-lora", help="fold LoRA adapters into a full checkpoint")
+    m.add_argument("--model", "-m", required=True, help="the base checkpoint")
+    m.add_argument("--adapter", required=True, help="directory with adapter_config.json and adapter_model.safetensors")
+    m.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
+    m.set_defaults(func=cmd_merge_lora)
+
+
+def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
+    """The flags train and finetune share; their defaults are TrainArgs's."""
+    from ..train.trainer import TrainArgs
+
+    d = TrainArgs(out="", data=[])
+    p.add_argument("--data", nargs="+", required=True, help="text files, directories, .jsonl files, or 'stdlib'")
+    p.add_argument("--out", "-o", required=True, help="output directory (checkpoints, final model, log)")
+    p.add_argument("--tokenizer", help="tokenizer.json or checkpoint dir (train: default trains a BPE on --data)")
+    p.add_argument("--eval-data", nargs="+", help="held-out data (default: --eval-fraction of --data)")
+    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction,
+                   help=f"share of --data held out for eval losses, without --eval-data (default: {d.eval_fraction})")  # fmt: skip
+    for flag, kind, default, text in (
+        ("--steps", int, d.steps, "optimizer steps"),
+        ("--batch-size", int, d.batch_size, "sequences per micro-batch per process"),
+        ("--grad-accum", int, d.grad_accum, "micro-batches per optimizer step"),
+        ("--seq-len", int, d.seq_len, "tokens per training sequence"),
+        ("--blocks", int, d.blocks, "canvas blocks drawn per sequence (1 = the published objective)"),
+        ("--lr", float, lr, "peak learning rate"),
+        ("--min-lr-ratio", float, d.min_lr_ratio, "final lr as a fraction of the peak"),
+        ("--warmup", int, d.warmup, "linear warmup steps"),
+        ("--weight-decay", float, d.weight_decay, "AdamW weight decay (matrices only)"),
+        ("--clip", float, d.clip, "gradient-norm clipping (0 = off)"),
+        ("--ar-weight", float, d.ar_weight, "weight of the encoder's autoregressive loss"),
+        ("--sc-prob", float, d.sc_prob, "probability of the self-conditioning second pass"),
+        ("--eval-every", int, d.eval_every, "steps between eval losses"),
+        ("--eval-batches", int, d.eval_batches, "batches per eval"),
+        ("--save-every", int, d.save_every, "steps between checkpoints"),
+        ("--save-minutes", float, d.save_minutes, "also checkpoint when this many minutes passed"),
+        ("--keep", int, d.keep, "checkpoints to keep"),
+        ("--seed", int, d.seed, "seed for init, data order and noise"),
+        ("--threads", int, None, "torch CPU threads"),
+        ("--log-every", int, d.log_every, "steps between log lines"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (bf16 autocast)")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the final weights")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--fresh", action="store_true", help="ignore checkpoints in --out and start over")
+
+
+def cmd_train(args) -> int:
+    from ..train.trainer import TrainArgs, train
+
+    fields_ = TrainArgs.__dataclass_fields__
+    values = {k: v for k, v in vars(args).items() if k in fields_}
+    result = train(TrainArgs(**values))
+    return 130 if result.interrupted else 0
+
+
+def cmd_merge_lora(args) -> int:
+    import dgemma
+
+    from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE
+    from ..model.checkpoint import save_checkpoint
+    from ..train import lora
+
+    model = dgemma.load(args.model)
+    lora.load_adapters(model.net, args.adapter)
+    lora.merge_lora(model.net)
+    tok = model.tokenizer
+    template = (tok.chat_template if tok else None) or DEFAULT_CHAT_TEMPLATE
+    save_checkpoint(model.net, args.out, generation=model.generation_config, tokenizer=tok, chat_template=template)
+    print(f"wrote the merged checkpoint to {args.out}")
+    return 0

@@ -1,0 +1,250 @@
+"""`create_app`: the FastAPI app of `dgemma serve`, an OpenAI-compatible HTTP server over the engine.
+
+Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`,
+`GET /metrics` (Prometheus text), and the playground page at `GET /` (playground/). One request's
+path: its body is read (connection.py) and checked, strictly, so that anything a client sends gets a
+4xx with an OpenAI-style error body naming the problem (protocol.py, errors.py); its prompt is
+rendered (prompts.py); it runs on the engine (service.py) and its answer is shaped, whole or
+streamed (responses.py). Chat messages may carry images and video (media_sources.py: where they
+may come from; the checkpoint's processor: what they become), tools (tools.py) and Gemma 4's
+thinking (reasoning.py). See docs/server.md for the fields and the streaming extension,
+docs/media.md for media, and "Client compatibility" for other clients' fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..engine.engine import EngineOptions
+from ..inputs.model_inputs import ModelInputs
+from .access import Access, AccessGuard
+from .connection import ClientGone, read_json
+from .errors import ApiError, error_response, json_response, validation_error
+from .listener import Limits
+from .media_sources import MediaPolicy
+from .metrics import Metrics
+from .playground import add_playground
+from .prompts import has_media
+from .protocol import (
+    Budgets,
+    ChatParams,
+    CompletionParams,
+    output_format,
+    refuse_unsupported,
+    request_template_kwargs,
+    request_tools,
+    request_top_logprobs,
+    soft_token_budgets,
+)
+from .responses import Responder, insertion_response
+from .service import Service
+
+log = logging.getLogger("dgemma.serve")
+
+
+class _CountResponses:
+    """ASGI middleware: count responses by status code for /metrics."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                with self.metrics.lock:
+                    self.metrics.http.inc(code=str(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(
+    model,
+    served_model_name: str = "dgemma",
+    max_active: int = 8,
+    max_queue: int = 64,
+    max_context: int | None = None,
+    options: EngineOptions | None = None,
+    media_policy: MediaPolicy | None = None,
+    ui: bool = True,
+    access: Access | None = None,
+    budgets: Budgets | None = None,
+    limits: Limits | None = None,
+    docs: bool = True,
+) -> FastAPI:
+    """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up.
+
+    `max_context` caps prompt plus output per request (default: the model's
+    max_position_embeddings; the KV cache's size decides what fits at once). `media_policy`:
+    where images and video may come from and how large (default: data URLs only). `ui`: the
+    playground page at `GET /` (playground/). `access`: API key, Host and Origin rules
+    (access.py; default: no key, local names, no cross-site pages). `budgets`: denoising steps
+    and seconds per request. `limits`: the listener's read timeout and connection cap (read by
+    ServerThread and `dgemma serve` from `app.state.limits`). `docs`: `/openapi.json` and `/docs`."""
+    if max_active < 1 or max_queue < 0:
+        raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
+    context = model.config.max_position_embeddings if max_context is None else max_context
+    canvas = model.config.canvas_length
+    if not canvas < context <= model.config.max_position_embeddings:
+        raise ValueError(
+            f"max_context must be between {canvas + 1} (one block of {canvas} plus a prompt token) and "
+            f"{model.config.max_position_embeddings} (the model's max_position_embeddings); got {context}"
+        )
+    service = Service(model, served_model_name, max_active, max_queue, context, options, media_policy, budgets)
+    access = access or Access()
+    limits = limits or Limits()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.engine_thread.start()
+        yield
+        service.engine_thread.stop()
+        service.compile_worker.close()
+        service.media_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="dgemma", version=__version__, description=API_DESCRIPTION, lifespan=lifespan,
+                  docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None, redoc_url=None)  # fmt: skip
+    app.state.service, app.state.limits = service, limits
+    if access.cors:  # inside the guard: only allowed origins reach it
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
+    app.add_middleware(AccessGuard, access=access)
+    app.add_middleware(_CountResponses, metrics=service.metrics)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, err: ClientGone) -> Response:
+        return Response(status_code=400)  # nobody reads it
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> Response:
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
+        text = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+        return error_response(ApiError(err.status_code, text.get(err.status_code, str(err.detail))))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(ApiError(500, "internal server error", code="internal_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not service.engine_thread.alive:
+            return json_response({"status": "engine stopped"}, 503)
+        return json_response({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    gen = model.generation_config
+    defaults = {k: getattr(gen, k) for k in ("max_denoising_steps", "entropy_bound", "t_min", "t_max")}
+
+    def model_card() -> dict:  # OpenAI's fields, vLLM's max_model_len, and what the playground shows
+        return {"id": service.name, "object": "model", "created": service.created, "owned_by": "dgemma",
+                "max_model_len": service.context, "canvas_length": model.config.canvas_length,
+                "vision": model.supports_images, "sampler_defaults": defaults}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{name:path}")
+    async def model_info(name: str) -> Response:
+        service.check_model(name)
+        return json_response(model_card())
+
+    if ui:
+        add_playground(app)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
+    async def completions(request: Request) -> Response:
+        return await answer(service, request, limits.read_timeout, chat=False)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"))
+    async def chat_completions(request: Request) -> Response:
+        return await answer(service, request, limits.read_timeout, chat=True)
+
+    app.openapi = lambda: _openapi(app, service.name)
+    return app
+
+
+async def answer(service: Service, request: Request, read_timeout: float, chat: bool) -> Response:
+    """One completion (`chat` False) or chat completion request, from its body to its answer."""
+    deadline = service.budgets.deadline()
+    body = await read_json(request, read_timeout)
+    try:
+        params = (ChatParams if chat else CompletionParams).model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    service.check_model(params.model)
+    refuse_unsupported(params)
+    service.check_choices(params)
+    # tokenizing a long prompt, fetching and decoding media take a while: off the event loop,
+    # so streams keep flowing
+    spec = request_tools(params) if chat else None
+    prompts = service.prompts
+    prompts.check_size(params, spec)
+    if chat:
+        prompt = await service.off_loop(has_media(params.messages), prompts.chat_inputs, params.messages,
+                                        soft_token_budgets(params), spec, request_template_kwargs(params))  # fmt: skip
+        max_tokens = params.max_completion_tokens or params.max_tokens
+    else:
+        prompt = ModelInputs(await service.off_loop(False, prompts.completion_ids, params.prompt))
+        max_tokens = params.max_tokens
+    fmt = output_format(params, spec)
+    if fmt is None and spec is not None and spec.choice in ("required", "function"):  # written on the compile thread
+        fmt = await asyncio.wrap_future(service.compile_worker.submit(service.forced_call_format, spec))
+    if not chat and (params.suffix is not None or params.span_length is not None):
+        if fmt is not None:
+            raise ApiError(400, f"{fmt.param}: not supported with suffix (insert mode)", fmt.param, "unsupported_parameter")
+        found = await service.insert(request, params, prompt, deadline)
+        return insertion_response(service, params, prompt, found)
+    grammar = None if fmt is None else await asyncio.wrap_future(service.compile_worker.submit(service.grammar, fmt))
+    first_canvas = None if chat else service.first_canvas(params, grammar)
+    thinking = chat and prompts.thinks(prompt)
+    if request_top_logprobs(params) is not None or params.stream_drafts:
+        await asyncio.to_thread(service.token_texts)  # built once (reads tokenizer.json): off the loop
+    gens = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
+                         thinking=thinking, first_canvas=first_canvas, deadline=deadline)  # fmt: skip
+    return await Responder(service, chat, prompt, gens, params, spec, thinking).respond(request)
+
+
+API_DESCRIPTION = ("OpenAI-compatible completions and chat completions served by dgemma's block-diffusion engine; "
+                   "fields and extensions: docs/server.md. With --api-key, send 'Authorization: Bearer KEY'.")  # fmt: skip
+
+
+def _body_schema(name: str) -> dict:
+    """The route's declared JSON body (the routes read raw JSON, so FastAPI cannot see it)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def _openapi(app: FastAPI, served_model_name: str) -> dict:
+    """The app's OpenAPI description with the request bodies' schemas from their pydantic models
+    (`model`: the one model this server serves)."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, model in (("CompletionRequest", CompletionParams), ("ChatCompletionRequest", ChatParams)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
+            components[name] = body
+        app.openapi_schema = schema
+    return app.openapi_schema

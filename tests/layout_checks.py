@@ -1,0 +1,302 @@
+"""Static checks of the source tree, read with `ast` (nothing is imported): used by tests/test_layout.py.
+
+Each check returns a list of readable findings ("file:line: what is wrong"); an empty list passes.
+They take the tree's root as an argument, so tests/test_layout.py also runs them on small made-up
+trees, to see each one fail on a deliberate bad example.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def python_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def files_of_tests(tests: Path) -> list[Path]:
+    return [p for p in python_files(tests) if p.name.startswith("test_")]
+
+
+def module_file(root: Path, name: str) -> Path | None:
+    """The source file of module `name` under `root` (a module or a package's __init__), or None."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _where(root: Path, path: Path, node: ast.AST) -> str:
+    return f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+
+
+def _absolute(root: Path, path: Path, node: ast.ImportFrom) -> str:
+    """The module an ImportFrom reads from, relative imports resolved against `path`'s package."""
+    if not node.level:
+        return node.module or ""
+    package = module_name(root, path).split(".")
+    if path.name != "__init__.py":
+        package.pop()
+    package = package[: len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def imported_modules(root: Path, path: Path, tree: ast.AST) -> Iterable[tuple[ast.AST, str]]:
+    """The dotted names an import statement anywhere in the file names: `import a.b` gives a.b, and
+    `from a import b` gives a and a.b (a module, or only a name in a)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(root, path, node)
+            yield node, base
+            for alias in node.names:  # a.b: a module, a name in a, or an old module path
+                yield node, f"{base}.{alias.name}"
+
+
+# ------------------------------------------------------------------------------------ (a) test files import no test file
+def tests_importing_tests(root: Path = ROOT, tests: Path | None = None) -> list[str]:
+    tests = tests or root / "tests"
+    found = []
+    for path in python_files(tests):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names if node.level]
+            for name in names:
+                if any(part.startswith("test_") for part in name.split(".")):
+                    found.append(f"{_where(root, path, node)}: imports the test file {name}")
+    return found
+
+
+# ------------------------------------------------------------------------------------ (b) no old module paths
+def old_path_uses(moved: Mapping[str, str], root: Path = ROOT, tests: Path | None = None, exempt: Iterable[str] = ()) -> list[str]:
+    """Imports and strings (dotted paths in patch targets, `-m` arguments, ...) naming a module by
+    a path it had before it moved."""
+    tests = tests or root / "tests"
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(old) for old in sorted(moved, key=len, reverse=True)) + r")(?![\w])")
+    found = []
+    for path in python_files(tests):
+        if path.name in exempt:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        reported = set()
+        for node, name in imported_modules(root, path, tree):
+            old = next((o for o in moved if name == o or name.startswith(o + ".")), None)
+            if old and (id(node), old) not in reported:
+                reported.add((id(node), old))
+                found.append(f"{_where(root, path, node)}: imports {name}, but {old} moved to {moved[old]}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for match in pattern.finditer(node.value):
+                    found.append(f"{_where(root, path, node)}: names {match.group(1)}, which moved to {moved[match.group(1)]}")
+    return sorted(set(found))
+
+
+# ------------------------------------------------------------------------------------ (c) patches target the defining module
+def defined_names(tree: ast.Module) -> set[str]:
+    """Names a module binds itself at its top level (def, class, assignment; inside top-level
+    if/try/with blocks too). Names it imports are not among them."""
+    names: set[str] = set()
+
+    def bind(target: ast.AST) -> None:
+        if isinstance(target, ast.Name):
+            names.add(target.id)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for element in target.elts:
+                bind(element)
+        elif isinstance(target, ast.Starred):
+            bind(target.value)
+
+    def visit(body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(stmt.name)
+            elif isinstance(stmt, ast.Assign):
+                for target in stmt.targets:
+                    bind(target)
+            elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
+                bind(stmt.target)
+            elif isinstance(stmt, (ast.For, ast.AsyncFor)):
+                bind(stmt.target)
+                visit(stmt.body + stmt.orelse)
+            elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+                visit(stmt.body)
+            elif isinstance(stmt, (ast.If, ast.While)):
+                visit(stmt.body + stmt.orelse)
+            elif isinstance(stmt, ast.Try):
+                visit(stmt.body + stmt.orelse + stmt.finalbody + [s for h in stmt.handlers for s in h.body])
+    visit(tree.body)
+    for node in ast.walk(tree):  # `global name` in a function that assigns it defines it here too
+        if isinstance(node, ast.Global):
+            names.update(node.names)
+    return names
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _module_aliases(root: Path, path: Path, tree: ast.AST) -> dict[str, str]:
+    """Local names bound to modules of the tree by the file's imports (anywhere in it)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    aliases[a.asname] = a.name
+                else:
+                    aliases[a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(root, path, node)
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if module_file(root, full):
+                    aliases[a.asname or a.name] = full
+    return aliases
+
+
+def _split_target(root: Path, dotted: str) -> tuple[str, str] | None:
+    """"pkg.mod.name(.attr...)" -> ("pkg.mod", "name"): the longest prefix that is a module of the tree."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        if module_file(root, ".".join(parts[:cut])):
+            return ".".join(parts[:cut]), parts[cut]
+    return None
+
+
+def patch_targets(root: Path, path: Path, tree: ast.AST) -> list[tuple[ast.AST, str, str]]:
+    """(call, module, name) for each monkeypatch.setattr/delattr, mock.patch and mock.patch.object
+    whose target is a module of the tree, given as a module object or as a dotted string."""
+    aliases = _module_aliases(root, path, tree)
+    targets = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = _dotted(node.func) or ""
+        last = func.split(".")[-1]
+        if last not in ("setattr", "delattr", "patch", "object") or func in ("setattr", "delattr"):
+            continue
+        if last == "object" and not func.endswith("patch.object"):
+            continue
+        first = node.args[0]
+        name_arg = node.args[1] if len(node.args) > 1 else None
+        string_name = isinstance(name_arg, ast.Constant) and isinstance(name_arg.value, str)
+        if isinstance(first, ast.Constant) and isinstance(first.value, str) and (last == "patch" or not string_name):
+            split = _split_target(root, first.value)  # "pkg.mod.name": the string form
+            if split:
+                targets.append((node, *split))
+        elif string_name and last != "patch":
+            dotted = _dotted(first)
+            if dotted is None:
+                continue
+            head, *rest = dotted.split(".")
+            if head not in aliases:
+                continue
+            module = ".".join([aliases[head], *rest])
+            if module_file(root, module):
+                targets.append((node, module, name_arg.value))
+    return targets
+
+
+def misdirected_patches(root: Path = ROOT, tests: Path | None = None, package: str = "dgemma") -> list[str]:
+    """Patches on a module of `package` that does not define the name itself (it imports it, or
+    it has no such name): the code that reads the name from its defining module never sees them."""
+    tests = tests or root / "tests"
+    found = []
+    sources: dict[str, set[str]] = {}
+    for path in python_files(tests):
+        tree = ast.parse(path.read_text(), str(path))
+        for node, module, name in patch_targets(root, path, tree):
+            if module != package and not module.startswith(package + "."):
+                continue
+            if module not in sources:
+                source = module_file(root, module)
+                sources[module] = defined_names(ast.parse(source.read_text(), str(source)))
+            if name not in sources[module]:
+                found.append(f"{_where(root, path, node)}: patches {module}.{name}, which {module} does not define")
+    return found
+
+
+# ------------------------------------------------------------------------------------ (e) import cycles
+def import_graph(root: Path = ROOT, package: str = "dgemma") -> dict[str, set[str]]:
+    """module -> the package's modules it imports (module level and inside functions; not under
+    `if TYPE_CHECKING:`). `from a import b` counts as importing a.b where that is a module, else a."""
+    graph: dict[str, set[str]] = {}
+    for path in python_files(root / package):
+        name = module_name(root, path)
+        tree = ast.parse(path.read_text(), str(path))
+        skipped = {id(n) for stmt in ast.walk(tree) if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test)
+                   for s in stmt.body for n in ast.walk(s)}  # fmt: skip
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                candidates = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(root, path, node)
+                candidates = [f"{base}.{a.name}" if module_file(root, f"{base}.{a.name}") else base for a in node.names]
+            else:
+                continue
+            for candidate in candidates:
+                if (candidate == package or candidate.startswith(package + ".")) and module_file(root, candidate) and candidate != name:
+                    edges.add(candidate)
+    return graph
+
+
+def import_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)

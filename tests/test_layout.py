@@ -1,0 +1,174 @@
+"""The tree's layout, checked without a model: tests import no test file, name no moved module by
+its old path and patch the module that defines a name; dgemma has no import cycles; the wheel
+ships the package data; the old module paths still import; README's test command is .ci/run's.
+
+This file is moved.py's own test: it names old module paths on purpose (the alias checks at the
+end), so the old-path check leaves it out. Each static check also runs on a small made-up tree
+with a deliberate mistake, to show that it fails where it should.
+"""
+
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import layout_checks as checks
+from dgemma.moved import MOVED
+
+ROOT = checks.ROOT
+THIS_FILE = Path(__file__).name
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+# ------------------------------------------------------------------------------------ (a) no test imports a test file
+def test_no_test_file_imports_another():
+    assert checks.tests_importing_tests() == []
+
+
+def test_the_test_import_check_fails_on_a_test_importing_a_test(tmp_path):
+    write(tmp_path, {"tests/test_a.py": "from test_b import helper\nimport servers\n", "tests/test_b.py": "def helper(): pass\n",
+                     "tests/servers.py": "from checkpoints import x\n", "tests/test_c.py": "def f():\n    import test_a\n"})  # fmt: skip
+    assert checks.tests_importing_tests(tmp_path) == [
+        "tests/test_a.py:1: imports the test file test_b",
+        "tests/test_c.py:2: imports the test file test_a",
+    ]
+
+
+# ------------------------------------------------------------------------------------ (b) no old module paths
+def test_tests_name_no_moved_module_by_its_old_path():
+    assert checks.old_path_uses(MOVED, exempt=[THIS_FILE]) == []
+
+
+def test_the_old_path_check_finds_imports_and_dotted_strings(tmp_path):
+    moved = {"pkg.old": "pkg.new", "pkg.sub.gone": "pkg.sub.here"}
+    write(tmp_path, {"tests/test_x.py": (
+        "import pkg.old\n"                              # 1: an import
+        "from pkg import old as o\n"                    # 2: a module imported from its package
+        "from pkg.sub.gone import thing\n"              # 3: a name from the old module
+        "import pkg.older, pkg.new\n"                   # 4: fine: another module, the new path
+        "PATCH = 'pkg.sub.gone.thing'\n"                # 5: a dotted string
+        "ARGS = ['-m', 'pkg.old']\n"                    # 6: a `python -m` argument
+        "FINE = 'pkg.old_name and mypkg.old'\n"         # 7: fine: other names
+    )})  # fmt: skip
+    found = checks.old_path_uses(moved, tmp_path)
+    assert [line.split(":")[1] for line in found] == ["1", "2", "3", "5", "6"], found
+
+
+# ------------------------------------------------------------------------------------ (c) patches target the defining module
+def test_patches_target_the_module_that_defines_the_name():
+    assert checks.misdirected_patches() == []
+
+
+def test_the_patch_check_fails_on_a_patch_of_an_importing_module(tmp_path):
+    write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "import os\n\ndef f():\n    pass\n\nX = 1\nif True:\n    Y = 2\n",
+        "pkg/b.py": "from pkg.a import f\n\ndef g():\n    return f()\n",
+        "tests/test_p.py": (
+            "from unittest import mock\n"
+            "from pkg import a, b\n"
+            "import pkg.b as bb\n"
+            "import pkg\n"
+            "def test_it(monkeypatch, obj):\n"
+            "    monkeypatch.setattr(b, 'f', None)\n"          # 6: bad, b imports f
+            "    monkeypatch.setattr(a, 'f', None)\n"          # 7: good, a defines f
+            "    monkeypatch.setattr('pkg.b.f', None)\n"       # 8: bad, as a string
+            "    monkeypatch.setattr(bb, 'f', None)\n"         # 9: bad, through an alias
+            "    mock.patch('pkg.b.f')\n"                      # 10: bad, mock.patch
+            "    mock.patch.object(b, 'f')\n"                  # 11: bad, mock.patch.object
+            "    monkeypatch.setattr('pkg.a.X', 2)\n"          # 12: good
+            "    monkeypatch.setattr(pkg.a, 'Y', 3)\n"         # 13: good, set under `if`
+            "    monkeypatch.setattr(a, 'os', None)\n"         # 14: bad, a imports os
+            "    monkeypatch.setattr(obj, 'f', None)\n"        # 15: not a module: not checked
+            "    monkeypatch.setattr(pkg.b, 'g', None)\n"      # 16: good
+        ),
+    })  # fmt: skip
+    found = checks.misdirected_patches(tmp_path, package="pkg")
+    assert [line.split(":")[1] for line in found] == ["6", "8", "9", "10", "11", "14"], found
+    assert "patches pkg.b.f, which pkg.b does not define" in found[0]
+
+
+# ------------------------------------------------------------------------------------ (e) no import cycles
+def test_dgemma_has_no_import_cycles():
+    assert checks.import_cycles(checks.import_graph()) == []
+
+
+def test_the_cycle_check_finds_function_level_cycles(tmp_path):
+    write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/x.py": "from pkg import y\n",
+        "pkg/y.py": "def f():\n    from .x import g\n",                                # a cycle through a function
+        "pkg/z.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import x\n",
+        "pkg/w.py": "import pkg.z\n",
+    })  # fmt: skip
+    graph = checks.import_graph(tmp_path, "pkg")
+    assert graph["pkg.z"] == set() and graph["pkg.w"] == {"pkg.z"}  # type-checking imports do not count
+    assert checks.import_cycles(graph) == [["pkg.x", "pkg.y"]]
+    assert checks.import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# ------------------------------------------------------------------------------------ (d) the wheel ships the package data
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_wheel_ships_the_package_data(tmp_path):
+    """Built from a copy of the sources (pip builds in place: no build/ in the checkout)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "dgemma", source / "dgemma", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "out"), str(source)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    (wheel,) = (tmp_path / "out").glob("dgemma-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    wanted = {
+        "the playground's html, js and css": [*(ROOT / "dgemma/serve/playground").glob("*.html"), *(ROOT / "dgemma/serve/playground").glob("*.js"),
+                                              *(ROOT / "dgemma/serve/playground").glob("*.css")],  # fmt: skip
+        "the kernels' C++ sources": list((ROOT / "dgemma/kernels/csrc").glob("*")),
+        "dgemma-tiny": list((ROOT / "dgemma/assets/dgemma-tiny").glob("*")),
+    }
+    for what, files in wanted.items():
+        assert files, what
+        missing = [str(f.relative_to(ROOT)) for f in files if str(f.relative_to(ROOT)) not in names]
+        assert not missing, f"{what} missing from the wheel: {missing}"
+    for needed in ("dgemma/serve/playground/index.html", "dgemma/kernels/csrc/gemm_avx2.cpp", "dgemma/assets/dgemma-tiny/model.safetensors",
+                   "dgemma/assets/dgemma-tiny/tokenizer.json", "dgemma/assets/dgemma-tiny/config.json"):  # fmt: skip
+        assert needed in names
+
+
+# ------------------------------------------------------------------------------------ (f) the old module paths forward
+def test_an_old_module_path_is_the_new_module():
+    import dgemma.dense.kv_cache
+    import dgemma.engine.kv_cache
+
+    assert dgemma.engine.kv_cache is dgemma.dense.kv_cache
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not (ROOT / "dgemma/cli/loadtest.py").is_file(), reason="dgemma/cli/loadtest.py does not exist (yet)")
+def test_python_m_the_old_loadtest_path_runs():
+    out = subprocess.run([sys.executable, "-m", "dgemma.serve.loadtest", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+
+
+# ------------------------------------------------------------------------------------ the README's test command
+def test_ci_runs_the_readme_test_command_verbatim():
+    ci = (ROOT / ".ci/run").read_text().strip().splitlines()[-1]
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert ci in [line for block in blocks for line in block.splitlines()]
+    assert ci.endswith("python -m pytest --durations=25")
