@@ -14,7 +14,8 @@ from .config import GenerationConfig, ModelConfig, load_generation_config, load_
 from .engine.client import EngineClient
 from .engine.constraints import CanvasConstraints, FirstCanvas, canvas_row
 from .engine.constraints.infill import DEFAULT_LENGTHS, EditResult, InfillResult, candidate_lengths, edit_plan, infill_plan, most_likely_span, snap_spans
-from .engine.engine import Engine, EngineOptions, make_current
+from .engine import engine as engine_core
+from .engine.engine import Engine, EngineOptions
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
 from .engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
 from .dense.kv_cache import DenseKVCache
@@ -23,7 +24,7 @@ from .dense.reference import reference_events
 from .engine.request import Request, check_seed, image_spans, random_seed, validate_prompts
 from .kernels.choice import engine_net
 from .model.diffusion_gemma import DiffusionGemma
-from .model.weights import load_weights
+from .model import weights
 from .inputs.model_inputs import ImagePatches, MediaError, ModelInputs
 from .inputs.tokenizer import Tokenizer
 
@@ -584,7 +585,7 @@ def load(
     dev = resolve_device(device)
     # cuda:N current on this thread for what runs outside the engine too (AR mode, canvas_logits:
     # quantised linears launch Triton kernels on the current device); the engine makes it current itself
-    make_current(dev)
-    net = load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size)
+    engine_core.make_current(dev)
+    net = weights.load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Model(net, generation_config, tokenizer, path)

@@ -15,6 +15,7 @@ needs_kernel = pytest.mark.skipif(
     avx2.extension() is None,
     reason="native dequantisation unavailable (CPU lacks AVX2/FMA/F16C, no C++ compiler, the build failed, or DGEMMA_NATIVE=0)",
 )
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("two_threads")]  # two threads: the kernels split their work across threads
 OUT_DTYPES = [torch.float32, torch.bfloat16]
 AVX512_REASON = "the AVX-512 bf16 kernels need AVX-512 BF16 (native.py's extension), which this CPU lacks or did not build"
 
@@ -300,7 +301,7 @@ def test_what_the_kernel_does_not_take_goes_to_torch(dtype):
 
 
 def test_extension_is_off_without_avx2_or_when_switched_off(monkeypatch, caplog):
-    monkeypatch.setattr(avx2, "_cpu_flags", lambda: {"avx", "sse4_2", "f16c"})
+    monkeypatch.setattr(avx512, "_cpu_flags", lambda: {"avx", "sse4_2", "f16c"})  # native.py: where avx2.py asks
     with caplog.at_level("INFO", logger="dgemma"):
         assert avx2.extension.__wrapped__() is None
     assert "lacks avx2, fma" in caplog.text

@@ -15,9 +15,11 @@ from dgemma.kernels import avx2, native
 from dgemma.quant import formats, modules
 
 ext = native.extension()
-pytestmark = pytest.mark.skipif(
-    ext is None, reason="the AVX-512 BF16 kernels need a CPU with AVX-512 BF16 (native.py's extension), which this one lacks or did not build"
-)
+pytestmark = [
+    pytest.mark.skipif(ext is None, reason="the AVX-512 BF16 kernels need a CPU with AVX-512 BF16 (native.py's extension), which this one lacks or did not build"),
+    pytest.mark.native,
+    pytest.mark.usefixtures("two_threads"),  # two threads: the kernels split their work across threads
+]
 # linear and cpu_quant_linear take these GEMMs where the CPU has no AMX (avx2.fused_bf16_extension)
 needs_dispatch = pytest.mark.skipif(
     avx2.fused_bf16_extension() is None, reason="an AMX CPU: its bf16 activations multiply the weight dequantised whole on oneDNN's AMX GEMM"
@@ -121,7 +123,8 @@ def test_cpu_quant_linear_takes_them_for_bf16_and_dequantises_whole_without_them
     x, w = data(9, 40, 512, seed=6)
     q = quantized(w, "int4", 32, torch.bfloat16)
     whole = []
-    monkeypatch.setattr(modules, "dequantize_into", lambda q_, out: whole.append(out.shape) or avx2.dequantize_into(q_, out))
+    real = avx2.dequantize_into
+    monkeypatch.setattr(avx2, "dequantize_into", lambda q_, out: whole.append(out.shape) or real(q_, out))
     check(modules.cpu_quant_linear(x, q), x, formats.dequantize(q, torch.bfloat16))
     assert whole == []  # decoded inside the GEMM: no dequantised weight
     monkeypatch.setattr(avx2, "fused_bf16_extension", lambda: None)

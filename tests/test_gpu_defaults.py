@@ -20,6 +20,7 @@ from dgemma.cli import build_parser, main
 from dgemma.engine import engine as engine_module
 from dgemma.engine.engine import Engine, EngineOptions, make_current
 from dgemma.model.layout import save_safetensors
+from dgemma.model import weights
 from dgemma.model.weights import stored_dtype
 
 
@@ -160,13 +161,13 @@ def test_load_on_cuda_n_takes_the_checkpoints_dtype_and_makes_the_device_current
     """dgemma.load(device="cuda:1") as far as the weights, with a CUDA machine faked."""
     calls = []
     monkeypatch.setattr(api, "resolve_device", lambda d: parse_device(d))
-    monkeypatch.setattr(api, "make_current", lambda d: calls.append(("current", d)))
+    monkeypatch.setattr(engine_module, "make_current", lambda d: calls.append(("current", d)))
 
     def fake_load_weights(config, path, device, dtype, quantization, group_size):
         calls.append(("weights", device, dtype))
         raise Loaded
 
-    monkeypatch.setattr(api, "load_weights", fake_load_weights)
+    monkeypatch.setattr(weights, "load_weights", fake_load_weights)
     with pytest.raises(Loaded):
         dgemma.load(device="cuda:1")
     assert calls == [("current", torch.device("cuda", 1)), ("weights", torch.device("cuda", 1), torch.bfloat16)]

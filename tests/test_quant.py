@@ -10,9 +10,8 @@ from torch import nn
 
 import dgemma
 from dgemma.engine.engine import Engine
-from dgemma.kernels import native
+from dgemma.kernels import avx2, native
 from dgemma.kernels.avx2 import dequantize_into
-from dgemma.quant import modules
 from dgemma.quant.formats import E2M1_VALUES, SCHEMES, QuantError, dequantize, pack_int4, quantize, unpack_int4
 from dgemma.quant.modules import LINEAR_TARGETS, QuantExperts, QuantLinear, cpu_quant_linear, weight_bytes
 from oracle import build_reference
@@ -61,7 +60,7 @@ def test_bf16_activations_multiply_the_whole_dequantised_weight(scheme, monkeypa
     q = quantize(w, scheme, group_size=32)
     x = torch.randn(2, 9, 512, generator=g).bfloat16()
     tiles = []
-    monkeypatch.setattr(modules, "dequantize_into", lambda q_, out: tiles.append(out.shape) or dequantize_into(q_, out))
+    monkeypatch.setattr(avx2, "dequantize_into", lambda q_, out: tiles.append(out.shape) or dequantize_into(q_, out))
     got = cpu_quant_linear(x, q)
     assert tiles == [(1040, 512)]
     assert got.dtype == torch.bfloat16 and got.shape == (2, 9, 1040)
@@ -138,6 +137,7 @@ def test_engine_logits_equal_reference_on_dequantised_weights(quant_ref, scheme)
     assert (model.canvas_logits([prompt.tolist()], canvas) - want).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_quantised_weights_take_fewer_bytes_and_generate(quant_ref):
     path, _ = quant_ref
     full = weight_bytes(dgemma.load(path).net)
@@ -150,6 +150,8 @@ def test_quantised_weights_take_fewer_bytes_and_generate(quant_ref):
         assert out.sequences == model.generate([[2, 5, 6, 7]], max_new_tokens=16, seed=0).sequences
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_written_checkpoint_loads_and_equals_the_reference_on_its_weights(quant_ref, scheme, tmp_path):
     """`dgemma quantize`'s files (experts unfused per expert) load fused and run: the logits equal
@@ -168,6 +170,8 @@ def test_a_written_checkpoint_loads_and_equals_the_reference_on_its_weights(quan
         assert torch.equal(at_load.canvas_logits([prompt.tolist()], canvas), got)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_freed_heap_memory_goes_back_to_the_kernel_after_quantising():
     # with the CLI's malloc settings (keep_freed_memory) a quantised layer's temporaries stay
     # resident between the weights kept; release_freed_memory (called per quantised layer) returns them

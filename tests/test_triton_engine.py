@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
+pytestmark = pytest.mark.triton
 
 import dgemma  # noqa: E402
 from dgemma.engine.graphs import DecoderGraphs, eager_capture  # noqa: E402
@@ -37,6 +38,7 @@ def run(model, prompts, seed=7, **knobs):
     return model.generate(prompts, seed=seed, eos_token_ids=[], **knobs).sequences
 
 
+@pytest.mark.slow
 def test_one_step_blocks_equal_the_torch_path(model):
     """A first block of one step is the argmax of one pass over the first canvas, which both
     paths draw from the request's generator (later canvases differ: the torch path's sampling
@@ -48,6 +50,7 @@ def test_one_step_blocks_equal_the_torch_path(model):
     assert [run(model, PROMPTS, max_new_tokens=c, max_denoising_steps=1, seed=s) for s in range(2)] == expected
 
 
+@pytest.mark.slow
 def test_philox_path_is_batch_invariant_and_its_own_stream(model):
     """Together equals alone (each request draws from its own Philox stream), and the stream is
     not the torch generator's."""
@@ -59,6 +62,7 @@ def test_philox_path_is_batch_invariant_and_its_own_stream(model):
     assert run(model, PROMPTS, max_new_tokens=c, max_denoising_steps=3) != together
 
 
+@pytest.mark.slow
 def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
     """Requests of three prefix lengths decoded through one captured 4-row step (refilled each
     time, with padded rows) equal the eager step on the same inputs."""
@@ -94,6 +98,7 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
         engine.release_prefix(kv)
 
 
+@pytest.mark.slow
 def test_a_chunks_decisions_survive_the_next_replay(model):
     """A group larger than the largest bucket runs as chunks replaying one graph in turn: each
     chunk's decisions (argmax, the drafts' entropies, self-conditioning) are copied out of the
@@ -120,14 +125,15 @@ def test_a_chunks_decisions_survive_the_next_replay(model):
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)  # a fresh engine for the next test
 
 
+@pytest.mark.slow
 def test_a_steps_encoder_work_is_one_prefill(model, monkeypatch):
     """Without batch invariance, a step's prompt chunks and committed blocks (no images) are
     encoded together: one prefill call per step, each row after its own prefix."""
-    from dgemma.engine import runner as runner_module
+    from dgemma.engine import prefill as prefill_pass
 
     calls = []
-    real = runner_module.prefill
-    monkeypatch.setattr(runner_module, "prefill", lambda net, cache, rows, *a, **k: calls.append(len(rows)) or real(net, cache, rows, *a, **k))
+    real = prefill_pass.prefill
+    monkeypatch.setattr(prefill_pass, "prefill", lambda net, cache, rows, *a, **k: calls.append(len(rows)) or real(net, cache, rows, *a, **k))
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     c = model.config.canvas_length
     steps = model.engine.stats.steps

@@ -34,7 +34,8 @@ from .events import TokenLogprob
 from .graphs import DecoderGraphs
 from .options import EngineOptions
 from .paged_cache import PagedKVCache, PagedPass
-from .prefill import PlacedImage, prefill
+from . import prefill as prefill_pass
+from .prefill import PlacedImage
 from .request import Request
 from .scheduler import DecodeResult, EncodeWork, EngineStats, StepPlan
 from .vision_cache import VisionCache
@@ -92,12 +93,12 @@ class Runner:
         batch-invariant runs, and works with images, encode one by one."""
         batched = [] if self.options.batch_invariant else [w for w in works if not w.request.images]
         if batched:
-            prefill(self.net, self.cache, [w.request.kv for w in batched], [w.request.sequence[w.start : w.end] for w in batched])
+            prefill_pass.prefill(self.net, self.cache, [w.request.kv for w in batched], [w.request.sequence[w.start : w.end] for w in batched])
         alone = [w for w in works if w.request.images] if batched else works
         for work in alone:
             req = work.request
             images = [self._images_in(work)] if req.images else None
-            prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images)
+            prefill_pass.prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A step input built on the host, queued for the device without waiting: a blocking copy

@@ -28,7 +28,8 @@ from PIL import Image
 
 from ..config import ConfigError
 from .tokenizer import Tokenizer
-from .decode import DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS, Video, VideoMetadata, open_image, open_video
+from . import decode
+from .decode import DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS, Video, VideoMetadata, open_video
 from .model_inputs import SOFT_TOKEN_BUDGETS as SUPPORTED_SOFT_TOKENS
 from .model_inputs import ImagePatches, MediaError, ModelInputs
 
@@ -393,7 +394,7 @@ class Processor:
         """One image (PIL image, path or bytes) decoded and preprocessed; a MediaLoader does it itself."""
         if callable(source):
             return source(self, max_soft_tokens)
-        return preprocess_image(open_image(source, self.max_pixels), self.image_config, max_soft_tokens)
+        return preprocess_image(decode.open_image(source, self.max_pixels), self.image_config, max_soft_tokens)
 
     def sample_indices(self, metadata: VideoMetadata) -> list[int]:
         c = self.video_config

@@ -22,7 +22,7 @@ import torch
 from ..quant import formats
 from ..quant.formats import QTensor
 from . import native
-from .native import _cpu_flags, build, log
+from .native import build, log
 
 NAME = "dgemma_dequant"
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("dequant.cpp", "gemm_avx2.cpp")]
@@ -36,7 +36,7 @@ def extension() -> ModuleType | None:
     """The built kernels, or None where they cannot run here (reason logged once)."""
     if os.environ.get("DGEMMA_NATIVE", "1") == "0":
         return None
-    missing = CPU_FLAGS - _cpu_flags()
+    missing = CPU_FLAGS - native._cpu_flags()
     if missing:
         log.info("native dequantisation off: this CPU lacks %s", ", ".join(sorted(missing)))
         return None

@@ -18,7 +18,6 @@ from torch import nn
 from ..kernels import avx2
 from ..kernels.choice import gpu_kernels_run
 from ..kernels.cpu import release_freed_memory
-from ..kernels.avx2 import dequantize_into
 from ..kernels.widened import buffered_rows, sorted_experts, tiled_linear
 from .formats import QTensor, quantize
 
@@ -47,7 +46,7 @@ class QuantWeight(nn.Module):
 def dequantized_rows(q: QTensor, dtype: torch.dtype):
     """`weight_tile` for a quantised 2D weight: rows dequantised into one buffer (natively where
     the kernel runs: kernels/avx2.py)."""
-    return buffered_rows(q.shape, dtype, lambda start, end, into: dequantize_into(q.rows(start, end), into))
+    return buffered_rows(q.shape, dtype, lambda start, end, into: avx2.dequantize_into(q.rows(start, end), into))
 
 
 # bf16 activations (a CPU with native bf16): a weight of up to this many elements (16 MB in bf16:

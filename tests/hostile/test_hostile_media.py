@@ -465,10 +465,11 @@ def test_outside_is_one_answer_whether_the_path_exists_or_not(remote, allowed):
 
 
 # ------------------------------------------------------------------------------------ memory
+@pytest.mark.slow
 def test_images_are_decoded_one_at_a_time(default, monkeypatch):
     """Each image is decoded and reduced to its patches before the next is decoded: when one is
     decoded, no earlier decoded image is alive."""
-    from dgemma.inputs import decode, processor
+    from dgemma.inputs import decode
 
     real, decoded, alive_before = decode.open_image, [], []
 
@@ -479,14 +480,14 @@ def test_images_are_decoded_one_at_a_time(default, monkeypatch):
         decoded.append(weakref.ref(image))
         return image
 
-    monkeypatch.setattr(decode, "open_image", tracking)
-    monkeypatch.setattr(processor, "open_image", tracking)
+    monkeypatch.setattr(decode, "open_image", tracking)  # the processor calls decode.open_image
     images = [image_part(data_url(png_bytes(200, 150, seed=i))) for i in range(3)]
     assert chat(default, user(*images)).usage.prompt_tokens_details.model_dump()["image_tokens"] > 0
     assert alive_before == [0, 0, 0]
 
 
 # ------------------------------------------------------------------------------------ slow media
+@pytest.mark.slow
 def test_slow_remote_images_do_not_starve_text_requests(named, host):
     """Twelve requests wait on slow images (more than the default thread pool of a machine with
     up to 8 cores holds): they fetch on the media pool, so a text request still answers at once."""
