@@ -20,6 +20,21 @@ from checkpoints import EOS, write_vision_with_processor  # noqa: E402
 from oracle import build_reference  # noqa: E402
 
 
+# Markers that follow from a fixture a test uses (the rest are set in the test files).
+FIXTURE_MARKERS = {
+    "browser": "browser",  # test_playground.py: Debian's chromium
+    "tls_host": "subprocess",  # hostile/test_hostile_media.py: openssl writes its certificate
+    "tiny_server": "subprocess",  # hostile/conftest.py: `dgemma serve` in a subprocess
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture, marker in FIXTURE_MARKERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     """One intra-op thread a test: the tiny models' ops are too small to share, so a second thread
@@ -31,8 +46,9 @@ def _threads():
 
 @pytest.fixture
 def two_threads(_threads):
-    """Two intra-op threads, as on a 2-core host: for the kernels that split work across threads and
-    for the tests that check that rows in a batch equal each row alone."""
+    """Two intra-op threads, as on a 2-core host, for the native kernels' tests (the kernels split
+    their work across threads). Only there: under `-n 2` a second thread waits on a busy core, and
+    a test of the whole engine ran 10-30x slower (test_engine.py, 0.15 s -> 5 s)."""
     torch.set_num_threads(2)
     yield
 

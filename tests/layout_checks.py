@@ -8,11 +8,22 @@ trees, to see each one fail on a deliberate bad example.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path, mtime_ns: int) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def parse(path: Path) -> ast.Module:
+    """The file's syntax tree (parsed once while the file is unchanged: the checks share them)."""
+    return _parsed(path, path.stat().st_mtime_ns)
 
 
 def python_files(folder: Path) -> list[Path]:
@@ -73,7 +84,7 @@ def tests_importing_tests(root: Path = ROOT, tests: Path | None = None) -> list[
     tests = tests or root / "tests"
     found = []
     for path in python_files(tests):
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parse(path)
         for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):
@@ -96,7 +107,7 @@ def old_path_uses(moved: Mapping[str, str], root: Path = ROOT, tests: Path | Non
     for path in python_files(tests):
         if path.name in exempt:
             continue
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parse(path)
         reported = set()
         for node, name in imported_modules(root, path, tree):
             old = next((o for o in moved if name == o or name.startswith(o + ".")), None)
@@ -228,13 +239,13 @@ def misdirected_patches(root: Path = ROOT, tests: Path | None = None, package: s
     found = []
     sources: dict[str, set[str]] = {}
     for path in python_files(tests):
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parse(path)
         for node, module, name in patch_targets(root, path, tree):
             if module != package and not module.startswith(package + "."):
                 continue
             if module not in sources:
                 source = module_file(root, module)
-                sources[module] = defined_names(ast.parse(source.read_text(), str(source)))
+                sources[module] = defined_names(parse(source))
             if name not in sources[module]:
                 found.append(f"{_where(root, path, node)}: patches {module}.{name}, which {module} does not define")
     return found
@@ -247,7 +258,7 @@ def import_graph(root: Path = ROOT, package: str = "dgemma") -> dict[str, set[st
     graph: dict[str, set[str]] = {}
     for path in python_files(root / package):
         name = module_name(root, path)
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parse(path)
         skipped = {id(n) for stmt in ast.walk(tree) if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test)
                    for s in stmt.body for n in ast.walk(s)}  # fmt: skip
         edges = graph.setdefault(name, set())

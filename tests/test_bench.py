@@ -6,9 +6,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_bench_quick_prints_its_plan_first_and_finishes_within_a_minute():
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "dgemma.cli", "bench", "--quick"], cwd=ROOT, capture_output=True,

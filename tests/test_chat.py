@@ -35,6 +35,8 @@ def figures(child) -> tuple[int, int, int]:
     return tuple(int(g) for g in child.match.groups())
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_chat_in_a_terminal(tmp_path):
     env = {**chat_env(tmp_path), "TERM": "xterm", "COLUMNS": "250"}
     child = pexpect.spawn(CHAT[0], CHAT[1:], env=env, encoding="utf-8", timeout=60, dimensions=(40, 250))
@@ -107,6 +109,8 @@ def test_chat_in_a_terminal(tmp_path):
     assert (tmp_path / ".cache" / "dgemma" / "chat_history").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_chat_through_a_pipe(tmp_path):
     out = subprocess.run(
         CHAT + ["--no-canvas"], input="Hello there\n/set steps 3\nHow are you?\n", capture_output=True, text=True,
@@ -118,6 +122,8 @@ def test_chat_through_a_pipe(tmp_path):
     assert "steps = 3" in out.stderr and len(FIGURES.findall(out.stderr)) == 2
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_chat_with_an_image(tmp_path):
     """/image attaches to the next message; the saved conversation holds the part; the next turn
     finds the image's prefix in the cache; bad files and text-only models are named."""
@@ -173,6 +179,7 @@ def chat_turns(model, lines: list[str], capsys, system: str | None = None, **kno
     return prompts, turns, session
 
 
+@pytest.mark.slow
 def test_turn_two_keeps_its_prefix(tiny, capsys):
     """With a template that trims the answer (Gemma 4's `| trim`), turn 2 still finds turn 1's
     blocks in the prefix cache: its prompt is turn 1's prompt and answer as encoded, then the
@@ -227,6 +234,8 @@ def test_a_changed_conversation_is_rendered_afresh(tiny, capsys, tmp_path):
     assert prompts[2] == tok.apply_chat_template(messages[:2], add_generation_prompt=True)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_chat_template_and_threads_flags(tmp_path):
     """--chat-template FILE renders the prompt; a template Jinja cannot parse, a missing file and
     --threads 0 are one-line errors."""

@@ -28,6 +28,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_image_prompts_with_and_without_chat(capsys, ckpt, image):
     """Without --chat the prompt gets the placeholder and a newline; with it, the images lead the
     user turn. Either way the text is what generate makes of the processor's inputs."""

@@ -36,6 +36,7 @@ def test_first_draft_is_the_first_pass_entropy_and_acceptance(tiny, sampling):
     assert first.canvas == logits.argmax(-1).tolist()
 
 
+@pytest.mark.slow
 def test_every_draft_accepts_within_the_entropy_bound(tiny):
     """Each step's accepted positions are the lowest-entropy ones, their sum minus the largest
     within the bound, and the next lowest would break it."""
@@ -51,6 +52,7 @@ def test_every_draft_accepts_within_the_entropy_bound(tiny):
             assert sum(kept) + min(rest) - max(kept[-1], min(rest)) > bound - 1e-3
 
 
+@pytest.mark.slow
 def test_fixed_positions_are_accepted_with_zero_entropy(tiny):
     c, vocab = tiny.config.canvas_length, tiny.config.vocab_size
     fixed = {0: 5, 9: 100, 31: 42}

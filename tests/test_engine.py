@@ -29,6 +29,7 @@ def config(model, **knobs):
     return model.generation_config.with_overrides(**{"max_new_tokens": 30, "entropy_bound": 1.0, **knobs})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["ref_gqa", "ref_wide"])
 def test_shared_prefix_encodes_only_the_suffix_and_matches_a_cold_run(request, shape):
     model = dgemma.load(request.getfixturevalue(shape)[0])
@@ -49,6 +50,7 @@ def test_shared_prefix_encodes_only_the_suffix_and_matches_a_cold_run(request, s
     assert warm.tokens == cold.tokens and warm.decoder_passes == cold.decoder_passes
 
 
+@pytest.mark.slow
 def test_committed_blocks_are_cached_for_the_next_turn(ref_gqa):
     """A follow-up prompt holding an earlier prompt and its output reuses both (chat history)."""
     model = dgemma.load(ref_gqa[0])
@@ -62,6 +64,7 @@ def test_committed_blocks_are_cached_for_the_next_turn(ref_gqa):
     assert turn2.tokens == solo(model, history, 4).tokens
 
 
+@pytest.mark.slow
 def test_sliding_layers_release_blocks_the_window_no_longer_sees(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     engine = Engine(model.engine_net)
@@ -84,6 +87,7 @@ def test_sliding_layers_release_blocks_the_window_no_longer_sees(ref_gqa):
     assert usage[SLIDING]["used"] == usage[GLOBAL]["used"] == 0  # all back after the end
 
 
+@pytest.mark.slow
 def test_diverging_requests_never_touch_each_others_blocks(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     engine = Engine(model.engine_net)
@@ -115,6 +119,7 @@ def test_diverging_requests_never_touch_each_others_blocks(ref_gqa):
         assert req.tokens == solo(model, prompt, req.seed, **knobs).tokens
 
 
+@pytest.mark.slow
 def test_a_pool_that_fills_up_makes_requests_wait_and_evicts_yet_outputs_equal_solo_runs(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     per_block = 8 * sum(2 * s.num_kv_heads * s.head_dim * 4 for s in model.config.layers)
@@ -223,6 +228,7 @@ def test_constraints_are_validated(ref_gqa):
         CanvasConstraints.build(c, vocab, fixed={2: 5}, allowed={2: [6]})
 
 
+@pytest.mark.slow
 def test_two_streams_read_in_turn_share_one_engine(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     a = model.stream(PREFIX, seed=1, max_new_tokens=30, entropy_bound=1.0)
@@ -236,6 +242,8 @@ def test_two_streams_read_in_turn_share_one_engine(ref_gqa):
     assert tokens["b"] == solo(model, PREFIX[:20], 2).tokens
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_32k_prompt_generates_while_a_short_request_keeps_receiving_blocks():
     """scripts/long_context.py: 32768 prompt tokens prefilled 2048 per step (16 steps); the short
     request that arrived after it commits blocks (8 steps each) before that prefill ends."""
@@ -297,6 +305,7 @@ def test_several_rows_in_one_pass_equal_each_row_alone(ref_wide):
         assert (batched[i] - single[0]).abs().max() < 5e-5
 
 
+@pytest.mark.slow
 def test_a_request_status_moves_waiting_running_finished(ref_gqa):
     """The scheduler alone moves a request's status, and says why it finished."""
     model = dgemma.load(ref_gqa[0])

@@ -17,7 +17,7 @@ needs_kernel = pytest.mark.skipif(
     ext is None,
     reason="native GEMMs unavailable (CPU lacks AVX2/FMA/F16C, no C++ compiler, the build failed, or DGEMMA_NATIVE=0)",
 )
-pytestmark = needs_kernel
+pytestmark = [needs_kernel, pytest.mark.native, pytest.mark.usefixtures("two_threads")]  # two threads: the kernels split their work across threads
 
 MS, NS, KS = (1, 3, 5, 32, 67), (1, 7, 37, 130), (8, 72, 1000, 1024)
 SCALE_DTYPES = (torch.bfloat16, torch.float32, torch.float16)

@@ -10,6 +10,7 @@ from dgemma.engine.engine import Engine, EngineOptions, Request
 PROMPTS = [list(range(5, 27)), [20, 21, 22], [30, 31, 32, 33, 34, 35], [7] * 9]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["ref_gqa", "ref_wide"])
 def test_ragged_batch_rows_equal_single_runs(request, shape):
     model = dgemma.load(request.getfixturevalue(shape)[0])
@@ -22,6 +23,7 @@ def test_ragged_batch_rows_equal_single_runs(request, shape):
         assert alone.tokens_per_forward[0] == batch.tokens_per_forward[r]
 
 
+@pytest.mark.slow
 def test_seed_reproducible_and_seeds_differ(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     a = model.generate(PROMPTS[:2], max_new_tokens=20, seed=3)
@@ -31,6 +33,7 @@ def test_seed_reproducible_and_seeds_differ(ref_gqa):
     assert a.sequences != c.sequences
 
 
+@pytest.mark.slow
 def test_eos_cuts_output_and_max_new_tokens_is_exact(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     stopped = 0
@@ -45,6 +48,7 @@ def test_eos_cuts_output_and_max_new_tokens_is_exact(ref_gqa):
     assert [len(s) for s in no_eos.sequences] == [13] * len(PROMPTS)
 
 
+@pytest.mark.slow
 def test_tokens_per_forward_counts_passes(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     out = model.generate(
@@ -59,6 +63,7 @@ def test_tokens_per_forward_counts_passes(ref_gqa):
     assert max(out.tokens_per_forward) > 1.0  # a loose bound accepts several tokens per step
 
 
+@pytest.mark.slow
 def test_stream_blocks_add_up_to_generate(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     events = list(model.stream(PROMPTS[0], drafts=True, seed=9, max_new_tokens=30))
@@ -79,6 +84,7 @@ def run_engine(engine: Engine, requests: list[Request]) -> dict[int, dgemma.Fini
     return {i: finished[rid] for i, rid in enumerate(ids)}
 
 
+@pytest.mark.slow
 def test_batched_passes_run(ref_gqa):
     """Batched (not batch-invariant) passes, the GPU default, produce well-formed output."""
     model = dgemma.load(ref_gqa[0])
@@ -139,6 +145,7 @@ def test_greedy_ar_equals_stepwise_recomputation(ref_wide):
     assert out.sequences[0] == seq[len(prompt) :]
 
 
+@pytest.mark.slow
 def test_sampling_every_position_gives_the_same_tokens(ref_gqa):
     """The GPU way (sample all positions, keep the accepted) equals the CPU way (sample accepted only)."""
     model = dgemma.load(ref_gqa[0])

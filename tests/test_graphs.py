@@ -228,6 +228,7 @@ def eager_step(engine, group, canvas, soft, temps, allowed=None):
     return runner.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(runner.config.canvas_length, group), allowed)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_a_failed_bucket_runs_eagerly_and_the_others_keep_replaying(engine, caplog):
     """A capture that fails for the 2-row bucket only: that bucket returns None (eager) for good,
@@ -256,6 +257,7 @@ def test_a_failed_bucket_runs_eagerly_and_the_others_keep_replaying(engine, capl
     assert "RuntimeError: operation not permitted when stream is capturing" in warnings[0]
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_masked_and_unmasked_steps_replay_in_their_own_graphs(engine):
     """A request with allowed-token masks replays a masked graph (its padded row allows every
@@ -287,6 +289,7 @@ def test_groups_larger_than_the_largest_bucket_are_the_callers_to_split():
     assert DecoderGraphs().largest == 8
 
 
+@pytest.mark.slow
 def test_gpu_check_fails_a_graph_timing_whose_capture_failed(monkeypatch):
     """scripts/gpu_check.py's table timed `None` (~0 ms per graph step) when a bucket did not
     capture; now the timing raises with the capture's reason (the table prints it as failed)."""

@@ -80,6 +80,7 @@ def forced_results(group, decisions) -> list[DecodeResult]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", [None, "int4", "fp8"])
 def test_engine_steps_make_no_host_sync(scheme):
     """Three steps of the engine on the meta device: prompts encoded, canvases denoised, blocks
@@ -168,6 +169,7 @@ def test_a_step_reads_the_device_once():
             assert reads.count == 1, reads.where
 
 
+@pytest.mark.slow
 def test_a_grammar_request_adds_only_its_own_reads():
     """A grammar request in the batch (the shipped model's tokenizer, a regex): its decoder step
     takes the grammar's masks with no sync, and the step's reads are the stop flags plus the

@@ -9,6 +9,8 @@ import dgemma
 from checkpoints import cut
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_warm_start_matches_reference_decoder_input_ids(ref_gqa):
     """With nothing fixed, a canvas that starts from given tokens gives exactly the tokens of
     transformers' generate(..., decoder_input_ids=...), whose random canvas is drawn all the same."""
@@ -52,6 +54,7 @@ def tiny():
     return dgemma.load()  # the shipped model: its infills are text, not noise
 
 
+@pytest.mark.slow
 def test_fixed_positions_never_change_in_drafts_or_the_block(tiny):
     c, vocab = tiny.config.canvas_length, tiny.config.vocab_size
     fixed = {0: 5, 7: 100, 8: 101, 20: 3000, 31: 42}
@@ -81,6 +84,7 @@ def test_span_is_denoised_with_the_suffix_in_the_canvas(tiny):
     assert first.canvas[6:] == plan.canvas[6:]
 
 
+@pytest.mark.slow
 def test_infill_picks_a_length_and_reports_scores(tiny):
     r = tiny.infill("def area(r):\n", "\n    return a\n", seed=0, max_denoising_steps=8)
     assert r.span_length in r.scores and len(r.scores) > 3 and r.span_length == max(r.scores, key=r.scores.get)
@@ -164,6 +168,7 @@ from servers import MODEL  # noqa: E402  (conftest.py serves the tiny random `mo
 import openai  # noqa: E402
 
 
+@pytest.mark.slow
 def test_suffix_is_insert_mode(model, client):  # noqa: F811
     prefix, suffix = "def f(x):\n", "\n    return y\n"
     r = client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=16, seed=3,

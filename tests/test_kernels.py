@@ -57,6 +57,7 @@ def test_engine_net_keeps_lora_adapters(ref_gqa):
     assert (got - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_engine_uses_packed_copy_and_stays_batch_invariant(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     assert model.engine_net is model.engine_net and model.engine_net is not model.net

@@ -29,6 +29,7 @@ def _to_released_form(path):
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+@pytest.mark.parity
 def test_released_and_saved_config_forms_agree(ref_gqa, tmp_path):
     path, ref = ref_gqa
     released = _copy(path, tmp_path / "released")
@@ -159,6 +160,7 @@ def test_no_weights_is_named(ref_gqa, tmp_path):
         dgemma.load(d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_loads_and_tracks_float32(ref_gqa, dtype):
     full = dgemma.load(ref_gqa[0])

@@ -2,10 +2,14 @@
 
 import json
 
+import pytest
+
 from dgemma.model.checkpoint import make_tiny_random
 from dgemma.cli import loadtest
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_multi_turn_load_script(tmp_path, capsys):
     ckpt = make_tiny_random(tmp_path / "ckpt", seed=0)
     argv = ["--model", str(ckpt), "--multi-turn", "--turns", "2", "--concurrency", "1", "--requests", "1",

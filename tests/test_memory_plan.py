@@ -28,6 +28,7 @@ def test_planned_weight_bytes_are_what_the_model_holds(scheme):
     assert planned["experts"] == held["experts"] and planned["embeddings"] == held["embeddings"]
 
 
+@pytest.mark.slow
 def test_the_released_model_on_a_24_gb_card():
     config = make_config(**PRESETS["real"])
     card = 24 * 10**9
@@ -43,6 +44,7 @@ def test_the_released_model_on_a_24_gb_card():
         check_fits(long, card, config, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_memory_card_command(capsys):
     code = main(["memory", "--size", "real", "--card", "24GB", "--quantization", "int4", "--max-context", "8192"])
     out = capsys.readouterr().out

@@ -29,6 +29,7 @@ def solo(model, ids, max_tokens, seed, eos=False):
 
 
 # ------------------------------------------------------------------------------------ n
+@pytest.mark.slow
 def test_n_choices_equal_single_seeded_requests_and_encode_the_prompt_once(model, server, client):
     prompt = "n choices share this prompt: " + "the quick brown fox jumps. " * 4
     ids = model.tokenizer.encode(prompt)
@@ -68,6 +69,7 @@ def test_scheduler_holds_a_request_whose_prefix_is_being_computed(model):
     assert out.sequences == alone
 
 
+@pytest.mark.slow
 def test_chat_stream_with_n_interleaves_choices(model, client):
     messages = [{"role": "user", "content": "three answers, please"}]
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, seed=9, n=3, stream=True,
@@ -90,6 +92,7 @@ def test_chat_stream_with_n_interleaves_choices(model, client):
     assert chunks[-1].usage.prompt_tokens == len(ids)
 
 
+@pytest.mark.slow
 def test_n_with_a_grammar_gives_each_choice_its_own_state(client):
     r = client.completions.create(model=MODEL, prompt="n:", max_tokens=64, seed=3, n=3,
                                   extra_body={"guided_regex": "[a-z]{2,6}( [0-9]{1,3}){1,2}", **FAST})  # fmt: skip
@@ -107,6 +110,7 @@ def test_n_too_large_is_a_400_naming_n(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=8, n=2, best_of=3)
 
 
+@pytest.mark.slow
 def test_client_gone_cancels_every_choice(model, server):
     engine_thread = server.app.state.service.engine_thread
     body = {"model": MODEL, "prompt": "long", "max_tokens": 2000, "n": 3, "stream": True, **LENGTH}
@@ -132,6 +136,7 @@ def check_entry(token, logprob, top, banned_can_change=False):
         assert logprob == max(lps)
 
 
+@pytest.mark.slow
 def test_chat_logprobs_whole_and_streamed(model, client):
     messages = [{"role": "user", "content": "logprobs please"}]
     args = dict(model=MODEL, messages=messages, max_tokens=64, seed=21, logprobs=True, top_logprobs=5, extra_body=LENGTH)

@@ -15,6 +15,7 @@ from dgemma.model.layers import RMSNorm
 
 needs_native = pytest.mark.skipif(native.extension() is None, reason="native kernels unavailable (no AVX-512 BF16 or no compiler)")
 needs_amx = pytest.mark.skipif(native.amx() is None, reason="no AMX on this CPU")
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("two_threads")]  # two threads: the kernels split their work across threads
 
 
 class _MoEConfig:

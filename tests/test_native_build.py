@@ -18,7 +18,8 @@ from torch.utils.cpp_extension import get_cxx_compiler
 import dgemma
 from dgemma.kernels import native
 
-pytestmark = pytest.mark.skipif(shutil.which(get_cxx_compiler()) is None, reason=f"no C++ compiler ({get_cxx_compiler()})")
+pytestmark = [pytest.mark.skipif(shutil.which(get_cxx_compiler()) is None, reason=f"no C++ compiler ({get_cxx_compiler()})"),
+              pytest.mark.native]  # fmt: skip
 
 NAME = "dgemma_tiny"
 TINY_CPP = """#include <Python.h>
@@ -92,6 +93,8 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
     return extensions, directory
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_second_checkout_and_venv_load_the_build_silently(built, tmp_path):
     """Another checkout of the same sources, importing the same torch from another path, builds
     nothing: it imports the finished library (torch's build files name no path of a checkout)."""
@@ -105,6 +108,8 @@ def test_a_second_checkout_and_venv_load_the_build_silently(built, tmp_path):
     assert str(directory / "src" / "tiny.cpp") in ninja and "dgemma/tiny" not in ninja  # the copies, not a checkout's
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_forced_or_corrupt_rebuild_says_so(built, tmp_path):
     extensions, directory = built
     checkout = _checkout(tmp_path / "c")
@@ -126,6 +131,8 @@ def _first_line(process: subprocess.Popen) -> str:
     return ""
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_concurrent_processes_wait_and_build_once(tmp_path, monkeypatch):
     """Two processes that find the build lock held say so and wait; then one builds and the other
     imports its library. Other sources (another answer) build in a directory of their own."""
@@ -169,6 +176,8 @@ def test_build_directory_names_no_path(monkeypatch):
     assert native.build_directory("dgemma_native", native.SOURCES, native.CFLAGS) != here
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_test_subprocesses_import_the_session_build(tmp_path):
     """What `.ci/run` relies on: conftest's session fixture built the kernels, so a test's
     subprocess (dgemma chat, serve, a script) imports them without a build or a wait."""

@@ -42,6 +42,7 @@ def test_no_prompt_says_how_to_give_one(capsys):
     assert "'-'" in err and "--prompt-file" in err
 
 
+@pytest.mark.slow
 def test_dash_reads_standard_input_and_prompt_file_reads_a_file(capsys, monkeypatch, tmp_path):
     code, direct, _ = run(capsys, "def add(a, b):", *FAST, "-q")
     assert code == 0 and direct.strip()
@@ -97,6 +98,7 @@ def test_threads(capsys):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_the_timing_line_and_the_demo_note_go_to_stderr(capsys):
     code, out, err = run(capsys, "def add(a, b):", *FAST)
     assert code == 0 and "tokens in" not in out and DEMO_MODEL_NOTE not in out
@@ -125,6 +127,8 @@ def test_every_argument_has_help():
 
 
 # ------------------------------------------------------------------------------------ serve --chat-template
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_serve_takes_a_chat_template(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "hostile"))
     from serve_process import ServeProcess

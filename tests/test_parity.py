@@ -8,6 +8,8 @@ import dgemma
 from checkpoints import EOS, cut
 from oracle import build_reference
 
+pytestmark = pytest.mark.parity
+
 
 def _reference_knobs(knobs):
     knobs = dict(knobs)
@@ -42,6 +44,7 @@ KNOBS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["ref_gqa", "ref_wide"])
 @pytest.mark.parametrize("knobs", range(len(KNOBS)))
 def test_reference_sampling_is_token_exact(request, shape, knobs):
@@ -63,6 +66,7 @@ def test_reference_sampling_is_token_exact(request, shape, knobs):
     assert hit_eos > 0, "the test should exercise EOS inside a canvas"
 
 
+@pytest.mark.slow
 def test_reference_sampling_ragged_batch_is_left_padded(ref_gqa):
     path, ref = ref_gqa
     model = dgemma.load(path)
@@ -79,6 +83,7 @@ def test_reference_sampling_ragged_batch_is_left_padded(ref_gqa):
         assert got.sequences == [cut(r[12:], 20) for r in expected.sequences.tolist()]
 
 
+@pytest.mark.slow
 def test_reference_seed_argument_equals_manual_seed(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     torch.manual_seed(7)
@@ -87,6 +92,7 @@ def test_reference_seed_argument_equals_manual_seed(ref_gqa):
     assert a.sequences == b.sequences
 
 
+@pytest.mark.slow
 def test_erf_gelu_checkpoint_matches_reference(tmp_path):
     """hidden_activation "gelu" is exact (erf) gelu in the reference, not the tanh approximation."""
     ref = build_reference(tmp_path, "gqa", text_overrides={"hidden_activation": "gelu"})

@@ -125,6 +125,7 @@ def finished(driver, count: int):
     return None
 
 
+@pytest.mark.slow
 def test_chat_draws_changing_draft_frames_and_ends_in_the_api_text(browser, server):
     from selenium.webdriver.common.by import By
 
@@ -168,6 +169,7 @@ def test_chat_draws_changing_draft_frames_and_ends_in_the_api_text(browser, serv
     assert re.search(r"prompt \d+ \([1-9]\d* cached\)", second.find_element(By.CLASS_NAME, "figures").text)
 
 
+@pytest.mark.slow
 def test_a_refused_request_puts_the_message_back(browser, server):
     from selenium.webdriver.common.by import By
 
@@ -182,6 +184,7 @@ def test_a_refused_request_puts_the_message_back(browser, server):
     assert browser.execute_script("return window.dgemma.messages.length") == 0
 
 
+@pytest.mark.slow
 def test_an_image_goes_up_to_a_vision_model(browser, tmp_path):
     from selenium.webdriver.common.by import By
     from PIL import Image
@@ -207,6 +210,7 @@ def test_an_image_goes_up_to_a_vision_model(browser, tmp_path):
         assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img")  # sent, not pending
 
 
+@pytest.mark.slow
 def test_the_page_asks_for_the_api_key_and_keeps_it_in_memory(browser, tiny):
     from selenium.webdriver.common.by import By
 

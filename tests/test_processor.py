@@ -85,6 +85,7 @@ def assert_same(out, tokens, mine):
         np.testing.assert_array_equal(im.position_ids, out["image_position_ids"][i])
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("budget", [70, 280])
 @pytest.mark.parametrize("name", list(IMAGES))
 def test_one_image_matches_transformers(pair, name, budget):
@@ -110,6 +111,7 @@ def test_two_images_and_sources(pair, tmp_path):
     assert_same(out, tokens, proc(text, images=[buf.getvalue(), tmp_path / "a.png"]))
 
 
+@pytest.mark.parity
 def test_chat_template_matches_transformers(pair):
     ref, proc, _ = pair
     a, b = noise(300, 180, seed=3), noise(50, 90, "P", seed=4)

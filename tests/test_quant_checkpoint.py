@@ -99,6 +99,7 @@ def library_decompress(path: Path, only: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("variant", [*SCHEMES, "int4-bf16"])
 def test_library_decompression_equals_dgemma_dequantize(written, variant):
     path, scheme = written[variant], variant.split("-")[0]
@@ -470,6 +471,7 @@ def test_quantize_cli_errors_are_one_line_and_exit_2(capsys, tiny, written, tmp_
     assert not out.exists()  # nothing half-written left behind
 
 
+@pytest.mark.slow
 def test_quantize_random_weights_of_a_named_size(tmp_path):
     """`dgemma quantize --size NAME` streams random weights of that size through the same writer
     (how the released size is written without its weights): the file loads, holds the scheme's

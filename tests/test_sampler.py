@@ -34,6 +34,7 @@ def test_entropy_bound_rule_on_hand_made_entropies():
     assert sampler.entropy_bound_accept(torch.tensor([[5.0, 3.0, 4.0]]), 0.1).tolist() == [[False, True, False]]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("seed", range(5))
 def test_acceptance_equals_reference_sampler_including_ties(seed):
     g = torch.Generator().manual_seed(seed)
@@ -62,6 +63,7 @@ def test_step_statistics_on_extreme_rows():
     assert torch.allclose(probs, torch.softmax(logits / 0.4, -1), atol=1e-7)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("stability", [0, 1, 2])
 def test_stopping_equals_reference(stability):
     ref = StableAndConfidentStoppingCriteria(stability_threshold=stability, confidence_threshold=0.3)
@@ -86,6 +88,7 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert edge.item() == 1
 
 
+@pytest.mark.parity
 def test_fast_self_conditioning_step_matches_reference_logits(ref_gqa):
     """The engine's step input (soft embeddings from unnormalised weights) gives the reference's logits."""
     path, ref = ref_gqa

@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_gpu_check_smoke_run_on_cpu():
     """scripts/gpu_check.py --smoke: every check and the table's code, on the Triton interpreter."""
     run = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -24,11 +25,14 @@ def test_gpu_check_smoke_run_on_cpu():
     assert out.count("engine: 8 tokens at 2 fixed steps") == 2
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_gpu_check_without_a_gpu_says_so():
     run = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.slow
 def test_dgemma_bench_reports_every_peer_with_ratios(capsys):
     from dgemma.cli import main
 
@@ -51,6 +55,8 @@ def test_dgemma_bench_reports_every_peer_with_ratios(capsys):
     assert memory["kv_reserved"] > 0 and 0 < memory["rss_now"] <= memory["peak_rss"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_cpu_speed_compares_rows_within_each_round():
     """scripts/cpu_speed.py (the AVX2-only measurement): every row ran, in the kernels it names
     (as an AVX2-only CPU picks them), and the widened bf16 row holds half the weights."""
@@ -72,6 +78,8 @@ def test_cpu_speed_compares_rows_within_each_round():
     assert bad.returncode == 2 and "--rows takes" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_step_breakdown_times_a_quantised_model_per_module():
     argv = [sys.executable, "scripts/step_breakdown.py", "--size", "tiny", "--quantization", "int4", "--steps", "1",
             "--prompt-len", "32", "--modules"]  # fmt: skip
@@ -90,6 +98,8 @@ def test_dgemma_bench_refuses_a_size_that_does_not_fit(monkeypatch, capsys):
     assert "25.3 B parameters" in err and "8 GiB available" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_canvas_frames_script_shows_noise_resolving():
     run = subprocess.run([sys.executable, "scripts/canvas_frames.py", "--prompt", "import os\nimport sys", "--seed", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip

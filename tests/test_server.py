@@ -43,6 +43,7 @@ def test_models_health_and_metrics(server, client):
         assert f"# TYPE {name} " in text
 
 
+@pytest.mark.slow
 def test_completion_matches_engine(model, client):
     ids = model.tokenizer.encode("def fibonacci(n):")
     r = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=64, seed=3, extra_body=FAST)
@@ -55,6 +56,7 @@ def test_completion_matches_engine(model, client):
     assert r2.choices[0].text == r.choices[0].text
 
 
+@pytest.mark.slow
 def test_chat_uses_chat_template(model, client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     ids = model.tokenizer.apply_chat_template(messages)
@@ -69,6 +71,7 @@ def test_chat_uses_chat_template(model, client):
     assert r2.choices[0].message.content == r.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_prefix_cache_in_usage_and_metrics(model, server, client):
     """A prompt sharing a long prefix with an earlier one: cached tokens in usage, the same text
     as generate, blocks and hit rate in /metrics; tokens per forward as generate counts it."""
@@ -114,6 +117,7 @@ def test_eos_ends_request_with_stop(model, client):
     assert r.choices[0].text == model.tokenizer.decode(out) and r.usage.completion_tokens == len(out)
 
 
+@pytest.mark.slow
 def test_streaming_sends_each_block_before_the_end(model, server, client):
     engine_thread = server.app.state.service.engine_thread
     blocks = 8  # canvases of 32 tokens
@@ -135,6 +139,7 @@ def test_streaming_sends_each_block_before_the_end(model, server, client):
     assert "".join(texts) == model.tokenizer.decode(expected_tokens(model, ids, 32 * blocks, 7, steps=16))
 
 
+@pytest.mark.slow
 def test_chat_stream_with_drafts_and_usage(model, client):
     messages = [{"role": "user", "content": "write a poem"}]
     stream = client.chat.completions.create(
@@ -184,6 +189,7 @@ def _stop_across_blocks(model, ids):
     pytest.skip("no clean stop string at the block boundary")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_spanning_blocks(model, client, stream):
     ids = model.tokenizer.encode("a b c")
@@ -203,6 +209,7 @@ def test_stop_string_spanning_blocks(model, client, stream):
     assert r.choices[0].text == full and r.choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_streams_match_solo(model, server):
     prompts = [f"request {i}: " + "abc" * i for i in range(16)]
     expected = [model.tokenizer.decode(expected_tokens(model, model.tokenizer.encode(p), 64, 100 + i)) for i, p in enumerate(prompts)]
@@ -231,6 +238,7 @@ def _steps_above(metrics_text, n):
     return count - below
 
 
+@pytest.mark.slow
 def test_cancelled_stream_frees_its_slot_and_full_queue_gets_429(model):
     app = create_app(model, MODEL, max_active=1, max_queue=1)
     engine_thread = app.state.service.engine_thread
@@ -261,6 +269,8 @@ def test_cancelled_stream_frees_its_slot_and_full_queue_gets_429(model):
         assert metric(server, 'dgemma_requests_total{finish_reason="cancelled"}') == 3
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_serve_cli_and_load_script(model, capsys):
     """`python -m dgemma.cli.loadtest --model` starts `dgemma serve` in a subprocess and drives it."""
     from dgemma.cli import loadtest

@@ -118,6 +118,7 @@ def test_bad_request_gets_a_clear_4xx(server, name, method, path, body, status, 
     assert isinstance(error["type"], str) and "Traceback" not in error["message"]
 
 
+@pytest.mark.slow
 def test_server_survives_the_bad_requests(server):
     assert len(BAD) >= 25
     for _, method, path, body, _, _ in BAD:  # again, back to back

@@ -313,6 +313,7 @@ def ctx(dirs, media_host):
     return SimpleNamespace(allowed=dirs[0], outside=dirs[1], host=media_host)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture, messages, body, words, param", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_media_gets_a_400_naming_the_problem(request, ctx, fixture, messages, body, words, param):
     srv = request.getfixturevalue(fixture)
@@ -323,6 +324,7 @@ def test_bad_media_gets_a_400_naming_the_problem(request, ctx, fixture, messages
     assert error["param"] == param, error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["server", "default_server", "text_server"])
 def test_servers_answer_after_bad_media(request, fixture):
     srv = request.getfixturevalue(fixture)

@@ -40,6 +40,7 @@ def test_shipped_files_size_and_architecture():
         assert needle in card, needle
 
 
+@pytest.mark.slow
 def test_shipped_model_is_the_default_and_writes_python(capsys):
     model = dgemma.load()
     assert model.path == dgemma.default_model_dir()
@@ -53,6 +54,7 @@ def test_shipped_model_is_the_default_and_writes_python(capsys):
     assert capsys.readouterr().out.strip()
 
 
+@pytest.mark.parity
 def test_shipped_model_matches_transformers():
     from transformers import DiffusionGemmaForBlockDiffusion
 

@@ -51,6 +51,7 @@ def texts(model, out):
 
 
 # ------------------------------------------------------------------------------------ the engine
+@pytest.mark.slow
 def test_fifty_seeded_schema_answers_parse_and_validate(model):
     grammar = model.compile_grammar("json_schema", SCHEMA)
     out = model.generate(["Describe a pet:"] * 50, max_new_tokens=256, seed=list(range(50)), grammar=grammar, **ONE_PASS)
@@ -59,6 +60,7 @@ def test_fifty_seeded_schema_answers_parse_and_validate(model):
     assert len(set(texts(model, out))) > 40  # seeds differ: enforcement, not one canned answer
 
 
+@pytest.mark.slow
 def test_fifty_seeded_regex_answers_match(model):
     grammar = model.compile_grammar("regex", REGEX)
     out = model.generate(["x"] * 50, max_new_tokens=64, seed=list(range(50)), grammar=grammar, **ONE_PASS)
@@ -66,6 +68,7 @@ def test_fifty_seeded_regex_answers_match(model):
         assert re.fullmatch(REGEX, text), text
 
 
+@pytest.mark.slow
 def test_json_object_parses_or_is_a_valid_prefix():
     """Any JSON object: unbounded, so a model may run out of tokens first (finish "length": the
     text is then a valid prefix); every answer that ends on its own parses. On the shipped
@@ -101,6 +104,7 @@ def test_max_tokens_cut_is_a_valid_prefix(model):
         assert matcher.consume_tokens(seq) and not matcher.is_error()
 
 
+@pytest.mark.slow
 def test_batched_equals_alone(model):
     grammar = model.compile_grammar("json_schema", SCHEMA)
     alone = [model.generate(["a pet"], max_new_tokens=128, seed=s, grammar=grammar, **FAST).sequences[0] for s in (3, 4)]
@@ -188,6 +192,7 @@ def test_bad_grammars_name_the_problem(model, kind, spec, words):
 
 
 # ------------------------------------------------------------------------------------ the server
+@pytest.mark.slow
 def test_response_format_json_schema(client):
     rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
     for seed in range(3):

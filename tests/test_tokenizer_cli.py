@@ -43,6 +43,7 @@ def test_chat_template_default_and_overrides(tiny, tmp_path):
         tok.apply_chat_template([{"role": "user"}])
 
 
+@pytest.mark.slow
 def test_cli_run_prints_completion(tiny, capsys):
     assert main(["run", "--model", str(tiny), "def fibonacci(n):", "--max-new-tokens", "40", "--seed", "0"]) == 0
     out = capsys.readouterr().out
@@ -60,6 +61,8 @@ def test_cli_errors_are_one_line(tiny, tmp_path, capsys):
     assert "--steps must be a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_dgemma_checkpoint_loads_in_transformers(tiny):
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -80,6 +83,8 @@ def test_dgemma_checkpoint_loads_in_transformers(tiny):
     assert got.sequences[0] == want
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_runtime_never_imports_transformers(tiny):
     # nor torch._dynamo: ~2 s of every process's start (a meta-device normal_ imported it)
     code = (
@@ -92,6 +97,7 @@ def test_runtime_never_imports_transformers(tiny):
     assert cfg["text_config"]["per_layer_config"]
 
 
+@pytest.mark.slow
 def test_encoding_a_long_text_lets_other_threads_run():
     """tokenizers' encode holds the GIL for the whole text (a server's other requests and /health
     stop); dgemma's Tokenizer encodes through encode_batch, which releases it."""

@@ -306,6 +306,7 @@ def test_bad_tool_requests_get_a_400_naming_the_problem(client, name, body, para
     assert words in e.value.message and e.value.param == param, e.value.body
 
 
+@pytest.mark.slow
 def test_server_lives_on_after_bad_tool_requests(client):  # noqa: F811
     for _, body, _, _ in BAD:
         with pytest.raises(openai.BadRequestError):
@@ -435,6 +436,7 @@ ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
     "tz": {"type": "string", "maxLength": 8}}}}}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_named_tool_choice_is_a_valid_call(client, seed):  # noqa: F811
     import jsonschema
@@ -520,6 +522,7 @@ def _forced(properties: dict, required: list[str]):
     return tool_spec([tool], {"type": "function", "function": {"name": "f"}})
 
 
+@pytest.mark.slow
 def test_forced_call_grammar_keeps_order_and_required_members():
     """Every subset of five properties, in declared order: accepted exactly when it holds the
     required ones; out of order or repeated: rejected (the language of the chained grammar)."""
@@ -535,6 +538,7 @@ def test_forced_call_grammar_keeps_order_and_required_members():
         assert not _accepts(spec, _members(["a", "a", "b", "c", "d", "e"]))
 
 
+@pytest.mark.slow
 def test_forced_call_grammar_with_thousands_of_properties():
     from dgemma.serve.grammar_limits import lark_stats
     from dgemma.serve.tool_grammar import lark_string, tool_call_grammar

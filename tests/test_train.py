@@ -249,6 +249,7 @@ def test_lr_schedule():
     assert lr_at(100, 1.0, 10, 100, 0.1) == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_a_few_steps_lower_the_loss(workdir, tmp_path):
     args = small_args(workdir, tmp_path / "run", steps=40, batch_size=4, eval_every=40, eval_batches=2,
                       eval_data=[str(workdir / "text")], save_every=40)
@@ -267,6 +268,7 @@ def _weights(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_resume_after_interruption_reproduces_the_uninterrupted_run(workdir, tmp_path):
     kw = dict(grad_accum=2, blocks=2)
     full = train(small_args(workdir, tmp_path / "full", **kw))
@@ -334,6 +336,7 @@ def test_lora_save_load_merge_round_trip(tmp_path):
     assert (merged - adapted).abs().max() < 1e-4
 
 
+@pytest.mark.slow
 def test_finetune_lora_cli_freezes_router_and_merges(workdir, tmp_path, capsys):
     base_dir = tmp_path / "base"
     assert main(["train", "--config", "test", "--data", str(workdir / "text"), "--out", str(base_dir),
@@ -372,6 +375,8 @@ def test_cli_errors_are_one_line(workdir, tmp_path, capsys):
 # ---------------------------------------------------------------- checkpoints in transformers
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_train_cli_checkpoint_loads_and_generates_in_transformers(workdir, tmp_path):
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -406,6 +411,8 @@ def test_train_cli_checkpoint_loads_and_generates_in_transformers(workdir, tmp_p
 # ---------------------------------------------------------------- FSDP2 on two processes
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_fsdp2_two_gloo_processes_stay_in_sync(workdir, tmp_path):
     common = dict(data=[str(workdir / "text")], config="test", tokenizer=str(workdir / "tokenizer.json"),
                   steps=3, batch_size=2, seq_len=32, lr=1e-2, warmup=0, save_every=2, eval_every=3,

@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
+pytestmark = pytest.mark.triton
 
 from dgemma.kernels import triton_attention as ta  # noqa: E402
 from dgemma.model.attention import sdpa  # noqa: E402
@@ -94,6 +95,7 @@ def test_available_under_the_interpreter():
     assert ta.available("cpu") and ta.available(torch.device("cpu"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefixes", [FULL, SLIDING], ids=["full", "sliding"])
 @pytest.mark.parametrize("dim", [16, 32])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (8, 2)], ids=["mha", "gqa2", "gqa4"])

@@ -15,6 +15,8 @@ Skipped where triton lacks the ahead-of-time compile API."""
 import pytest
 
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
+# every test reads the one compile of all variants (a subprocess, ~45 s): the whole file is slow
+pytestmark = [pytest.mark.triton, pytest.mark.subprocess, pytest.mark.slow]
 
 from triton_compile import HOPPER_SHARED, REGISTERS_PER_SM, released_variants, table  # noqa: E402
 

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
+pytestmark = pytest.mark.triton
 
 from dgemma.config import GLOBAL, LayerSpec  # noqa: E402
 from dgemma.kernels import triton_layer as tk  # noqa: E402

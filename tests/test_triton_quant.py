@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
+pytestmark = pytest.mark.triton
 
 from dgemma.kernels import triton_quant as tq  # noqa: E402
 from dgemma.quant.formats import QTensor, dequantize, quantize  # noqa: E402
@@ -102,6 +103,7 @@ def grouped_reference(x: torch.Tensor, q: QTensor, counts: list[int]) -> torch.T
     return torch.cat(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme,group,k", CASES, ids=IDS)
 @pytest.mark.parametrize("counts", [[3, 0, 17, 1], [0, 0, 5, 0]])  # experts without rows, one past a tile
 def test_grouped_matches_each_expert(scheme, group, k, counts):

@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
+pytestmark = pytest.mark.triton
 
 from dgemma.engine import sampler  # noqa: E402
 from dgemma.kernels import triton_step as ts  # noqa: E402
@@ -82,6 +83,7 @@ def test_allowed_masks_ban_tokens_exactly():
     assert torch.equal(plain[3][0], probs[0]) and plain[0][0] == argmax[0]
 
 
+@pytest.mark.slow
 def test_sampling_equals_inverse_cdf():
     vocab = 700
     raw = raw_logits(64, vocab, seed=5)
@@ -151,6 +153,7 @@ def test_high_draws_on_bf16_rows_follow_the_stored_weights(draw):
     assert got[1] == vocab - 1  # where the last id does carry the mass, it is sampled
 
 
+@pytest.mark.slow
 def test_draw_past_the_searched_sum_falls_back_to_the_argmax():
     _, probs = peaked_bf16_rows()
     argmax = probs.float().argmax(-1)

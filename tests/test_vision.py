@@ -13,6 +13,7 @@ from vision_checkpoint import TOKEN_IDS, write_vision_checkpoint
 
 BOI, EOI, IMAGE = TOKEN_IDS["boi_token_id"], TOKEN_IDS["eoi_token_id"], TOKEN_IDS["image_token_id"]
 MAX_PATCHES = 70 * 9  # the 70-soft-token budget
+pytestmark = pytest.mark.parity  # against transformers 5.23
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,7 @@ def test_canvas_logits_with_images_match_reference(vision_ref, num_images):
     assert (model.canvas_logits([other], canvas) - got).abs().max().item() > 1e-2
 
 
+@pytest.mark.slow
 def test_reference_tokens_with_images_equal_generate(vision_ref):
     path, ref = vision_ref
     model = dgemma.load(path)
@@ -121,6 +123,7 @@ def test_reference_tokens_with_images_equal_generate(vision_ref):
         assert got.sequences[0] == expected
 
 
+@pytest.mark.slow
 def test_prefix_cache_keys_hold_image_content(vision_ref):
     """A second request sharing the image prefix encodes only its suffix and equals a cold run; the
     same placeholders with another image share nothing past the text before it."""
@@ -150,6 +153,7 @@ def test_prefix_cache_keys_hold_image_content(vision_ref):
     assert model.engine.stats.cached_tokens - before == first_image // b * b
 
 
+@pytest.mark.slow
 def test_vision_cache_runs_the_tower_once_per_image(vision_ref):
     path, _ = vision_ref
     model = dgemma.load(path)
@@ -162,6 +166,7 @@ def test_vision_cache_runs_the_tower_once_per_image(vision_ref):
     assert again.sequences[1] == first.sequences[0]
 
 
+@pytest.mark.slow
 def test_prefill_chunks_never_split_an_image(vision_ref):
     """A prefill budget smaller than an image still encodes each image in one pass, and the tokens
     equal those of one big chunk (passes fall at block boundaries either way)."""
@@ -221,6 +226,7 @@ def test_processor_to_logits_matches_reference(tmp_path):
     assert (model.canvas_logits([inputs], canvas) - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_video_frames_run_as_images(tmp_path):
     """A clip through the processor gives one image per sampled frame behind its timestamp, and the
     engine generates from it; the tower runs once per distinct frame."""

@@ -10,6 +10,8 @@ from dgemma.kernels import avx2, choice, widened
 from dgemma.model.diffusion_gemma import Experts
 from checkpoints import step_logits
 
+pytestmark = pytest.mark.native
+
 
 @pytest.mark.parametrize("tokens, k, n, tile", [(1, 24, 40, 64), (7, 48, 37, 100), (33, 64, 128, 1 << 18), (5, 16, 8, 8)])
 def test_tiled_linear_equals_a_float32_matmul_on_the_widened_weight(tokens, k, n, tile):
@@ -54,6 +56,7 @@ def test_native_bf16_can_be_switched_off(monkeypatch):
     assert choice.native_bf16() is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native_gemm", [True, False], ids=["native-gemm", "tiles"])
 @torch.no_grad()
 def test_bf16_engine_without_native_bf16_computes_float32_on_bf16_weights(tmp_path, monkeypatch, native_gemm):
@@ -94,6 +97,7 @@ def test_bf16_engine_without_native_bf16_computes_float32_on_bf16_weights(tmp_pa
     assert len(out.sequences[0]) == 16 and out.sequences == half.generate([[2, 5, 6, 7]], max_new_tokens=16, seed=0).sequences
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_quantised_bf16_model_without_native_bf16_generates_in_float32(tmp_path, monkeypatch):
     from oracle import build_reference

@@ -16,6 +16,7 @@ import pytest
 from serve_process import ServeProcess, wait_until
 
 MODEL = "dgemma-tiny"
+pytestmark = pytest.mark.subprocess  # `dgemma serve` in a subprocess (serve_process.py)
 STEPS = 16
 NORMAL = {"model": MODEL, "prompt": "import os\n", "max_tokens": 16, "seed": 11, "max_denoising_steps": 6}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "seed": 5, "max_denoising_steps": 6}
@@ -69,12 +70,14 @@ def metric(server, name: str, **labels) -> float:
 
 
 # ------------------------------------------------------------------------------------ denoising steps
+@pytest.mark.slow
 def test_more_steps_than_the_server_allows_is_a_400(server):
     response = httpx.post(server.url + "/v1/completions", json={**NORMAL, "max_denoising_steps": STEPS + 1})
     assert response.status_code == 400
     assert f"max_denoising_steps={STEPS + 1}" in error_of(response) and "--max-denoising-steps" in error_of(response)
 
 
+@pytest.mark.slow
 def test_the_checkpoint_default_is_capped_too(server):
     """dgemma-tiny's generation_config asks for 48 steps; this server allows 16 per canvas."""
     body = {**NORMAL, "max_tokens": 64, "max_denoising_steps": None, **{k: v for k, v in SLOW.items() if k != "max_denoising_steps"}}
@@ -88,6 +91,7 @@ def long_request(**more) -> dict:
     return {**NORMAL, "max_tokens": 1900, "ignore_eos": True, **SLOW, **more}
 
 
+@pytest.mark.slow
 def test_a_request_past_its_deadline_ends_as_timeout(server):
     started = time.monotonic()
     response = httpx.post(server.url + "/v1/completions", json=long_request(), timeout=60)
@@ -98,6 +102,7 @@ def test_a_request_past_its_deadline_ends_as_timeout(server):
     assert 0 < body["usage"]["completion_tokens"] < 1900  # what it committed in time comes back
 
 
+@pytest.mark.slow
 def test_a_streamed_chat_past_its_deadline_ends_as_timeout(server):
     body = {**CHAT, **SLOW, "max_tokens": 1900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
@@ -107,6 +112,7 @@ def test_a_streamed_chat_past_its_deadline_ends_as_timeout(server):
     assert reasons == ["timeout"]
 
 
+@pytest.mark.slow
 def test_a_request_that_cannot_start_in_time_ends_as_timeout():
     with ServeProcess(["--served-model-name", MODEL, "--request-timeout", "0.001"]) as s:
         for path, body in (("/v1/completions", NORMAL), ("/v1/chat/completions", CHAT),
@@ -117,6 +123,7 @@ def test_a_request_that_cannot_start_in_time_ends_as_timeout():
 
 
 # ------------------------------------------------------------------------------------ insert mode
+@pytest.mark.slow
 def test_insert_candidates_fit_max_active(server):
     """Nine candidate span lengths by default; this server admits 2 and queues none, so more
     than two candidate requests would be a 429."""
@@ -125,6 +132,7 @@ def test_insert_candidates_fit_max_active(server):
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 def test_insert_candidates_leave_with_their_client(server):
     cancelled = metric(server, "dgemma_requests_total", finish_reason="cancelled")
     body = json.dumps({**NORMAL, **SLOW, "max_denoising_steps": STEPS, "prompt": "def f(x):\n", "suffix": "\n    return y\n"})
@@ -150,6 +158,7 @@ def health_times(server, stop: threading.Event, out: list) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,make", [
     ("/v1/completions", lambda text: {**NORMAL, "prompt": text}),
     ("/v1/completions", lambda text: {**NORMAL, "prompt": [text]}),
@@ -173,6 +182,7 @@ def test_a_prompt_larger_than_the_context_is_refused_before_work(server, path, m
     assert times and max(times) < 1.0
 
 
+@pytest.mark.slow
 def test_a_prompt_that_fits_still_passes(server):
     text = "x = 1\n" * 200  # 1,200 characters, inside dgemma-tiny's 2048-token context
     response = httpx.post(server.url + "/v1/completions", json={**NORMAL, "prompt": text, "max_tokens": 8}, timeout=60)
@@ -180,6 +190,7 @@ def test_a_prompt_that_fits_still_passes(server):
 
 
 # ------------------------------------------------------------------------------------ nothing mixed
+@pytest.mark.slow
 def test_hostile_traffic_beside_seeded_requests_changes_none_of_them(server):
     """Normal seeded requests run while hostile ones come and go (oversized prompts, too many
     steps, deadlines, clients that leave): every normal answer is the one it gets alone."""

@@ -32,6 +32,7 @@ from dgemma.serve.grammar_limits import (
 )
 
 MODEL = "dgemma-tiny"
+pytestmark = pytest.mark.subprocess  # `dgemma serve` in a subprocess (serve_process.py)
 TOKENIZER = Path(__file__).resolve().parents[2] / "dgemma" / "assets" / "dgemma-tiny" / "tokenizer.json"
 NORMAL = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8, "seed": 7, "max_denoising_steps": 4}
 CHAIN = 6000  # rules / $refs: crashes llguidance from about 3,200 on an 8 MiB stack (scripts/grammar_limits.py)
@@ -175,11 +176,13 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, param, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_hostile_structured_output_is_a_400_naming_the_limit(server, extra, param, words):
     refused(completion(server, {"model": MODEL, "prompt": "x", "max_tokens": 4, **extra}), param, *words)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, answer", [({"guided_json": ref_chain(3000)}, r'("[^"]{0,12}"?)?'),
                                            ({"guided_grammar": lark_chain(4000)}, "a*b?")], ids=["$refs", "rules"])  # fmt: skip
 def test_chains_within_the_limits_are_answered(server, extra, answer):
@@ -209,6 +212,7 @@ def test_forced_call_with_thousands_of_parameters(server):
         assert response.json()["error"]["code"] == "context_length_exceeded", response.text[:500]
 
 
+@pytest.mark.slow
 def test_forced_call_with_many_parameters_is_answered(server):
     params = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(64)}, "required": ["p0", "p63"]}
     response = chat(server, {"messages": USER, "tools": [tool(params)], "tool_choice": FORCED, "max_tokens": 256, "seed": 3,

@@ -12,6 +12,7 @@ import pytest
 from serve_process import ServeProcess, wait_until
 
 MODEL = "dgemma-tiny"
+pytestmark = pytest.mark.subprocess  # `dgemma serve` in a subprocess (serve_process.py)
 KEY = "k3y-for-tests"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 NORMAL = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8, "seed": 7, "max_denoising_steps": 4}
@@ -68,6 +69,7 @@ def test_foreign_host_names_are_refused(server, host):
     assert httpx.post(server.url + "/v1/completions", headers={"Host": host, **AUTH}, json=NORMAL).status_code == 403
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1", "127.0.0.1", "[::1]:8000", "10.1.2.3", "192.168.0.7:80",
                                   "box.local", "dev.localhost", "svc.internal", "proxy.example", "0.0.0.0"])  # fmt: skip
 def test_local_names_and_allowed_hosts_pass(server, host):
@@ -84,6 +86,7 @@ def test_cross_site_pages_cannot_post(server, origin):
     assert "access-control-allow-origin" not in response.headers
 
 
+@pytest.mark.slow
 def test_same_origin_allowed_origins_and_curl_pass(server):
     port = server.url.rsplit(":", 1)[1]
     same = httpx.post(server.url + "/v1/completions", json=NORMAL, headers={"Origin": f"http://127.0.0.1:{port}", **AUTH})
@@ -101,6 +104,7 @@ def test_same_origin_allowed_origins_and_curl_pass(server):
 
 
 # ------------------------------------------------------------------------------------ API key
+@pytest.mark.slow
 @pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/v1/models/dgemma-tiny"), ("GET", "/metrics"),
                                          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                                          ("GET", "/v1/nothing")])  # fmt: skip
@@ -141,6 +145,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed(server):
     with raw(server) as sock:
         started = time.monotonic()
@@ -149,6 +154,7 @@ def test_a_connection_that_sends_nothing_is_closed(server):
     assert wait_until(lambda: "no complete request headers" in server.output, 5)
 
 
+@pytest.mark.slow
 def test_headers_sent_a_byte_at_a_time_are_cut_off(server):
     """Slowloris: each byte resets no timer; the headers must be complete within --read-timeout."""
     request = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 1000
@@ -166,6 +172,7 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off(server):
         assert time.monotonic() - started < READ_TIMEOUT + 5
 
 
+@pytest.mark.slow
 def test_an_idle_keep_alive_connection_gets_a_deadline_again(server):
     with raw(server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
@@ -174,6 +181,7 @@ def test_an_idle_keep_alive_connection_gets_a_deadline_again(server):
         assert closed_within(sock, READ_TIMEOUT + 5)
 
 
+@pytest.mark.slow
 def test_a_body_that_never_comes_is_a_408(server):
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\":")  # fmt: skip
@@ -197,6 +205,7 @@ def test_an_aborted_upload_is_one_log_line(server):
     # (the autouse check asserts that no traceback was logged)
 
 
+@pytest.mark.slow
 def test_too_many_connections_get_503_not_a_hang():
     with ServeProcess(["--served-model-name", MODEL, "--limit-concurrency", "3", "--read-timeout", "20"]) as s:
         socks = [raw(s) for _ in range(3)]
@@ -210,6 +219,7 @@ def test_too_many_connections_get_503_not_a_hang():
 
 
 # ------------------------------------------------------------------------------------ the flags
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,words", [
     (["--api-key", ""], "--api-key"), (["--api-key", " padded "], "--api-key"),
     (["--allowed-origins", "evil"], "is not an origin"), (["--allowed-origins", "http://x:99999"], "is not an origin"),
@@ -228,6 +238,7 @@ def test_bad_safety_flags_are_one_line_before_loading(flags, words):
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("dgemma: error:")
 
 
+@pytest.mark.slow
 def test_the_key_may_come_from_the_environment():
     with ServeProcess(["--served-model-name", MODEL], env={"DGEMMA_API_KEY": "from-env"}) as s:
         assert httpx.get(s.url + "/v1/models").status_code == 401

@@ -207,6 +207,7 @@ LOOPBACK = ["http://127.0.0.1:{port}/img.png", "http://localhost:{port}/img.png"
             "http://2130706433:{port}/img.png", "http://[::ffff:7f00:1]:{port}/img.png"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", LOOPBACK)
 def test_loopback_is_refused_before_connecting(remote, host, closed_port, connections, template):
     """Every spelling of loopback: refused without a connection, with one message for an open and

@@ -12,6 +12,8 @@ import pytest
 
 from serve_process import ServeProcess
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # `dgemma serve` and `st` in subprocesses, ~50 s
+
 KEY = "fuzz-key"
 
 
