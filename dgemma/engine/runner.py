@@ -75,7 +75,6 @@ class Runner:
         self.graphs = DecoderGraphs() if self.kernels.cuda_graphs else None
         # GPU: sample every position (no host sync); CPU: only the accepted ones. Same tokens either way.
         self.sample_all_positions = self.kernels.sample_all_positions
-        self.reuse_buffers = self.kernels.reuse_buffers
         self._buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -214,9 +213,9 @@ class Runner:
         else:
             # CPU: the [n * C, vocab] float32 logits and weights live in buffers reused every step (a
             # fresh 32 MB tensor is a fresh mmap: ~8 ms of page faults here); elsewhere the allocator caches.
-            converted_head = self.reuse_buffers and self.net.dtype != torch.float32
+            converted_head = self.kernels.reuse_buffers and self.net.dtype != torch.float32
             head_out = self._buffer("logits", n * c, torch.float32) if converted_head else None
-            weights_out = self._buffer("weights", n * c, torch.float32) if self.reuse_buffers else None
+            weights_out = self._buffer("weights", n * c, torch.float32) if self.kernels.reuse_buffers else None
             logits = self.net.logits(hidden, out=head_out).view(n * c, -1)
             stats = sampler.step_statistics(logits, temps, overwrite_logits=True, out=weights_out, allowed=allowed)
             del logits
