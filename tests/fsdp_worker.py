@@ -27,4 +27,7 @@ if __name__ == "__main__":
         out = {"fingerprints": prints, "sharded": any(hasattr(p, "full_tensor") for p in trainer.module.parameters()),
                "loss": result.last_losses.get("loss")}
         (trainer.out / "fsdp_check.json").write_text(json.dumps(out))
+    # both ranks here before the group is torn down: a rank that destroys it while its peer is still
+    # in a collective's teardown can abort in gloo ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
