@@ -11,8 +11,11 @@ browser visits hostile pages. Three checks, in one ASGI middleware, before any r
   itself nor one of `--allowed-origins`, the request is refused: a cross-site page cannot drive
   the API (its simple `text/plain` POSTs need no preflight), while `curl -d` (no Origin) works.
 - **API key** (`--api-key`, or `DGEMMA_API_KEY`): `Authorization: Bearer KEY` on every API route,
-  `/metrics` included, compared in constant time; `/health`, the playground page and its files,
-  and the API description (`/openapi.json`, `/docs`) stay open.
+  the ollama API's `/api/*` and `/metrics` included, compared in constant time; `/health`, the
+  playground page (and `HEAD /`, ollama's liveness probe) and its files, and the API description
+  (`/openapi.json`, `/docs`) stay open.
+
+Refusals on `/api/*` take the ollama API's shape, `{"error": "..."}`; elsewhere OpenAI's.
 """
 
 from __future__ import annotations
@@ -142,7 +145,10 @@ class AccessGuard:
             return await self.app(scope, receive, send)
         status, message, code = refusal
         log.info("refused %s %s from %s: %s", scope["method"], scope["path"], _client(scope), message)
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
+        if scope["path"].startswith("/api/"):  # the ollama API's error shape (ollama.py)
+            body = json.dumps({"error": message})
+        else:
+            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))

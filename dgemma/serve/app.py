@@ -1,10 +1,11 @@
 """`create_app`: the FastAPI app of `dgemma serve`, an OpenAI-compatible HTTP server over the engine.
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`,
-`GET /metrics` (Prometheus text), and the playground page at `GET /` (playground/). One request's
-path: its body is read (connection.py) and checked, strictly, so that anything a client sends gets a
-4xx with an OpenAI-style error body naming the problem (protocol.py, errors.py); its prompt is
-rendered (prompts.py); it runs on the engine (service.py) and its answer is shaped, whole or
+`GET /metrics` (Prometheus text), the playground page at `GET /` (playground/), and an
+ollama-compatible API under `/api/` over the same engine (ollama.py). One request's path: its body
+is read (connection.py) and checked, strictly, so that anything a client sends gets a 4xx with an
+OpenAI-style error body naming the problem (protocol.py, errors.py); its prompt is rendered
+(prompts.py); it runs on the engine (pipeline.py, service.py) and its answer is shaped, whole or
 streamed (responses.py). Chat messages may carry images and video (media_sources.py: where they
 may come from; the checkpoint's processor: what they become), tools (tools.py) and Gemma 4's
 thinking (reasoning.py). See docs/server.md for the fields and the streaming extension,
@@ -13,38 +14,26 @@ docs/media.md for media, and "Client compatibility" for other clients' fields.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.engine import EngineOptions
-from ..inputs.model_inputs import ModelInputs
 from .access import Access, AccessGuard
 from .connection import ClientGone, read_json
-from .errors import ApiError, error_response, json_response, validation_error
+from .errors import ApiError, error_response, json_response
 from .listener import Limits
 from .media_sources import MediaPolicy
 from .metrics import Metrics
+from .ollama import add_ollama_routes, is_ollama_path, ollama_error_response
+from .pipeline import parse_params, prepare
 from .playground import add_playground
-from .prompts import has_media
-from .protocol import (
-    Budgets,
-    ChatParams,
-    CompletionParams,
-    output_format,
-    refuse_unsupported,
-    request_template_kwargs,
-    request_tools,
-    request_top_logprobs,
-    soft_token_budgets,
-)
+from .protocol import Budgets, ChatParams, CompletionParams
 from .responses import Responder, insertion_response
 from .service import Service
 
@@ -127,19 +116,22 @@ def create_app(
     async def _gone(request: Request, err: ClientGone) -> Response:
         return Response(status_code=400)  # nobody reads it
 
+    def refusal(request: Request, err: ApiError) -> Response:  # ollama's error shape on its routes (ollama.py)
+        return (ollama_error_response if is_ollama_path(request.url.path) else error_response)(err)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> Response:
-        return error_response(err)
+        return refusal(request, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
         text = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
-        return error_response(ApiError(err.status_code, text.get(err.status_code, str(err.detail))))
+        return refusal(request, ApiError(err.status_code, text.get(err.status_code, str(err.detail))))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, err: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(ApiError(500, "internal server error", code="internal_error"))
+        return refusal(request, ApiError(500, "internal server error", code="internal_error"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -170,6 +162,7 @@ def create_app(
 
     if ui:
         add_playground(app)
+    add_ollama_routes(app, service, limits.read_timeout, ui)  # /api/*, and HEAD / (ollama.py)
 
     @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
@@ -184,44 +177,14 @@ def create_app(
 
 
 async def answer(service: Service, request: Request, read_timeout: float, chat: bool) -> Response:
-    """One completion (`chat` False) or chat completion request, from its body to its answer."""
+    """One completion (`chat` False) or chat completion request, from its body to its answer
+    (pipeline.py runs it; responses.py shapes the answer)."""
     deadline = service.budgets.deadline()
-    body = await read_json(request, read_timeout)
-    try:
-        params = (ChatParams if chat else CompletionParams).model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    service.check_model(params.model)
-    refuse_unsupported(params)
-    service.check_choices(params)
-    # tokenizing a long prompt, fetching and decoding media take a while: off the event loop,
-    # so streams keep flowing
-    spec = request_tools(params) if chat else None
-    prompts = service.prompts
-    prompts.check_size(params, spec)
-    if chat:
-        prompt = await service.off_loop(has_media(params.messages), prompts.chat_inputs, params.messages,
-                                        soft_token_budgets(params), spec, request_template_kwargs(params))  # fmt: skip
-        max_tokens = params.max_completion_tokens or params.max_tokens
-    else:
-        prompt = ModelInputs(await service.off_loop(False, prompts.completion_ids, params.prompt))
-        max_tokens = params.max_tokens
-    fmt = output_format(params, spec)
-    if fmt is None and spec is not None and spec.choice in ("required", "function"):  # written on the compile thread
-        fmt = await asyncio.wrap_future(service.compile_worker.submit(service.forced_call_format, spec))
-    if not chat and (params.suffix is not None or params.span_length is not None):
-        if fmt is not None:
-            raise ApiError(400, f"{fmt.param}: not supported with suffix (insert mode)", fmt.param, "unsupported_parameter")
-        found = await service.insert(request, params, prompt, deadline)
-        return insertion_response(service, params, prompt, found)
-    grammar = None if fmt is None else await asyncio.wrap_future(service.compile_worker.submit(service.grammar, fmt))
-    first_canvas = None if chat else service.first_canvas(params, grammar)
-    thinking = chat and prompts.thinks(prompt)
-    if request_top_logprobs(params) is not None or params.stream_drafts:
-        await asyncio.to_thread(service.token_texts)  # built once (reads tokenizer.json): off the loop
-    gens = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
-                         thinking=thinking, first_canvas=first_canvas, deadline=deadline)  # fmt: skip
-    return await Responder(service, chat, prompt, gens, params, spec, thinking).respond(request)
+    params = parse_params(await read_json(request, read_timeout), chat)
+    run = await prepare(service, request, params, chat, deadline)
+    if run.inserted:
+        return insertion_response(service, params, run.prompt, run.insertion)
+    return await Responder(service, chat, run.prompt, run.gens, params, run.spec, run.thinking).respond(request)
 
 
 API_DESCRIPTION = ("OpenAI-compatible completions and chat completions served by dgemma's block-diffusion engine; "
