@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,7 +45,7 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent / "assets" / "dgemma-tiny"
 
 
-# A CUDA device with no checkpoint to ask (bench's random --size weights): the released model's dtype.
+# No checkpoint to ask (bench's random --size weights): the released model's dtype.
 RELEASE_DTYPE = torch.bfloat16
 
 
@@ -55,24 +56,27 @@ def resolve_dtype(
 ) -> torch.dtype:
     """The dtype the weights are loaded in: the one every command and `dgemma.load` use.
 
-    An explicit dtype (a torch.dtype or one of DTYPES' names) always wins. "auto" (or None): on a
-    CUDA device the checkpoint's stored dtype (`model.weights.stored_dtype`: config.json, else the
-    safetensors headers; bf16 for the released model), which is what CUDA graphs and the fast
-    grouped matmuls run; float32 when the checkpoint says nothing, bfloat16 with no checkpoint
-    (random weights). Elsewhere float32: the CPU paths are checked against the reference in
-    float32. A pure function of its arguments and the files: no GPU is needed to ask it."""
+    An explicit dtype (a torch.dtype or one of DTYPES' names) always wins. "auto" (or None): the
+    checkpoint's stored dtype (`model.weights.stored_dtype`: config.json, else the safetensors
+    headers; bf16 for the released model) on every device: what CUDA graphs and the fast grouped
+    matmuls run, and on a CPU as fast as float32 at half the memory (the released model in float32
+    would need ~104 GB). float32 when the checkpoint says nothing, and for a float16 checkpoint on a
+    CPU (the CPU kernels take bf16 or float32); bfloat16 with no checkpoint (random weights). Tests
+    that compare against float32 references ask for float32. A pure function of its arguments and
+    the files: no GPU is needed to ask it."""
     if isinstance(requested, torch.dtype):
         if requested not in DTYPES.values():
             raise ValueError(f"unsupported dtype {requested}; choose one of float32, bfloat16, float16")
         return requested
     if requested is None or requested == "auto":
-        if _device_type(device) != "cuda":
-            return torch.float32
         if checkpoint_dir is None:
             return RELEASE_DTYPE
         from .model.weights import stored_dtype
 
-        return stored_dtype(checkpoint_dir) or torch.float32
+        stored = stored_dtype(checkpoint_dir) or torch.float32
+        if stored == torch.float16 and _device_type(device) != "cuda":
+            return torch.float32
+        return stored
     if requested not in DTYPES:
         raise ValueError(f"unsupported dtype {requested!r}; choose one of float32, bfloat16, float16 or auto")
     return DTYPES[requested]
@@ -145,8 +149,11 @@ class Model:
         generation_config: GenerationConfig,
         tokenizer: Tokenizer | None = None,
         path: Path | None = None,
+        name: str | None = None,
     ):
         self.net = net
+        # what `serve` calls it: the hub id of a hub checkpoint, else the directory's name
+        self.name = name or (Path(os.path.abspath(path)).name if path else "dgemma")
         self.config: ModelConfig = net.config
         self.generation_config = generation_config
         self.tokenizer = tokenizer
@@ -561,31 +568,43 @@ def load(
     dtype: str | torch.dtype | None = "auto",
     quantization: str | None = None,
     group_size: int | None = None,
+    revision: str | None = None,
+    force: bool = False,
 ) -> Model:
-    """Load a checkpoint directory (config.json, safetensors, tokenizer). No path: the shipped dgemma-tiny.
+    """Load a checkpoint: a directory (config.json, safetensors, tokenizer) or a Hugging Face hub id
+    (`owner/name`, at `revision`: a branch, tag or commit), fetched into the hub's cache (only the
+    files dgemma reads; HF_TOKEN, HF_HOME and HF_HUB_OFFLINE=1 as huggingface_hub reads them). No
+    path: the shipped dgemma-tiny. An existing directory wins over a hub id of the same name.
 
     `device`: "cpu", "cuda", "cuda:N" or "auto" (cuda when there is a GPU). `dtype`: "float32",
-    "bfloat16", "float16", or "auto": the checkpoint's stored dtype on CUDA (bf16 for the released
-    model), float32 on CPU (`resolve_dtype`).
+    "bfloat16", "float16", or "auto": the checkpoint's stored dtype (bf16 for the released model and
+    the shipped dgemma-tiny; `resolve_dtype`).
 
     `quantization` ("fp8", "int8", "int4", "nvfp4"; `group_size` for int4) quantises the text
-    layers' linears and experts while loading, a layer at a time (see docs/quantization.md)."""
+    layers' linears and experts while loading, a layer at a time (see docs/quantization.md); "auto"
+    picks the best scheme whose memory plan fits the device.
+
+    Before any weights are read or downloaded, the memory plan of one request (dgemma/hub/fit.py)
+    is checked against the device's memory: a plan that does not fit raises `dgemma.hub.FitError`
+    saying what would, unless `force`. `model.name` is the hub id, or the directory's name."""
+    from functools import partial
+
+    from .hub import FitRequest, resolve_checkpoint
+
     if path is None:
         path = default_model_dir()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"the shipped model is missing from {path}; pass a checkpoint directory")
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise FileNotFoundError(f"{path} is a file: a checkpoint is the directory that holds config.json, the weights "
-                                "and the tokenizer")  # fmt: skip
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    dev = resolve_device(device)
+    fit = None if force and quantization != "auto" else FitRequest(dev, partial(resolve_dtype, dtype, dev), quantization,
+                                                                      group_size)  # fmt: skip
+    checkpoint = resolve_checkpoint(path, revision, fit=fit, force=force)
+    path, quantization = checkpoint.path, checkpoint.quantization if fit is not None else quantization
     config = load_model_config(path)
     generation_config = load_generation_config(path, config)
-    dev = resolve_device(device)
     # cuda:N current on this thread for what runs outside the engine too (AR mode, canvas_logits:
     # quantised linears launch Triton kernels on the current device); the engine makes it current itself
     engine_core.make_current(dev)
     net = weights.load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
-    return Model(net, generation_config, tokenizer, path)
+    return Model(net, generation_config, tokenizer, path, checkpoint.name)

@@ -1,5 +1,5 @@
-"""The GPU defaults, checked without a GPU: `--dtype auto` is the checkpoint's stored dtype on CUDA
-(float32 on CPU), decided by one function (`dgemma.api.resolve_dtype`) that every command uses;
+"""The GPU defaults, checked without a GPU: `--dtype auto` is the checkpoint's stored dtype on every
+device (float32 for a float16 checkpoint on a CPU), decided by one function (`dgemma.api.resolve_dtype`) that every command uses;
 `--device cuda:N` is parsed and checked, and the engine makes its device the current one
 (Triton kernels and CUDA graphs run on the current device)."""
 
@@ -45,9 +45,12 @@ def test_auto_is_the_checkpoints_dtype_on_cuda(bf16_checkpoint, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "meta"])
-def test_auto_is_float32_off_cuda(bf16_checkpoint, device):
-    assert resolve_dtype("auto", device, bf16_checkpoint) == torch.float32
-    assert resolve_dtype() == torch.float32  # the old one-argument form's default
+def test_auto_is_the_checkpoints_dtype_off_cuda_too(bf16_checkpoint, tmp_path, device):
+    assert resolve_dtype("auto", device, bf16_checkpoint) == torch.bfloat16
+    assert resolve_dtype() == torch.bfloat16  # no checkpoint to ask: the release's dtype
+    fp16 = checkpoint(tmp_path / "fp16", {"model_type": "diffusion_gemma", "dtype": "float16"})
+    assert resolve_dtype("auto", device, fp16) == torch.float32  # the CPU kernels take bf16 or float32
+    assert resolve_dtype("auto", "cuda", fp16) == torch.float16
 
 
 def test_an_explicit_dtype_always_wins(bf16_checkpoint):
@@ -112,7 +115,7 @@ def test_nothing_to_go_by(tmp_path):
 def test_the_shipped_model_is_stored_in_bf16():
     d = dgemma.default_model_dir()
     assert resolve_dtype("auto", "cuda", d) == torch.bfloat16
-    assert resolve_dtype("auto", "cpu", d) == torch.float32
+    assert resolve_dtype("auto", "cpu", d) == torch.bfloat16
     assert dtype_name(torch.bfloat16) == "bfloat16"
 
 
@@ -148,9 +151,9 @@ def test_cuda_devices_are_checked_against_the_machine(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ dgemma.load
-def test_load_on_cpu_is_still_float32():
-    assert dgemma.load(device="cpu").net.embed_tokens.weight.dtype == torch.float32
-    assert dgemma.load().dtype == torch.float32
+def test_load_on_cpu_takes_the_stored_dtype_unless_told():
+    assert dgemma.load(device="cpu").net.embed_tokens.weight.dtype == torch.bfloat16
+    assert dgemma.load(dtype="float32").dtype == torch.float32
 
 
 class Loaded(Exception):
@@ -195,7 +198,7 @@ def test_the_help_says_what_auto_is(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "auto = the checkpoint's dtype on CUDA" in text and "float32 on CPU" in text
+    assert "auto = the checkpoint's stored dtype" in text and "bfloat16 for the released model" in text
     assert "cuda:N" in text
 
 
@@ -232,7 +235,7 @@ def test_bench_routes_its_dtype_through_resolve_dtype(monkeypatch, capsys):
     assert "cuda:1 bfloat16" in capsys.readouterr().err  # the plan line names the resolved dtype
     with pytest.raises(Loaded):
         main(["bench", "--model", model, "--device", "cpu", "--peers", "default"])
-    assert seen["dtype"] == torch.float32
+    assert seen["dtype"] == torch.bfloat16  # the shipped model's stored dtype, on a CPU too
 
 
 def test_serve_plans_memory_in_the_checkpoints_dtype(monkeypatch):

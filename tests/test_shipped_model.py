@@ -60,7 +60,7 @@ def test_shipped_model_matches_transformers():
 
     d = dgemma.default_model_dir()
     ref = DiffusionGemmaForBlockDiffusion.from_pretrained(d, dtype=torch.float32).eval()
-    model = dgemma.load()
+    model = dgemma.load(dtype="float32")  # the reference in float32 (the default is the stored bf16)
     prompt = [model.tokenizer.encode("def fibonacci(n):")]
     canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -1,22 +1,25 @@
 """Command line: `dgemma run | make-tiny | memory | serve | bench | train | finetune | merge-lora |
-quantize | chat`.
+quantize | chat | pull | list | rm`.
 
 One module per command, each with `add_cli(subparsers)`; COMMANDS below is the whole list, in the
 order `dgemma --help` shows them. A command module imports what its work needs inside its
 functions, so that building the parser (and `dgemma --help`) stays cheap. Shared flags live in
-common.py. `python -m dgemma.cli.loadtest` (the server's load test) is a script, not a subcommand.
+common.py. A model is a directory or a Hugging Face hub id (owner/name): `pull` fetches one into the
+hub's cache, `list` and `rm` show and remove what the cache holds (dgemma/hub/).
+`python -m dgemma.cli.loadtest` (the server's load test) is a script, not a subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from . import bench, chat, make_tiny, memory, quantize, run, serve, train
+from . import bench, chat, make_tiny, memory, models, pull, quantize, run, serve, train
 from .common import CliError, flag_names
 
-COMMANDS = (run, make_tiny, memory, serve, bench, train, quantize, chat)
+COMMANDS = (run, make_tiny, memory, serve, bench, train, quantize, chat, pull, models)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     from ..model.weights import WeightsError
 
     keep_freed_memory()  # a long-running process: no page faults for every step's temporaries
-
+    # huggingface_hub (imported when a hub id is resolved) reads HF_HUB_VERBOSITY then; at its default it
+    # logs each retry of a failed request, where dgemma says what failed in one line (its progress
+    # bars stay). A user's HF_HUB_VERBOSITY wins; ours is gone when main returns.
+    quiet_hub = "HF_HUB_VERBOSITY" not in os.environ
+    if quiet_hub:
+        os.environ["HF_HUB_VERBOSITY"] = "info" if args.verbose else "error"
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
@@ -49,3 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, WeightsError, FileNotFoundError, ValueError, TypeError) as e:
         sys.stderr.write(f"dgemma: error: {e}\n")
         return 2
+    finally:
+        if quiet_hub:
+            os.environ.pop("HF_HUB_VERBOSITY", None)

@@ -26,7 +26,7 @@ from ..benchmark import (
     summarize, synthetic_checkpoint,
 )  # fmt: skip
 from ..model.presets import PRESETS
-from .common import add_device_flags, add_threads_flag, apply_threads
+from .common import MODEL_HELP, add_device_flags, add_hub_flags, add_threads_flag, apply_threads, resolve_model
 
 
 def __getattr__(name: str):
@@ -145,8 +145,10 @@ def cmd_bench(args) -> int:
 
     torch.manual_seed(0)
     device = resolve_device(args.device)
+    if args.model:  # a hub id fetched (after the memory plan's check at --batch), a directory as it is
+        args.model = str(resolve_model(args).path)
     config = model_config(args)
-    dtype = resolve_dtype(args.dtype, device, args.model)  # --model's stored dtype on CUDA; float32 on CPU
+    dtype = resolve_dtype(args.dtype, device, args.model)  # --model's stored dtype; bf16 for random --size weights
     args.dtype = dtype_name(dtype)  # what the plan and the table say
     resolve_settings(args, config.canvas_length)
     print("\n".join(plan_lines(args, config, device)), file=sys.stderr, flush=True)
@@ -163,7 +165,9 @@ def cmd_bench(args) -> int:
                 say(f"building random weights of --size {args.size} (in a child process)")
             path = Path(args.model) if args.model else synthetic_checkpoint(args.size, Path(tmp), dtype=dtype)
             say(f"loading {path if args.model else 'them'}")
-            model = load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size)
+            forced = {"force": True} if args.force else {}  # past the memory check resolve_model made
+            model = load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size,
+                         **forced)  # fmt: skip
         if "reference" in peers:
             say("loading the transformers reference")
             ref = load_reference(path, device, dtype)
@@ -238,7 +242,8 @@ def add_cli(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a preset for a check in under a minute on tiny: 1 canvas of prompt, 2 new, 4 steps, "
                         "peers default,ar, 1 warm-up + 1 timed round; flags given explicitly override it (default: off)")
-    p.add_argument("--model", "-m", help="checkpoint directory (default: random weights of --size)")
+    p.add_argument("--model", "-m", help=f"{MODEL_HELP} (default: random weights of --size)")
+    add_hub_flags(p)
     p.add_argument("--size", choices=list(PRESETS), default="tiny",
                    help="model size preset for random weights, dgemma/model/presets.py (default: tiny)")
     add_device_flags(p)  # random --size weights on CUDA: --dtype auto is bfloat16, the released model's

@@ -8,6 +8,7 @@ that building the parser stays cheap.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -31,8 +32,8 @@ SAMPLER_FLAGS = (
 # `resolve_dtype` decide what they mean (the one place "auto" is resolved)
 DEVICE_HELP = "cpu, cuda, cuda:N (the GPU of index N) or auto: cuda when torch sees a GPU (default: cpu)"
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
-DTYPE_HELP = ("the weights' dtype in memory (default: auto = the checkpoint's dtype on CUDA, bfloat16 for the "
-              "released model; float32 on CPU)")  # fmt: skip
+DTYPE_HELP = ("the weights' dtype in memory (default: auto = the checkpoint's stored dtype, bfloat16 for the "
+              "released model and the shipped dgemma-tiny)")  # fmt: skip
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -40,11 +41,26 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
 
 
+MODEL_HELP = "a checkpoint directory or a Hugging Face hub id (owner/name)"
+QUANTIZATION_CHOICES = ["auto", "fp8", "int8", "int4", "nvfp4"]
+
+
+def add_hub_flags(p: argparse.ArgumentParser) -> None:
+    """--revision and --force of every command that names a model (dgemma/hub/)."""
+    p.add_argument("--revision", default=None,
+                   help="with a hub id: the branch, tag or commit to use (default: main)")  # fmt: skip
+    p.add_argument("--force", action="store_true",
+                   help="go on when the memory plan does not fit the device, or a download the disk's free space "
+                        "(default: refuse, saying what would fit)")  # fmt: skip
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="checkpoint directory (default: the shipped dgemma-tiny)")
+    p.add_argument("--model", "-m", help=f"{MODEL_HELP} (default: the shipped dgemma-tiny)")
+    add_hub_flags(p)
     add_device_flags(p)
-    p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
-                   help="quantise the text layers' linears and experts while loading (docs/quantization.md)")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                   help="quantise the text layers' linears and experts while loading (docs/quantization.md); auto: "
+                        "the best scheme whose memory plan fits the device (a pre-quantised checkpoint: its own)")  # fmt: skip
     p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
 
 
@@ -171,14 +187,78 @@ def check_seed_flag(args) -> None:
             raise CliError(str(e)) from None
 
 
+def say(message: str) -> None:
+    """A progress or warning line on stderr (stdout holds the command's output)."""
+    sys.stderr.write(f"dgemma: {message}\n")
+    sys.stderr.flush()
+
+
+FIT_FLAGS = ("--quantization", "--max-context", "--max-active")
+
+
+def device_memory_override() -> int | None:
+    """DGEMMA_DEVICE_MEMORY as bytes: the memory the memory-plan check takes for the device's, e.g.
+    to check on one machine what another will run (and in tests); None when unset."""
+    from ..hub.fit import DEVICE_MEMORY_ENV
+
+    text = os.environ.get(DEVICE_MEMORY_ENV)
+    if not text:
+        return None
+    try:
+        return parse_size(text)
+    except argparse.ArgumentTypeError as e:
+        raise CliError(f"{DEVICE_MEMORY_ENV}: {e}") from None
+
+
+def fit_request(args, device):
+    """The memory-plan check's request from a command's flags (`hub.FitRequest`): the device, dtype
+    and scheme it loads with, and what it runs: serve its --max-active requests of --max-context
+    positions, the others one request (bench: --batch)."""
+    from functools import partial
+
+    from ..api import resolve_dtype
+    from ..hub import FitRequest
+    from ..hub.fit import SINGLE_REQUEST_CONTEXT
+
+    flags = tuple(f for f in FIT_FLAGS if hasattr(args, f[2:].replace("-", "_")))
+    context = args.max_context if hasattr(args, "max_context") else SINGLE_REQUEST_CONTEXT
+    return FitRequest(
+        device, partial(resolve_dtype, getattr(args, "dtype", "auto"), device), getattr(args, "quantization", None),
+        getattr(args, "group_size", None), max_active=getattr(args, "max_active", None) or getattr(args, "batch", None) or 1,
+        max_context=context, kv_cache_memory=getattr(args, "kv_cache_memory", None),
+        prefill_chunk=getattr(args, "prefill_chunk", 2048), memory=device_memory_override(), flags=flags + ("--force",),
+    )  # fmt: skip
+
+
+def resolve_model(args, fit: bool = True):
+    """--model (a directory or a hub id, at --revision) as a local checkpoint (`hub.Checkpoint`),
+    fetched if need be; with `fit`, its memory plan checked against --device first (--force: a
+    warning only). Without --model: the shipped dgemma-tiny."""
+    from ..api import default_model_dir, resolve_device
+    from ..hub import resolve_checkpoint
+
+    revision = getattr(args, "revision", None)
+    if args.model is None:
+        if revision is not None:
+            raise CliError("--revision needs --model owner/name (a hub id)")
+        if not (default_model_dir() / "config.json").exists():
+            raise CliError("no --model given and the shipped model is missing; create one with `dgemma make-tiny DIR`")
+    request = fit_request(args, resolve_device(args.device)) if fit else None
+    return resolve_checkpoint(args.model or default_model_dir(), revision, fit=request,
+                              force=getattr(args, "force", False), say=say)  # fmt: skip
+
+
 def load_model(args):
-    """The model named by --model/--device/--dtype (the shipped dgemma-tiny without --model)."""
+    """The model named by --model/--revision/--device/--dtype/--quantization (the shipped
+    dgemma-tiny without --model), after the memory-plan check; `model.name` is the hub id or the
+    directory's name."""
     import dgemma
 
-    if args.model is None and not (dgemma.default_model_dir() / "config.json").exists():
-        raise CliError("no --model given and the shipped model is missing; create one with `dgemma make-tiny DIR`")
-    quantization, group_size = getattr(args, "quantization", None), getattr(args, "group_size", None)
-    return dgemma.load(args.model, device=args.device, dtype=args.dtype, quantization=quantization, group_size=group_size)
+    checkpoint = resolve_model(args)  # force=True below: checked here, with the command's own flags
+    model = dgemma.load(checkpoint.path, device=args.device, dtype=args.dtype, quantization=checkpoint.quantization,
+                        group_size=getattr(args, "group_size", None), force=True)  # fmt: skip
+    model.name = checkpoint.name
+    return model
 
 
 def print_growing(text: str, printed: str) -> str:

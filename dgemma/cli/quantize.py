@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..model.presets import PRESETS
 from ..quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, QuantError
-from .common import parse_size
+from .common import MODEL_HELP, add_hub_flags, parse_size, resolve_model
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}  # fmt: skip
@@ -16,6 +16,7 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 def cmd_quantize(args) -> int:
     import torch
 
+    from ..hub import is_hub_id
     from ..quant.quant_config import check_group_size
     from ..quant.write import check_output_dir, write_quantized
 
@@ -28,9 +29,11 @@ def cmd_quantize(args) -> int:
         raise QuantError(f"--shard-size: {e}") from None
     if (args.model is None) == (args.size is None):
         raise QuantError("give --model DIR (a checkpoint) or --size NAME (random weights of a named size), not both")
-    if args.model is not None and not Path(args.model).is_dir():
-        raise QuantError(f"--model {args.model}: no such directory")
+    if args.model is not None and not Path(args.model).is_dir() and not is_hub_id(args.model):
+        raise QuantError(f"--model {args.model}: no such directory (nor a hub id owner/name)")
     check_output_dir(Path(args.out))
+    if args.model is not None:  # a hub id fetched into the cache (the whole checkpoint is read, a tensor at a time)
+        args.model = str(resolve_model(args, fit=False).path)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     options = dict(dtype=dtype, quantize_embeddings=args.quantize_embeddings, shard_bytes=shard_bytes)
     if args.model is not None:
@@ -61,7 +64,8 @@ def write_random_quantized(size: str, out: str, scheme: str, group_size: int | N
 def add_cli(sub) -> None:
     """The `quantize` subcommand."""
     p = sub.add_parser("quantize", help="write a quantised checkpoint (compressed-tensors format; docs/quantization.md)")
-    p.add_argument("--model", "-m", default=None, help="full-precision checkpoint directory")
+    p.add_argument("--model", "-m", default=None, help=f"the full-precision checkpoint: {MODEL_HELP}")
+    add_hub_flags(p)
     p.add_argument("--size", choices=sorted(PRESETS), default=None,
                    help="instead of --model: random weights of a named size (bf16), drawn as they are written "
                    "(`--size real` writes the released model's size without its weights; docs/quantization.md)")  # fmt: skip

@@ -15,7 +15,8 @@ from .common import (
 )  # fmt: skip
 
 DEMO_MODEL_NOTE = ("dgemma: no --model: the shipped demo model dgemma-tiny (10M parameters, trained on Python's "
-                   "standard library: expect Python-flavoured text, not working code); --model DIR for a real checkpoint")  # fmt: skip
+                   "standard library: expect Python-flavoured text, not working code); --model DIR or a hub id "
+                   "(owner/name) for a real checkpoint")  # fmt: skip
 
 
 def chat_messages(args, content) -> list[dict]:

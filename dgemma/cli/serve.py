@@ -33,7 +33,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for admission; more get HTTP 429 (default: 64)")
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt plus output positions per request (default: the model's max_position_embeddings)")  # fmt: skip
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the checkpoint directory name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: the hub id, owner/name, or the checkpoint directory's name)")  # fmt: skip
     add_engine_flags(p)
     add_media_flags(p)
     add_safety_flags(p)
@@ -125,34 +126,19 @@ def media_summary(model, policy: MediaPolicy) -> str:
 
 
 def check_device_memory(args: argparse.Namespace, device) -> None:
-    """Refuse, before loading, a plan that cannot fit the GPU `device` (engine/memory_plan.py),
-    saying what would; the plan is in the dtype `dgemma.load` will choose (`resolve_dtype`)."""
-    import torch
+    """Refuse a plan that cannot fit `device` (a local --model's), saying what would: the check
+    `load_model` makes before loading (hub/fit.py, in the dtype `dgemma.load` will choose), on its own."""
+    from ..api import default_model_dir
+    from ..hub.fit import check_fit, local_facts
+    from .common import fit_request
 
-    from ..api import default_model_dir, resolve_dtype
-    from ..config import load_model_config
-    from ..engine.memory_plan import check_fits, plan_memory
-
-    if not torch.cuda.is_available():
-        raise CliError(f"--device {args.device}: torch sees no CUDA device")
-    path = args.model or default_model_dir()
-    config = load_model_config(path)
-    dtype = resolve_dtype(args.dtype, device, path)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    plan = plan_memory(config, dtype, getattr(args, "quantization", None), getattr(args, "group_size", None),
-                       args.max_active, args.max_context, args.kv_cache_memory, args.prefill_chunk)  # fmt: skip
-    try:
-        check_fits(plan, total, config, dtype, getattr(args, "group_size", None))
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    facts = local_facts(Path(args.model or default_model_dir()))
+    check_fit(facts, fit_request(args, device), getattr(args, "force", False))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Check the flags, load the model, and serve it until interrupted."""
     import uvicorn
-
-    from ..api import resolve_device
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
@@ -164,12 +150,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     apply_threads(args)
     template = read_chat_template(args)
-    device = resolve_device(args.device)  # a bad --device or a missing GPU: one line, before loading
-    if device.type == "cuda":
-        check_device_memory(args, device)
-    model = load_model(args)
+    model = load_model(args)  # a bad --device first, then a hub id fetched after its memory plan's check
     apply_chat_template_file(model, args, template)
-    name = args.served_model_name or (model.path.name if model.path else "dgemma")
+    name = args.served_model_name or model.name
     try:
         app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy,
                          args.ui, access, budgets, limits, args.docs)  # fmt: skip

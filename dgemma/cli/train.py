@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..model.presets import PRESETS
+from .common import MODEL_HELP, add_hub_flags, resolve_model
 
 
 def add_cli(sub) -> None:
@@ -16,7 +17,8 @@ def add_cli(sub) -> None:
     t.set_defaults(func=cmd_train)
 
     f = sub.add_parser("finetune", help="fine-tune a checkpoint (full or LoRA)")
-    f.add_argument("--model", "-m", required=True, help="checkpoint directory to start from")
+    f.add_argument("--model", "-m", required=True, help=f"the checkpoint to start from: {MODEL_HELP}")
+    add_hub_flags(f)
     f.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
     f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     f.add_argument("--lora-targets", default="attention,mlp", help="attention, mlp and/or module-name suffixes")
@@ -25,7 +27,8 @@ def add_cli(sub) -> None:
     f.set_defaults(func=cmd_train)
 
     m = sub.add_parser("merge-lora", help="fold LoRA adapters into a full checkpoint")
-    m.add_argument("--model", "-m", required=True, help="the base checkpoint")
+    m.add_argument("--model", "-m", required=True, help=f"the base checkpoint: {MODEL_HELP}")
+    add_hub_flags(m)
     m.add_argument("--adapter", required=True, help="directory with adapter_config.json and adapter_model.safetensors")
     m.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
     m.set_defaults(func=cmd_merge_lora)
@@ -74,6 +77,8 @@ def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
 def cmd_train(args) -> int:
     from ..train.trainer import TrainArgs, train
 
+    if getattr(args, "model", None):  # finetune: a hub id fetched into the cache, a directory as it is
+        args.model = str(resolve_model(args, fit=False).path)
     fields_ = TrainArgs.__dataclass_fields__
     values = {k: v for k, v in vars(args).items() if k in fields_}
     result = train(TrainArgs(**values))
@@ -87,7 +92,7 @@ def cmd_merge_lora(args) -> int:
     from ..model.checkpoint import save_checkpoint
     from ..train import lora
 
-    model = dgemma.load(args.model)
+    model = dgemma.load(resolve_model(args, fit=False).path)
     lora.load_adapters(model.net, args.adapter)
     lora.merge_lora(model.net)
     tok = model.tokenizer
