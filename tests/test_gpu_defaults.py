@@ -239,25 +239,33 @@ def test_bench_routes_its_dtype_through_resolve_dtype(monkeypatch, capsys):
 
 
 def test_serve_plans_memory_in_the_checkpoints_dtype(monkeypatch):
-    """`dgemma serve --device cuda:1`'s fit check plans in the dtype the load will choose, on cuda:1."""
+    """`dgemma serve --device cuda:1`'s fit check (the one every load makes) plans in the dtype the
+    load will choose, against cuda:1's memory (a CUDA machine faked)."""
+    from dgemma.cli.common import resolve_model
     from dgemma.engine import memory_plan
-    from dgemma.cli.serve import check_device_memory
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
     def properties(index):
         seen["index"] = index
         return types.SimpleNamespace(total_memory=2**40)
 
+    def plan(config, dtype, *rest):
+        seen.setdefault("dtype", dtype)
+        raise Loaded
+
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
-    monkeypatch.setattr(memory_plan, "plan_memory", lambda config, dtype, *rest: seen.setdefault("dtype", dtype))
-    monkeypatch.setattr(memory_plan, "check_fits", lambda *a: None)
+    monkeypatch.setattr(memory_plan, "plan_memory", plan)
     args = argparse.Namespace(model=None, device="cuda:1", dtype="auto", quantization=None, group_size=None,
                               max_active=8, max_context=None, kv_cache_memory=None, prefill_chunk=2048)  # fmt: skip
-    check_device_memory(args, torch.device("cuda", 1))
+    with pytest.raises(Loaded):
+        resolve_model(args)
     assert seen == {"index": 1, "dtype": torch.bfloat16}
     seen.clear()
-    check_device_memory(argparse.Namespace(**dict(vars(args), dtype="float16")), torch.device("cuda", 1))
+    with pytest.raises(Loaded):
+        resolve_model(argparse.Namespace(**dict(vars(args), dtype="float16")))
     assert seen["dtype"] == torch.float16
 
 

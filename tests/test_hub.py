@@ -403,7 +403,7 @@ def test_auto_picks_the_best_scheme_that_fits(monkeypatch):
         check_fit(facts, small)
     forced = check_fit(facts, small, force=True)
     assert not forced.fits and forced.scheme == "nvfp4"  # the smallest, as asked
-    monkeypatch.setattr(fit, "device_memory", lambda device, override=None: (totals["fp8"], "a small device"))
+    monkeypatch.setattr(fit, "device_memory", lambda device, override=None, source=None: (totals["fp8"], "a small device"))
     with pytest.raises(FitError, match="it would fit with quantization='fp8' .*; force=True loads it anyway"):
         dgemma.load()  # the API's refusal names load()'s arguments
 

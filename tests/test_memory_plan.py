@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from dgemma.cli import main
-from dgemma.engine.memory_plan import check_fits, plan_memory, weight_bytes
+from dgemma.engine.memory_plan import plan_memory, weight_bytes
+from dgemma.hub import FitError, FitRequest
+from dgemma.hub.fit import CheckpointFacts, check_fit
 from dgemma.model.checkpoint import make_config
 from dgemma.model.diffusion_gemma import DiffusionGemma
 from dgemma.model.presets import PRESETS
@@ -29,19 +31,27 @@ def test_planned_weight_bytes_are_what_the_model_holds(scheme):
 
 
 @pytest.mark.slow
-def test_the_released_model_on_a_24_gb_card():
+def test_the_released_model_on_a_24_gb_card(tmp_path):
     config = make_config(**PRESETS["real"])
     card = 24 * 10**9
-    int4 = plan_memory(config, torch.bfloat16, "int4", None, batch=8, context=8192)
-    check_fits(int4, card, config, torch.bfloat16)  # fits
-    assert 13 * GIB < sum(int4.weights.values()) < 15 * GIB  # docs/quantization.md measured 13.49 GiB
-    bf16 = plan_memory(config, torch.bfloat16, None, None, batch=8, context=8192)
-    assert sum(bf16.weights.values()) > 45 * GIB
-    with pytest.raises(ValueError, match=r"does not fit this device's 22\.4 GiB: weights .* it would fit with --quantization int4"):
-        check_fits(bf16, card, config, torch.bfloat16)
-    long = plan_memory(config, torch.bfloat16, "int4", None, batch=8)  # the full 131072 positions
-    with pytest.raises(ValueError, match="--max-context"):
-        check_fits(long, card, config, torch.bfloat16)
+    facts = CheckpointFacts("real", tmp_path, config)
+    flags = ("--quantization", "--max-context", "--max-active", "--force")
+
+    def fit(scheme, context=8192):
+        request = FitRequest(torch.device("cuda"), lambda _: torch.bfloat16, scheme, None, 8, context, memory=card,
+                             memory_source="--card", flags=flags)  # fmt: skip
+        return check_fit(facts, request)
+
+    int4 = fit("int4")  # fits
+    assert int4.fits and int4.scheme == "int4" and int4.plan.total <= card
+    assert 13 * GIB < sum(int4.plan.weights.values()) < 15 * GIB  # docs/quantization.md measured 13.49 GiB
+    assert sum(plan_memory(config, torch.bfloat16, None, None, batch=8, context=8192).weights.values()) > 45 * GIB
+    with pytest.raises(FitError, match=r"does not fit this device's 22\.4 GiB \(--card\): weights .* it would fit with "
+                                       r"--quantization int4 .*; --force loads it anyway"):  # fmt: skip
+        fit(None)
+    with pytest.raises(FitError, match="--max-context"):
+        fit("int4", context=None)  # the full 131072 positions
+    assert fit("auto").scheme == "int4"  # the best scheme that fits
 
 
 @pytest.mark.slow

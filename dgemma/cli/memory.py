@@ -8,27 +8,36 @@ from .common import CliError, parse_size
 
 def print_memory_plan(config, args) -> int:
     """`dgemma memory --card SIZE`: what serving takes on a device of SIZE bytes, by part, and
-    whether it fits (the check `dgemma serve --device cuda` makes before loading)."""
+    whether it fits: the check every load makes (hub/fit.py), for a card of that size."""
+    from pathlib import Path
+
+    import torch
+
     from ..api import resolve_dtype
-    from ..engine.memory_plan import check_fits, plan_memory
+    from ..hub import FitError, FitRequest
+    from ..hub.fit import CheckpointFacts, check_fit, local_facts
 
     dtype = resolve_dtype(args.dtype)
+    name = args.model or f"--size {args.size}"
+    # a checkpoint's facts include a pre-quantised one's headers (its weights as stored)
+    facts = local_facts(Path(args.model)) if args.model else CheckpointFacts(name, Path("."), config)
+    request = FitRequest(torch.device("cuda"), lambda _: dtype, args.quantization, args.group_size, args.max_active,
+                         args.max_context, memory=args.card, memory_source="--card",
+                         flags=("--quantization", "--max-context", "--max-active"))  # fmt: skip
     try:
-        plan = plan_memory(config, dtype, args.quantization, args.group_size, args.max_active, args.max_context)
-    except ValueError as e:
+        fit = check_fit(facts, request, force=True)
+    except (FitError, ValueError) as e:
         raise CliError(str(e)) from None
-    gib = 2**30
-    print(f"serving {args.model or args.size} on a {args.card / gib:.1f} GiB device, {args.dtype}, "
+    plan, gib = fit.plan, 2**30
+    print(f"serving {name} on a {args.card / gib:.1f} GiB device, {args.dtype}, "
           f"{plan.scheme or 'unquantised'} weights, batch {plan.batch}, context {plan.context}:")  # fmt: skip
     for part, size in plan.weights.items():
         print(f"  weights: {part:<12} {size / gib:8.2f} GiB")
-    for name, size in (("KV cache", plan.kv_cache), ("step buffers", plan.step_buffers), ("reserve", plan.reserve)):
-        print(f"  {name:<21} {size / gib:8.2f} GiB")
+    for part, size in (("KV cache", plan.kv_cache), ("step buffers", plan.step_buffers), ("reserve", plan.reserve)):
+        print(f"  {part:<21} {size / gib:8.2f} GiB")
     print(f"  {'total':<21} {plan.total / gib:8.2f} GiB")
-    try:
-        check_fits(plan, args.card, config, dtype, args.group_size)
-    except ValueError as e:
-        print(f"does not fit: {e}")
+    if not fit.fits:
+        print(f"does not fit: {fit.message}")
         return 1
     print("fits")
     return 0
@@ -78,7 +87,8 @@ def add_cli(sub) -> None:
     mem.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
     mem.add_argument("--card", type=parse_size, default=None,
                      help="plan serving on a device of this many bytes (e.g. 24GB, 80GiB): weights, KV, step buffers, fit")  # fmt: skip
-    mem.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4", "nvfp4"], help="with --card: the scheme")
+    mem.add_argument("--quantization", default=None, choices=["auto", "fp8", "int8", "int4", "nvfp4"],
+                     help="with --card: the scheme (auto: the best that fits)")  # fmt: skip
     mem.add_argument("--group-size", type=int, default=None, help="with --card: int4's group size (default 64)")
     mem.add_argument("--max-active", type=int, default=8, help="with --card: canvases denoised at once (default 8)")
     mem.add_argument("--max-context", type=int, default=None,

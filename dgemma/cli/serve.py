@@ -1,6 +1,7 @@
 """`dgemma serve`: its flags (the model, the engine, media sources, who may call it and what a
-request may cost), the memory check before loading, and the uvicorn server around the app
-(serve/app.py). docs/server.md, docs/security.md and docs/media.md describe the flags."""
+request may cost), the model loaded after its memory check (cli/common.py), and the uvicorn
+server around the app (serve/app.py). docs/server.md, docs/security.md and docs/media.md describe
+the flags."""
 
 from __future__ import annotations
 
@@ -123,17 +124,6 @@ def media_summary(model, policy: MediaPolicy) -> str:
         named = f" and {', '.join(policy.allowed_domains)}" if policy.allowed_domains else ""
         sources.append(f"http(s) URLs of public addresses{named}")
     return f"images and video from {', '.join(sources)}"
-
-
-def check_device_memory(args: argparse.Namespace, device) -> None:
-    """Refuse a plan that cannot fit `device` (a local --model's), saying what would: the check
-    `load_model` makes before loading (hub/fit.py, in the dtype `dgemma.load` will choose), on its own."""
-    from ..api import default_model_dir
-    from ..hub.fit import check_fit, local_facts
-    from .common import fit_request
-
-    facts = local_facts(Path(args.model or default_model_dir()))
-    check_fit(facts, fit_request(args, device), getattr(args, "force", False))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

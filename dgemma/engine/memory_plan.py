@@ -1,9 +1,10 @@
 """What a device must hold to serve a model: weights (by quantisation scheme), the KV pool, and the
-step buffers at the chosen batch; and whether that fits a card, with what would fit if not.
+step buffers at the chosen batch. Whether that fits a device, and what would fit if not, is
+hub/fit.py's (`check_fit`: every load, a hub id before its download, `dgemma memory --card`).
 
-Pure arithmetic on the config (parameters counted on the meta device, nothing allocated), so
-`dgemma serve --device cuda` can refuse a plan before it loads a byte, and `dgemma memory --card`
-prints the same plan anywhere. The figures are estimates of what is allocated, not measurements:
+Pure arithmetic on the config (parameters counted on the meta device, nothing allocated), so a
+plan can be refused before a byte is loaded or downloaded, and `dgemma memory --card` prints the
+same plan anywhere. The figures are estimates of what is allocated, not measurements:
 weights exactly as the formats store them (compressed-tensors layouts: float32 per-channel
 scales, int4 group scales in the model's dtype), a KV pool holding one request of the context
 (sliding layers: their window), step buffers from the tensors a decoder pass and a prefill chunk
@@ -138,31 +139,3 @@ def plan_memory(
         weight_bytes(config, scheme, group_size, dtype), int(kv), step_buffer_bytes(config, batch, prefill_chunk, dtype),
         RESERVE, scheme, batch, context,
     )  # fmt: skip
-
-
-def check_fits(plan: MemoryPlan, card_bytes: int, config: ModelConfig, dtype: torch.dtype, group_size: int | None = None) -> None:
-    """ValueError unless `plan` fits `card_bytes`, saying what it needs and what would fit: a
-    smaller scheme, a shorter context, a smaller batch."""
-    if plan.total <= card_bytes:
-        return
-    gib = 2**30
-    fixes = []
-    for scheme in ("fp8", "int4", "nvfp4"):
-        if scheme == plan.scheme or (plan.scheme in ("int4", "nvfp4") and scheme == "fp8"):
-            continue
-        other = plan_memory(config, dtype, scheme, group_size, plan.batch, plan.context)
-        if other.total <= card_bytes:
-            fixes.append(f"--quantization {scheme} ({other.total / gib:.1f} GiB)")
-            break
-    for context in (65536, 32768, 16384, 8192, 4096):
-        other = plan_memory(config, dtype, plan.scheme, group_size, plan.batch, min(context, plan.context))
-        if context < plan.context and other.total <= card_bytes:
-            fixes.append(f"--max-context {context} ({other.total / gib:.1f} GiB)")
-            break
-    for batch in (4, 2, 1):
-        other = plan_memory(config, dtype, plan.scheme, group_size, batch, plan.context)
-        if batch < plan.batch and other.total <= card_bytes:
-            fixes.append(f"--max-active {batch} ({other.total / gib:.1f} GiB)")
-            break
-    hint = "; it would fit with " + " or ".join(fixes) if fixes else "; no smaller scheme, context or batch fits it either"
-    raise ValueError(f"the model does not fit this device's {card_bytes / gib:.1f} GiB: {plan.describe()}{hint}")

@@ -61,6 +61,7 @@ class FitRequest:
     kv_cache_memory: int | None = None
     prefill_chunk: int = 2048
     memory: int | None = None
+    memory_source: str = DEVICE_MEMORY_ENV  # what `memory` is, in a refusal: the variable, or `--card`
     flags: tuple[str, ...] = ()
 
     def fix(self, knob: str, value: object) -> str:
@@ -155,11 +156,12 @@ def read_json_file(path: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ plans
-def device_memory(device: torch.device, override: int | None = None) -> tuple[int | None, str]:
-    """The bytes the weights and the engine share on `device` (or `override`), and what they are;
-    None where unknown (then nothing is checked)."""
+def device_memory(device: torch.device, override: int | None = None,
+                  source: str = DEVICE_MEMORY_ENV) -> tuple[int | None, str]:  # fmt: skip
+    """The bytes the weights and the engine share on `device` (or `override`, named `source`), and
+    what they are; None where unknown (then nothing is checked)."""
     if override is not None:
-        return override, DEVICE_MEMORY_ENV
+        return override, source
     if device.type == "cuda":
         try:
             index = device.index if device.index is not None else torch.cuda.current_device()
@@ -222,15 +224,13 @@ def variant(plan, facts: CheckpointFacts, dtype: torch.dtype, request: FitReques
 def check_fit(facts: CheckpointFacts, request: FitRequest, force: bool = False) -> Fit:
     """Plan `facts` for `request` on its device and pick the scheme; FitError (saying what would
     fit) when nothing asked for fits, unless `force` (then the Fit says so and loading goes on)."""
-    from ..engine import memory_plan
-
     if request.quantization not in (None, "auto"):  # a bad scheme or group size: the loader's own words
         from ..quant.formats import DEFAULT_GROUP_SIZE, check_scheme
 
         int4 = request.quantization == "int4"
         check_scheme(request.quantization, (request.group_size or DEFAULT_GROUP_SIZE) if int4 else None)
     dtype = request.dtype(facts.config_dir)
-    memory, where = device_memory(request.device, request.memory)
+    memory, where = device_memory(request.device, request.memory, request.memory_source)
     if facts.quant is not None and request.quantization not in (None, "auto"):
         raise HubError(f"{facts.name} is already quantised ({facts.quant.scheme}): load it without "
                        f"{'--quantization' if request.flags else 'quantization'}")  # fmt: skip
@@ -243,13 +243,8 @@ def check_fit(facts: CheckpointFacts, request: FitRequest, force: bool = False) 
     else:
         scheme = None if facts.quant is not None else request.quantization
         plan = plan_for(facts, dtype, scheme, request)
-        if memory is None:
-            return Fit(plan, scheme, None, where, True)
-        try:
-            memory_plan.check_fits(plan, memory, facts.config, dtype, request.group_size)
+        if memory is None or plan.total <= memory:
             return Fit(plan, scheme, memory, where, True)
-        except ValueError:  # its hints name serve's flags: refusal() names the caller's
-            pass
     message = refusal(facts, request, dtype, plan, memory, where)
     if not force:
         raise FitError(message)
@@ -280,6 +275,8 @@ def refusal(facts: CheckpointFacts, request: FitRequest, dtype: torch.dtype, pla
                 fixes.append(f"{request.fix('max_active', batch)} ({other.total / GIB:.1f} GiB)")
                 break
     hint = "it would fit with " + " or ".join(fixes) if fixes else "no smaller scheme, context or batch fits it either"
-    force = "--force" if request.flags else "force=True"
-    return (f"{facts.name} does not fit this device's {memory / GIB:.1f} GiB ({where}): {plan.describe()}; {hint}; "
-            f"{force} loads it anyway")  # fmt: skip
+    if request.flags:
+        force = "; --force loads it anyway" if "--force" in request.flags else ""
+    else:
+        force = "; force=True loads it anyway"
+    return f"{facts.name} does not fit this device's {memory / GIB:.1f} GiB ({where}): {plan.describe()}; {hint}{force}"
