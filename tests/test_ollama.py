@@ -9,6 +9,7 @@ import asyncio
 import base64
 import inspect
 import json
+import time
 from datetime import datetime
 
 import httpx
@@ -347,3 +348,18 @@ def test_chat_with_an_image_on_a_vision_checkpoint(vision):
     g = vision.api.generate(model=VISION_MODEL, prompt="what is this?", images=[base64.b64encode(PNG).decode()],
                             options=knobs, stream=False)  # fmt: skip
     assert g.response == r.message.content
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_a_stream_cancels_its_work(server):
+    """A client that goes away mid-stream takes its request off the engine (no work for nobody)."""
+    engine_thread = server.app.state.service.engine_thread
+    body = {"model": MODEL, "messages": USER, "options": {"num_predict": 2000, "ignore_eos": True, "seed": 1}}
+    with httpx.stream("POST", server.url + "/api/chat", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert json.loads(next(r.iter_lines()))["done"] is False
+        assert engine_thread.in_flight == 1
+    deadline = time.monotonic() + 20
+    while engine_thread.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_thread.in_flight == 0 and not engine_thread.engine.scheduler.running

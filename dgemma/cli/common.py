@@ -58,9 +58,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help=f"{MODEL_HELP} (default: the shipped dgemma-tiny)")
     add_hub_flags(p)
     add_device_flags(p)
-    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
-                   help="quantise the text layers' linears and experts while loading (docs/quantization.md); auto: "
-                        "the best scheme whose memory plan fits the device (a pre-quantised checkpoint: its own)")  # fmt: skip
+    add_quantization_flags(p, "quantise the text layers' linears and experts while loading (docs/quantization.md); "
+                              "auto: the best scheme whose memory plan fits the device (a pre-quantised checkpoint: "
+                              "its own)")  # fmt: skip
+
+
+def add_quantization_flags(p: argparse.ArgumentParser, help_text: str) -> None:
+    """--quantization (`help_text` says what it does for the command) and int4's --group-size."""
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=help_text)
     p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from .common import (
-    QUANTIZATION_CHOICES, CliError, add_device_flags, add_hub_flags, fit_request, say,
+    CliError, add_device_flags, add_hub_flags, add_quantization_flags, fit_request, say,
 )  # fmt: skip
 
 
@@ -21,10 +21,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("repo_id", metavar="ID", help="a Hugging Face hub id, owner/name")
     add_hub_flags(p)
     add_device_flags(p)
-    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
-                   help="plan for this scheme, as run and serve would quantise while loading (auto: the best "
-                        "that fits)")  # fmt: skip
-    p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
+    add_quantization_flags(p, "plan for this scheme, as run and serve would quantise while loading (auto: the best "
+                              "that fits)")  # fmt: skip
     p.add_argument("--max-context", type=int, default=SINGLE_REQUEST_CONTEXT,
                    help=f"plan for requests of this many positions (default: {SINGLE_REQUEST_CONTEXT}, as run and chat "
                         "plan; serve plans the model's whole context)")  # fmt: skip

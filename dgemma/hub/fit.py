@@ -262,17 +262,14 @@ def refusal(facts: CheckpointFacts, request: FitRequest, dtype: torch.dtype, pla
                 build = " or a pre-quantised build of it, a smaller download" if facts.from_hub else ""
                 fixes.append(f"{request.fix('quantization', scheme)} ({other.total / GIB:.1f} GiB{build})")
                 break
-    if request.has("max_context"):
-        for context in CONTEXTS:
-            other = variant(plan, facts, dtype, request, context=context)
-            if context < plan.context and other.total <= memory:
-                fixes.append(f"{request.fix('max_context', context)} ({other.total / GIB:.1f} GiB)")
-                break
-    if request.has("max_active"):
-        for batch in BATCHES:
-            other = variant(plan, facts, dtype, request, batch=batch)
-            if batch < plan.batch and other.total <= memory:
-                fixes.append(f"{request.fix('max_active', batch)} ({other.total / GIB:.1f} GiB)")
+    for knob, values, now, shape in (("max_context", CONTEXTS, plan.context, "context"),
+                                      ("max_active", BATCHES, plan.batch, "batch")):  # fmt: skip
+        if not request.has(knob):
+            continue
+        for value in values:  # the largest smaller value whose plan fits
+            other = variant(plan, facts, dtype, request, **{shape: value})
+            if value < now and other.total <= memory:
+                fixes.append(f"{request.fix(knob, value)} ({other.total / GIB:.1f} GiB)")
                 break
     hint = "it would fit with " + " or ".join(fixes) if fixes else "no smaller scheme, context or batch fits it either"
     if request.flags:
