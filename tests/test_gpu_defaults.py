@@ -223,7 +223,7 @@ def test_bench_routes_its_dtype_through_resolve_dtype(monkeypatch, capsys):
     seen = {}
     monkeypatch.setattr(api, "resolve_device", lambda d: parse_device(d))
 
-    def fake_load(path, device, dtype, quantization, group_size):
+    def fake_load(path, device, dtype, quantization, group_size, force=False):
         seen.update(device=device, dtype=dtype)
         raise Loaded
 

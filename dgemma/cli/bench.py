@@ -146,7 +146,8 @@ def cmd_bench(args) -> int:
     torch.manual_seed(0)
     device = resolve_device(args.device)
     if args.model:  # a hub id fetched (after the memory plan's check at --batch), a directory as it is
-        args.model = str(resolve_model(args).path)
+        checkpoint = resolve_model(args)
+        args.model, args.quantization = str(checkpoint.path), checkpoint.quantization  # auto: its pick
     config = model_config(args)
     dtype = resolve_dtype(args.dtype, device, args.model)  # --model's stored dtype; bf16 for random --size weights
     args.dtype = dtype_name(dtype)  # what the plan and the table say
@@ -165,9 +166,9 @@ def cmd_bench(args) -> int:
                 say(f"building random weights of --size {args.size} (in a child process)")
             path = Path(args.model) if args.model else synthetic_checkpoint(args.size, Path(tmp), dtype=dtype)
             say(f"loading {path if args.model else 'them'}")
-            forced = {"force": True} if args.force else {}  # past the memory check resolve_model made
+            # --model's plan was checked once already, by resolve_model (at --batch); random weights' here
             model = load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size,
-                         **forced)  # fmt: skip
+                         force=bool(args.model) or args.force)  # fmt: skip
         if "reference" in peers:
             say("loading the transformers reference")
             ref = load_reference(path, device, dtype)

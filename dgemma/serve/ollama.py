@@ -179,34 +179,33 @@ def add_ollama_routes(app: FastAPI, service: Service, read_timeout: float, ui: b
         card.check(req.model if req.model is not None else req.name)
         return json_response(card.show())
 
+    async def read_body(request: Request, kind):
+        """A chat or generate body, checked and naming this model; when it arrived; its deadline."""
+        started, deadline = time.perf_counter(), service.budgets.deadline()
+        req = parse_body(kind, await read_json(request, read_timeout))
+        card.check(req.model)
+        return req, started, deadline
+
     @app.post("/api/chat", include_in_schema=False)
     async def chat(request: Request) -> Response:
-        started, deadline = time.perf_counter(), service.budgets.deadline()
-        req = parse_body(ChatRequest, await read_json(request, read_timeout))
-        card.check(req.model)
+        req, started, deadline = await read_body(request, ChatRequest)
         if is_load_request(req):
             return _load_answer(req, chat=True)
         names = OllamaNames()
-        try:
+        with names.renaming():
             run = await prepare(service, request, chat_params(req, service.name, names), True, deadline)
-        except ApiError as e:
-            raise names.rename(e) from None
         responder = OllamaResponder(service, run, req.model, started, chat=True)
         return await responder.respond(request, req.stream is not False)
 
     @app.post("/api/generate", include_in_schema=False)
     async def generate(request: Request) -> Response:
-        started, deadline = time.perf_counter(), service.budgets.deadline()
-        req = parse_body(GenerateRequest, await read_json(request, read_timeout))
-        card.check(req.model)
+        req, started, deadline = await read_body(request, GenerateRequest)
         if is_load_request(req):
             return _load_answer(req, chat=False)
         names = OllamaNames()
-        try:
+        with names.renaming():
             translated = generate_params(req, service.name, names)
             run = await prepare(service, request, translated.params, translated.chat, deadline)
-        except ApiError as e:
-            raise names.rename(e) from None
         stream = req.stream is not False
         if run.inserted:
             return insertion_answer(service, run, req.model, started, stream, translated.insert_stops)

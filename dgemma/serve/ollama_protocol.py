@@ -15,6 +15,8 @@ import base64
 import binascii
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -175,6 +177,15 @@ class OllamaNames:
 
     def add(self, pattern: str, name: str) -> None:
         self.rules.append((pattern, name))
+
+    @contextmanager
+    def renaming(self) -> Iterator[None]:
+        """Within it, an ApiError leaves renamed (`rename`): the shared pipeline's refusals name
+        what the ollama client sent."""
+        try:
+            yield
+        except ApiError as e:
+            raise self.rename(e) from None
 
     def rename(self, err: ApiError) -> ApiError:
         """`err` naming the ollama field: the first rule that matches the start of its `param`
