@@ -447,3 +447,13 @@ def test_errors_of_the_network_and_the_disk_are_one_line():
         text = describe(error, "owner/name", "main")
         assert words in text and "\n" not in text, text
     assert describe(KeyError("x"), "owner/name") is None  # not the hub's: propagates as it is
+
+
+@pytest.mark.parametrize("flag", ["--max-context", "--max-active"])
+def test_pull_refuses_a_plan_shape_below_one(flag, capsys):
+    """`dgemma pull`'s planning flags are checked before any request to the hub."""
+    from dgemma.cli import main
+
+    assert main(["pull", "owner/name", flag, "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag} must be at least 1 (got 0)" in err

@@ -38,6 +38,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
     if not is_hub_id(args.repo_id):
         raise CliError(f"{args.repo_id!r} is not a hub id (owner/name)")
+    for flag, value in (("--max-context", args.max_context), ("--max-active", args.max_active)):
+        if value < 1:
+            raise CliError(f"{flag} must be at least 1 (got {value})")
     request = fit_request(args, resolve_device(args.device))
     checkpoint, verified = pull_checkpoint(args.repo_id, args.revision, request, args.force, say)
     if checkpoint.fit is not None and checkpoint.fit.fits and not checkpoint.fetched:  # else said before the download
