@@ -2,6 +2,7 @@
 every rank holds the same full parameters (fingerprints gathered from all ranks)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -31,3 +32,9 @@ if __name__ == "__main__":
     # in a collective's teardown can abort in gloo ("terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
+    # torch's gloo threads can still abort the interpreter's own teardown ("terminate called
+    # without an active exception", seen twice in CI-like runs after every check had passed): the
+    # work is done and written, so leave without running that teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
