@@ -329,6 +329,8 @@ class Model:
         images = images or [[] for _ in prompt_ids]
         initial = self._initial_canvas(canvas, len(prompt_ids))
         if request.sampling == "reference":
+            if request.config.turbo:
+                raise ValueError("sampling='reference' reproduces transformers step for step: turbo denoising approximates it; drop one of them")
             if constraints is not None:
                 raise ValueError("sampling='reference' takes no canvas constraints")
             validate_prompts(prompt_ids, self.config.vocab_size)
@@ -378,6 +380,7 @@ class Model:
             sequences=[f.tokens for f in finished],
             tokens_per_forward=[f.tokens_per_forward for f in finished],
             decoder_passes=[f.decoder_passes for f in finished],
+            decoder_positions=[f.decoder_positions for f in finished],
         )
 
     # ---------------------------------------------------------------- generation
@@ -399,6 +402,10 @@ class Model:
         constraints: Sequence | None = None,
         grammar: Grammar | None = None,
         canvas: Sequence[Sequence[int]] | None = None,
+        turbo: bool | None = None,
+        turbo_freeze_passes: int | None = None,
+        turbo_freeze_entropy: float | None = None,
+        turbo_refresh_every: int | None = None,
     ) -> GenerationOutput:
         """Generate for a batch of prompts (token-id lists of any lengths, or strings).
 
@@ -411,6 +418,9 @@ class Model:
         when max_new_tokens ends it first (see engine/constraints/grammar.py). `canvas`: one list of
         canvas_length token ids per prompt, where its first canvas starts instead of random
         tokens (a warm start: transformers' `decoder_input_ids`, with either sampling).
+        `turbo=True` stops recomputing converged canvas positions (engine/turbo.py: approximate,
+        opt-in; the `turbo_*` knobs set when a position freezes and how often frozen keys are
+        refreshed); `sampling="reference"` refuses it.
         """
         prompt_ids, images = self._split_prompts(prompts)
         constraints = self._grammar_constraints(grammar, len(prompt_ids), constraints)
@@ -440,6 +450,10 @@ class Model:
             stability_threshold=stability_threshold,
             confidence_threshold=confidence_threshold,
             eos_token_ids=eos_token_ids,
+            turbo=turbo,
+            turbo_freeze_passes=turbo_freeze_passes,
+            turbo_freeze_entropy=turbo_freeze_entropy,
+            turbo_refresh_every=turbo_refresh_every,
         )
         return collect(
             self._events(

@@ -35,6 +35,7 @@ class RunResult:
     encoder_seconds: float
     peak_memory_mb: float
     batch: int = 1
+    decoder_positions: int = 0  # canvas positions the decoder computed, all rows (0: no decoder, the AR peer)
 
     @property
     def output_tps(self) -> float:
@@ -56,6 +57,12 @@ class RunResult:
     def tokens_per_forward(self) -> float:
         """Per sequence: tokens each row generated per decoder pass."""
         return self.tokens / self.batch / max(self.decoder_passes, 1)
+
+    @property
+    def positions_per_token(self) -> float | None:
+        """Canvas positions the decoder computed per committed token (turbo's saving: canvas_length
+        / tokens_per_forward without it); None for a peer without a decoder."""
+        return self.decoder_positions / self.tokens if self.decoder_positions and self.tokens else None
 
 
 class _Timer:
@@ -91,9 +98,11 @@ def _peak_mb(device) -> float:
 
 
 def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode: str,
-               progress: Callable[[int], None] | None = None) -> RunResult:
+               progress: Callable[[int], None] | None = None, turbo: dict | None = None) -> RunResult:
     """One timed generation with dgemma (mode "diffusion" or "ar"); `progress(n)` hears of every
-    n tokens committed (a bar that moves within a run, not only between runs).
+    n tokens committed (a bar that moves within a run, not only between runs). `turbo`: the
+    diffusion peer with turbo denoising, these GenerationConfig knobs over turbo=True (peer
+    "dgemma-turbo"; same prompts and seeds as "dgemma").
 
     The diffusion peer runs a fresh engine without the prefix cache: every run encodes its
     prompt, as the other peers do (with the cache, runs after the first would skip it)."""
@@ -105,6 +114,8 @@ def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode
     knobs = dict(max_new_tokens=new_tokens, eos_token_ids=())
     if not adaptive:
         knobs.update(max_denoising_steps=steps, confidence_threshold=FIXED_STEPS_CONFIDENCE)
+    if turbo is not None and mode != "ar":
+        knobs.update(turbo, turbo=True)
     cfg = model.generation_config.with_overrides(**knobs)
     net = model.engine_net
     if mode != "ar":
@@ -137,12 +148,14 @@ def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode
         seconds = time.perf_counter() - start
     finally:
         del net.encode  # back to the class method
+    positions = 0
     if mode == "ar":
         tokens, passes = sum(len(s) for s in out.sequences), new_tokens
     else:
         tokens, passes = sum(len(f.tokens) for f in finished), max(f.decoder_passes for f in finished)
+        positions = sum(f.decoder_positions for f in finished)
     result = RunResult(
-        peer="dgemma-ar" if mode == "ar" else "dgemma",
+        peer="dgemma-ar" if mode == "ar" else "dgemma-turbo" if turbo is not None else "dgemma",
         seconds=seconds,
         ttft=first or seconds,
         tokens=tokens,
@@ -150,6 +163,7 @@ def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode
         encoder_seconds=timer.total if mode != "ar" else 0.0,  # every AR step is an encoder pass
         peak_memory_mb=_peak_mb(device),
         batch=len(prompts),
+        decoder_positions=positions,
     )
     result.tokens_after_first = tokens - first_tokens * (len(prompts) if mode != "ar" else 1)
     return result
@@ -208,7 +222,8 @@ def run_reference(ref, prompts, new_tokens: int, steps: int, adaptive: bool,
     tokens = len(prompts) * new_tokens
     passes = int(round(float((out.sequences.shape[1] - ids.shape[1]) / out.tokens_per_forward[0])))
     ttft = (streamer.first - start) if streamer.first else seconds
-    result = RunResult("transformers", seconds, ttft, tokens, passes, timer.total, _peak_mb(device), len(prompts))
+    result = RunResult("transformers", seconds, ttft, tokens, passes, timer.total, _peak_mb(device), len(prompts),
+                       decoder_positions=passes * canvas * len(prompts))  # every position of every pass
     result.tokens_after_first = tokens - len(prompts) * min(canvas, new_tokens)
     return result
 
@@ -328,9 +343,13 @@ def summarize(results: list[RunResult]) -> list[dict]:
                 "peak_mem_mb": max(r.peak_memory_mb for r in runs),
             }
         )
+        if all(r.positions_per_token is not None for r in runs):
+            rows[-1]["positions_per_token"] = med(lambda r: r.positions_per_token)
     base = {r["peer"]: r["output_tok_s"] for r in rows}
     for row in rows:
         for peer in ("transformers", "dgemma-ar"):
             if peer in base and row["peer"] != peer:
                 row[f"x_vs_{peer}"] = row["output_tok_s"] / base[peer]
+        if row["peer"] == "dgemma-turbo" and "dgemma" in base:  # turbo's speed-up over the exact path
+            row["x_vs_dgemma"] = row["output_tok_s"] / base["dgemma"]
     return rows

@@ -124,6 +124,28 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class TurboSettings:
+    """The knobs of turbo denoising (engine/turbo.py); defaults chosen by measurement
+    (docs/performance.md, "Turbo denoising")."""
+
+    freeze_passes: int = 2  # passes in a row a position's argmax must be accepted unchanged
+    freeze_entropy: float = 0.05  # nats at the pass's temperature, at most
+    refresh_every: int = 0  # recompute every position's keys/values each this many passes (0: never)
+
+    def check(self) -> "TurboSettings":
+        """The settings, or a ValueError naming the knob."""
+        if isinstance(self.freeze_passes, bool) or not isinstance(self.freeze_passes, int) or self.freeze_passes < 1:
+            raise ValueError(f"turbo_freeze_passes must be an integer >= 1 (got {self.freeze_passes!r})")
+        e = self.freeze_entropy
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < math.inf:
+            raise ValueError(f"turbo_freeze_entropy must be a finite number >= 0 (got {e!r})")
+        r = self.refresh_every
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"turbo_refresh_every must be an integer >= 0, 0 for never (got {r!r})")
+        return self
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     """Sampler defaults. Absent or null fields take the reference's global defaults."""
 
@@ -136,6 +158,15 @@ class GenerationConfig:
     confidence_threshold: float = 0.005
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    # turbo denoising (engine/turbo.py): off by default, and off it changes nothing
+    turbo: bool = False
+    turbo_freeze_passes: int = 2
+    turbo_freeze_entropy: float = 0.05
+    turbo_refresh_every: int = 0
+
+    @property
+    def turbo_settings(self) -> "TurboSettings":
+        return TurboSettings(self.turbo_freeze_passes, self.turbo_freeze_entropy, self.turbo_refresh_every)
 
     def with_overrides(self, **overrides: Any) -> "GenerationConfig":
         """Apply the non-None overrides and validate the result."""
@@ -167,6 +198,12 @@ class GenerationConfig:
         v = self.stability_threshold
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise bad("stability_threshold", "must be an integer >= 0")
+        if not isinstance(self.turbo, bool):
+            raise bad("turbo", "must be true or false")
+        try:
+            self.turbo_settings.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 GENERATION_FIELDS = tuple(f.name for f in fields(GenerationConfig))

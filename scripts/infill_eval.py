@@ -43,6 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import dgemma
@@ -152,7 +153,62 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def compare_turbo(model, cases: list[Case], args) -> None:
+    """--compare-turbo: method (a) exact and with turbo on the same cases and seeds, side by side."""
+    from dgemma.engine.events import collect
+    from turbo_quality import bootstrap, compare_seed, compared, interval
+
+    settings, k, tok = compared(args), len(cases), model.tokenizer
+    sums = {name: {key: (np.zeros(k), np.zeros(k)) for key in ("exact", "edit", "same", "positions")} for name in settings}
+    seconds, texts = dict.fromkeys(settings, 0.0), {}
+
+    def add(name: str, key: str, i: int, num: float, den: float = 1.0) -> None:
+        sums[name][key][0][i] += num
+        sums[name][key][1][i] += den
+
+    for r in range(args.compare_seeds):
+        for name, knobs in settings.items():
+            def one(i: int):
+                c = cases[i]
+                gen = collect(model.infill_stream(c.prefix, c.suffix, span_length=c.n, seed=compare_seed(args.seed, i, r, name),
+                                                  drafts=False, **knobs))  # fmt: skip
+                return tok.decode(gen.sequences[0][: c.n]), gen.decoder_positions[0]
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(args.workers) as pool:
+                res = list(pool.map(one, range(k)))
+            seconds[name] += time.perf_counter() - t0
+            for i, ((text, positions), c) in enumerate(zip(res, cases)):
+                texts[name, r, i] = text
+                hyp, ref = first_line(text).rstrip(), c.span.rstrip()
+                add(name, "exact", i, hyp == ref)
+                add(name, "edit", i, levenshtein(hyp, ref) / max(len(hyp), len(ref), 1))
+                add(name, "same", i, text == texts["exact", r, i])
+                add(name, "positions", i, positions, c.n)
+            print(f"seed repeat {r}, {name}: {seconds[name]:.0f} s so far", flush=True)
+    cmd = "python " + " ".join(["scripts/infill_eval.py", *sys.argv[1:]])
+    print(f"\n`{cmd}`: method (a), {k} cases x {args.compare_seeds} seeds, {cpu_name()}, {torch.get_num_threads()} torch "
+          f"thread(s), {args.workers} worker(s)\n")  # fmt: skip
+    print("| setting | exact | mean edit distance | same span as exact | positions per span token | x fewer positions | cases/s |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for name, knobs in settings.items():
+        m, e = sums[name], sums["exact"]
+        fewer = bootstrap(*m["positions"], base=e["positions"], ratio=True)
+        row = {"setting": name, "knobs": knobs, **{key: bootstrap(*m[key]) for key in m}, "x_fewer_positions": fewer,
+               "cases_per_s": k * args.compare_seeds / seconds[name]}  # fmt: skip
+        rows.append(row)
+        cells = [name, interval(row["exact"], ".1%"), interval(row["edit"], ".3f"), interval(row["same"], ".1%"),
+                 f"{row['positions']['value']:.1f}", interval(fewer, ".2f"), f"{row['cases_per_s']:.2f}"]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": cmd, "cpu": cpu_name(), "rows": rows}, f, indent=1)
+
+
 def main() -> None:
+    from turbo_quality import add_turbo_options, turbo_knobs  # imports this module: not at the top
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: the shipped dgemma-tiny)")
     p.add_argument("--cases", type=int, default=300)
@@ -165,7 +221,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8, help="concurrent infill calls (1: one at a time, batch-invariant)")
     p.add_argument("--no-diffusion", action="store_true", help="skip (d)")
     p.add_argument("--out", help="write the figures and every case's outputs as JSON here")
+    add_turbo_options(p)
     args = p.parse_args()
+    knobs = turbo_knobs(args)
     torch.set_num_threads(args.threads)
     model = dgemma.load(args.model)
     tok = model.tokenizer
@@ -177,10 +235,12 @@ def main() -> None:
 
     if args.workers > 1:  # concurrent calls share the engine's decoder passes (see the docstring)
         model.configure_engine(batch_invariant=False)
+    if args.compare_turbo:
+        return compare_turbo(model, cases, args)
 
     def infill(span_length):
         def one(i: int):
-            return model.infill(cases[i].prefix, cases[i].suffix, span_length=span_length(cases[i]), seed=args.seed + i)
+            return model.infill(cases[i].prefix, cases[i].suffix, span_length=span_length(cases[i]), seed=args.seed + i, **knobs)
 
         with ThreadPoolExecutor(args.workers) as pool:
             res = list(pool.map(one, range(len(cases))))
@@ -192,7 +252,7 @@ def main() -> None:
         ("(c) AR (greedy), prefix only", "no", lambda: (batched(model, cases, args.seed, args.batch, mode="ar",
                                                                 max_new_tokens=args.max_span + 8), None)),
         ("(d) diffusion, prefix only (one canvas)", "no", lambda: (batched(model, cases, args.seed, args.batch,
-                                                              max_new_tokens=model.config.canvas_length), None)),
+                                                              max_new_tokens=model.config.canvas_length, **knobs), None)),
     ]  # fmt: skip
     if args.no_diffusion:
         methods.pop()
@@ -216,6 +276,7 @@ def main() -> None:
 
     cmd = "python " + " ".join(["scripts/infill_eval.py", *sys.argv[1:]])
     print(f"\n`{cmd}`: {len(cases)} cases, {cpu_name()}, {torch.get_num_threads()} torch thread(s), {args.workers} worker(s), "
+          f"turbo {knobs or 'off'}, "
           f"torch {torch.__version__}, Python {platform.python_version()}\n")  # fmt: skip
     print("| method | sees the suffix | exact | exact, stripped | mean edit distance | cases/s |")
     print("|---|---|---|---|---|---|")

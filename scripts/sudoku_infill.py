@@ -21,6 +21,14 @@ An example, not a test: it reports what it measures, whatever that is.
 - Scores: the share of blank cells equal to the solution, and of grids that are valid Sudoku
   grids (with unique solutions, the same as solved). A uniform random digit per blank gets
   25% of cells.
+- `--turbo` (and `--turbo-freeze-passes/--turbo-freeze-entropy/--turbo-refresh-every`) solves
+  with turbo denoising (engine/turbo.py). `--compare-turbo`, after fine-tuning once, solves the
+  held-out puzzles (both variants) with the fine-tuned model exact, exact with other seeds (the
+  noise floor), turbo at its default, aggressive (freeze after 1 pass at entropy <= 0.3) and the
+  --turbo flags' own if given, `--compare-seeds` seeds each (puzzle i, repeat r: seed + i +
+  10**6 r, + 500000 on the noise row), interleaved per repeat: cells and grids with bootstrap 95%
+  intervals over puzzles (scripts/turbo_quality.py), the share of grids equal to exact's at the
+  same seed, and decoder positions computed per committed canvas token.
 """
 
 from __future__ import annotations
@@ -34,13 +42,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import dgemma
 from dgemma.api import default_model_dir
 from dgemma.engine.constraints import CanvasConstraints, FirstCanvas
+from dgemma.engine.events import GenerationOutput
 from dgemma.train.trainer import TrainArgs, train
 from infill_eval import cpu_name  # scripts/ is on sys.path when this runs
+from turbo_quality import add_turbo_options, bootstrap, compare_seed, compared, interval, turbo_knobs
 
 PROMPT = "# 4x4 sudoku\n"
 Grid = tuple[int, ...]  # 16 digits, row by row; 0 = blank
@@ -117,7 +128,9 @@ def finetune(grids: list[Grid], args, tmp: Path) -> Path:
     return result.out
 
 
-def solve(model, puzzles: list[Grid], digits: dict[int, int], only_digits: bool, seed: int) -> list[Grid]:
+def solve(model, puzzles: list[Grid], digits: dict[int, int], only_digits: bool, seed: int, seeds: list[int] | None = None,
+          **knobs) -> tuple[list[Grid], GenerationOutput]:  # fmt: skip
+    """(answers, generate's output); puzzle i samples with seed + i, or seeds[i]; `knobs`: turbo's."""
     tok, c, vocab = model.tokenizer, model.config.canvas_length, model.config.vocab_size
     (newline,) = tok.encode("\n", add_special_tokens=False)
     eos, pad = model.generation_config.eos_token_ids[0], model.generation_config.pad_token_id
@@ -129,9 +142,9 @@ def solve(model, puzzles: list[Grid], digits: dict[int, int], only_digits: bool,
         constraints.append(FirstCanvas(CanvasConstraints.build(c, vocab, fixed=fixed, allowed=allowed)))
     prompt = tok.encode(PROMPT)
     out = model.generate([prompt] * len(puzzles), max_new_tokens=c, eos_token_ids=[], constraints=constraints,
-                         seed=[seed + i for i in range(len(puzzles))])  # fmt: skip
+                         seed=seeds or [seed + i for i in range(len(puzzles))], **knobs)  # fmt: skip
     digit_of = {t: d for d, t in digits.items()}
-    return [tuple(digit_of.get(seq[position(i)], 0) for i in range(16)) for seq in out.sequences]
+    return [tuple(digit_of.get(seq[position(i)], 0) for i in range(16)) for seq in out.sequences], out
 
 
 def score(puzzles: list[Grid], answers: list[Grid], truth: list[Grid]) -> dict:
@@ -146,6 +159,41 @@ def score(puzzles: list[Grid], answers: list[Grid], truth: list[Grid]) -> dict:
             "grids_by_blanks": {k: f"{v}/{n}" for k, (v, n) in sorted(by_blanks.items())}}  # fmt: skip
 
 
+def compare_turbo(model, truth: list[Grid], puzzles: list[Grid], digits: dict[int, int], args) -> None:
+    """--compare-turbo: the fine-tuned model's held-out puzzles solved exact and with turbo, side by side."""
+    settings, k = compared(args), len(puzzles)
+    cmd = "python " + " ".join(["scripts/sudoku_infill.py", *sys.argv[1:]])
+    print(f"\n`{cmd}`: {cpu_name()}, {torch.get_num_threads()} torch thread(s)", flush=True)
+    for only_digits in (False, True):
+        sums = {name: {key: (np.zeros(k), np.zeros(k)) for key in ("cells", "grids", "same", "positions")} for name in settings}
+        seconds, exact = dict.fromkeys(settings, 0.0), {}
+        for r in range(args.compare_seeds):
+            for name, knobs in settings.items():
+                t0 = time.perf_counter()
+                seeds = [compare_seed(args.seed, i, r, name) for i in range(k)]
+                answers, out = solve(model, puzzles, digits, only_digits, args.seed, seeds=seeds, **knobs)
+                seconds[name] += time.perf_counter() - t0
+                exact.setdefault(r, answers)
+                for i, (p, a, t) in enumerate(zip(puzzles, answers, truth)):
+                    m = sums[name]
+                    for key, num, den in (("cells", sum(a[j] == t[j] for j in range(16) if not p[j]), p.count(0)),
+                                          ("grids", valid(a), 1), ("same", a == exact[r][i], 1),
+                                          ("positions", out.decoder_positions[i], len(out.sequences[i]))):  # fmt: skip
+                        m[key][0][i] += num
+                        m[key][1][i] += den
+        print(f"\n--compare-turbo, fine-tuned, held-out grids, blank cells may hold {'digits only' if only_digits else 'any token'}: "
+              f"{k} puzzles x {args.compare_seeds} seeds\n")  # fmt: skip
+        print("| setting | cells right | grids valid | same grid as exact | positions per token | x fewer positions | seconds |")
+        print("|---|---|---|---|---|---|---|")
+        for name in settings:
+            m, e = sums[name], sums["exact"]
+            fewer = bootstrap(*m["positions"], base=e["positions"], ratio=True)
+            cells = [name, interval(bootstrap(*m["cells"]), ".1%"), interval(bootstrap(*m["grids"]), ".1%"),
+                     interval(bootstrap(*m["same"]), ".1%"), f"{bootstrap(*m['positions'])['value']:.1f}",
+                     interval(fewer, ".2f"), f"{seconds[name]:.1f}"]  # fmt: skip
+            print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_dir()), help="checkpoint to fine-tune (default: dgemma-tiny)")
@@ -157,7 +205,9 @@ def main() -> None:
     p.add_argument("--blanks", default="4-10", help="blank cells per puzzle: a range MIN-MAX")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    add_turbo_options(p)
     args = p.parse_args()
+    knobs = turbo_knobs(args)
     torch.set_num_threads(args.threads)
     lo, hi = (int(v) for v in args.blanks.split("-"))
     rng = random.Random(args.seed)
@@ -178,6 +228,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tuned = dgemma.load(finetune(trained, args, Path(tmp)))
+        if args.compare_turbo:
+            tuned.configure_engine(batch_invariant=False)
+            return compare_turbo(tuned, *sets["held-out grids"], digits, args)
         for label, model in (("dgemma-tiny, not fine-tuned", base), ("fine-tuned", tuned)):
             model.configure_engine(batch_invariant=False)  # one batched pass per step: faster, same rules
             for only_digits in (False, True):
@@ -185,13 +238,13 @@ def main() -> None:
                     if label.startswith("dgemma") and name == "training grids":
                         continue
                     t0 = time.perf_counter()
-                    answers = solve(model, puzzles, digits, only_digits, args.seed)
+                    answers, _ = solve(model, puzzles, digits, only_digits, args.seed, **knobs)
                     row = {"model": label, "blanks": "digits only" if only_digits else "any token", "puzzles": name,
                            **score(puzzles, answers, truth), "seconds": time.perf_counter() - t0}  # fmt: skip
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     cmd = "python " + " ".join(["scripts/sudoku_infill.py", *sys.argv[1:]])
-    print(f"\n`{cmd}`: {cpu_name()}, {torch.get_num_threads()} torch thread(s)\n")
+    print(f"\n`{cmd}`: {cpu_name()}, {torch.get_num_threads()} torch thread(s), turbo {knobs or 'off'}\n")
     print("| model | blank cells may hold | puzzles from | cells right | grids valid |")
     print("|---|---|---|---|---|")
     for r in rows:

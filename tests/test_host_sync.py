@@ -211,15 +211,21 @@ STEP_MODULES = [
     "engine/runner.py", "engine/graphs.py", "engine/sampler.py", "engine/paged_cache.py", "engine/prefill.py",
     "model/diffusion_gemma.py", "model/rope.py", "model/attention.py", "kernels/gpu.py", "kernels/triton_step.py",
     "kernels/triton_layer.py", "kernels/triton_attention.py", "kernels/triton_quant.py", "quant/modules.py",
+    "engine/turbo.py", "engine/turbo_step.py",
 ]  # fmt: skip
 HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "bincount", "unique", "masked_select"}
 # (module, function): why it may read the device on the host
 ALLOWED = {
     ("engine/runner.py", "_results"): "the step's one read: the stop flags",
-    ("engine/runner.py", "_logprobs"): "only for requests asking for log probabilities, when their block ends",
     ("engine/runner.py", "_refine"): "a grammar's walk runs on the host: constrained requests only",
     ("engine/runner.py", "_sample"): "the CPU path samples only the accepted positions (nonzero on the host)",
     ("model/diffusion_gemma.py", "grouped_matmul"): "torch's loop fallback where F.grouped_mm has no kernel (float32)",
+    ("engine/sampler.py", "row_logprobs"): "log probabilities: only for requests asking (block ends, turbo freezes)",
+    # turbo is opt-in and eager: its active rows set the pass's shapes, so the host must know them each pass
+    ("engine/turbo.py", "query_rows"): "turbo: the rows this pass computes (a shape)",
+    ("engine/turbo.py", "freeze"): "turbo: where a frozen end of answer lies",
+    ("engine/turbo_step.py", "turbo_step"): "turbo: the rows the sampler decides, the stop flag",
+    ("engine/turbo_step.py", "_full_weights"): "turbo with a grammar: the frozen rows of the walk's weights",
 }
 
 

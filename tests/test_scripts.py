@@ -107,3 +107,26 @@ def test_canvas_frames_script_shows_noise_resolving():
     frames = run.stdout.split("--- block 1, step")[1:]
     assert len(frames) >= 3 and "░" in frames[0] and "=== block 1 committed" in run.stdout
     assert frames[0].count("░") > frames[-1].split("===")[0].count("░")  # fewer re-noised positions by the end
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_turbo_quality_compares_every_setting_with_exact(tmp_path):
+    """scripts/turbo_quality.py at its smallest: a row per setting, exact's work is a full canvas per
+    pass, agreements are shares, and a malformed --settings entry is refused in one line."""
+    out = tmp_path / "turbo.json"
+    argv = [sys.executable, "scripts/turbo_quality.py", "--prompts", "2", "--seeds", "1", "--max-new-tokens", "16",
+            "--settings", "default", "f1=1,,", "--json", str(out)]  # fmt: skip
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert list(rows) == ["exact", "exact, other seed", "default", "f1"] and rows["f1"]["knobs"]["turbo_freeze_passes"] == 1
+    exact = rows["exact"]  # an exact pass computes every one of dgemma-tiny's 32 canvas positions
+    assert exact["tokens_per_forward"]["value"] * exact["positions_per_token"]["value"] == pytest.approx(32)
+    assert "agreement" not in exact and all(0 <= rows[k]["agreement"]["value"] <= 1 for k in list(rows)[1:])
+    assert all(r["nll"]["value"] > 0 and r["tok_s"] > 0 for r in rows.values()) and len(report["answers"]["f1"][0]) == 2
+    assert run.stdout.count("| exact") == 2 and "(noise floor)" in run.stdout and "torch thread(s)" in run.stdout
+    bad = subprocess.run([sys.executable, "scripts/turbo_quality.py", "--settings", "f1=1,x,"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "turbo_freeze_entropy takes float" in bad.stderr and "Traceback" not in bad.stderr

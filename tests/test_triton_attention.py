@@ -1,7 +1,8 @@
 """The paged canvas-attention kernel (dgemma/kernels/triton_attention.py), run on CPU by Triton's
 interpreter, against the torch path it replaces: per row, the pool positions [lo, start)
 gathered through the block table, the canvas's keys after them, and `attention.sdpa` (scale 1.0,
-GQA, output [B, Q, H, D]).
+GQA, output [B, Q, H, D]). Queries are A rows against the C canvas keys: A = C for a full canvas
+pass, A < C for a turbo pass over the active positions (frozen positions give keys, no queries).
 
 Pools are filled with NaN at every slot no row may see (unused blocks, and the slots of a used
 block before lo or from start on), and block tables are random permutations with -1 in the
@@ -39,9 +40,12 @@ FULL = [(0, 0), (0, 5), (0, 29)]
 SLIDING = [(3, 11), (9, 44), (16, 32)]
 
 
-def make_case(prefixes, heads, kv_heads, canvas, dim, dtype=torch.float32, seed=0, width=8, num_blocks=None, bs=BS):
+def make_case(
+    prefixes, heads, kv_heads, canvas, dim, dtype=torch.float32, seed=0, width=8, num_blocks=None, bs=BS, queries=None
+):
     """Inputs for rows with the given (lo, start): a pool whose blocks are a random permutation
     (num_blocks, default 3 more than the rows use), NaN wherever no row looks, tables -1 outside the rows' views.
+    q [n, H, A, D] with A = `queries` rows (default: the canvas's C), canvas keys [n, Hkv, C, D].
     q and k scaled so that scores are O(1) (softmax neither flat nor one-hot)."""
     g = torch.Generator().manual_seed(seed)
     n = len(prefixes)
@@ -60,7 +64,7 @@ def make_case(prefixes, heads, kv_heads, canvas, dim, dtype=torch.float32, seed=
     v_pool = torch.randn(num_blocks, bs, kv_heads, dim, generator=g)
     k_pool[~seen] = float("nan")
     v_pool[~seen] = float("nan")
-    q = torch.randn(n, heads, canvas, dim, generator=g) * scale
+    q = torch.randn(n, heads, canvas if queries is None else queries, dim, generator=g) * scale
     k_canvas = torch.randn(n, kv_heads, canvas, dim, generator=g) * scale
     v_canvas = torch.randn(n, kv_heads, canvas, dim, generator=g)
     lo = torch.tensor([p[0] for p in prefixes], dtype=torch.int32)
@@ -71,7 +75,7 @@ def make_case(prefixes, heads, kv_heads, canvas, dim, dtype=torch.float32, seed=
 
 def reference(q, k_canvas, v_canvas, k_pool, v_pool, tables, lo, start):
     """The torch path, in float32: gather each row's [lo, start) through its table, append the
-    canvas keys, sdpa on that row alone. -> [n, C, H, D]"""
+    canvas keys, sdpa on that row alone (all A queries see all of them). -> [n, A, H, D]"""
     bs = k_pool.shape[1]
     out = []
     for i in range(q.shape[0]):
@@ -151,8 +155,57 @@ def test_same_tensors_new_prefix_values():
         close(ta.paged_canvas_attention(*static), reference(*case), 1e-5)
 
 
+# turbo passes: A query rows (active positions) against C canvas keys. (prefixes, heads, kv heads,
+# A, C): A = 1 (one packed tile), 5, C; G * A over one query tile and over two; a canvas over two
+# key tiles (C = 32); an empty prefix on every row (only canvas keys).
+ACTIVE = {
+    "full-1": (FULL, 4, 2, 1, 16),
+    "full-5": (FULL, 8, 2, 5, 16),
+    "full-C": (FULL, 4, 2, 16, 16),
+    "sliding-1": (SLIDING, 8, 2, 1, 32),
+    "sliding-5": (SLIDING, 4, 2, 5, 32),
+    "empty-5": ([(0, 0), (0, 0)], 4, 2, 5, 32),
+}
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("case", list(ACTIVE))
+def test_active_rows_match_gathered_sdpa(case, splits):
+    """A != C: the A queries against the row's prefix and all C canvas keys, as sdpa computes it."""
+    prefixes, heads, kv_heads, active, canvas = ACTIVE[case]
+    args = make_case(prefixes, heads, kv_heads, canvas, 16, seed=23 + active + canvas, queries=active)
+    out = ta.paged_canvas_attention(*args, num_splits=splits)
+    assert out.shape == (len(prefixes), active, heads, 16)
+    close(out, reference(*args), 1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("active", [1, 5])
+def test_active_rows_bf16(active, splits):
+    args = make_case(SLIDING, 4, 2, 16, 32, dtype=torch.bfloat16, seed=29 + active, queries=active)
+    out = ta.paged_canvas_attention(*args, num_splits=splits)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, active, 4, 32)
+    close(out, reference(*args), 2e-2)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_active_rows_are_the_full_canvas_rows(splits):
+    """What a turbo pass relies on: the active positions' queries alone give those rows of the
+    full C-query pass (bidirectional: a query's output does not depend on the other queries),
+    picked in any order, across canvas tiles, or as a strided view of the full q."""
+    q, *rest = make_case(SLIDING, 4, 2, 32, 16, seed=31)
+    full = ta.paged_canvas_attention(q, *rest, num_splits=splits)
+    idx = torch.tensor([31, 0, 17, 5, 16])
+    close(ta.paged_canvas_attention(q[:, :, idx], *rest, num_splits=splits), full[:, idx], 1e-6)
+    view = q[:, :, 3:30:4]  # strided along A: the kernel reads q's own strides
+    close(ta.paged_canvas_attention(view, *rest, num_splits=splits), full[:, 3:30:4], 1e-6)
+
+
 BAD = {
     "kv heads": (lambda a: a.__setitem__(1, a[1][:, :1]), "k_canvas / v_canvas must be"),
+    "canvas rows": (lambda a: [a.__setitem__(i, a[i][:2]) for i in (1, 2)], "with q's n = 3 rows"),
+    "canvas dim": (lambda a: [a.__setitem__(i, a[i][..., :8]) for i in (1, 2)], "with q's head_dim D = 16"),
+    "no queries": (lambda a: a.__setitem__(0, a[0][:, :, :0]), "at least one query row"),
     "heads": (lambda a: a.__setitem__(0, a[0][:, :3]), "do not divide"),
     "pool dim": (lambda a: a.__setitem__(3, a[3][..., :8]), "k_pool / v_pool must"),
     "head dim": (lambda a: [a.__setitem__(i, a[i][..., :8]) for i in range(5)], "head_dim must be a power of two"),

@@ -1,4 +1,5 @@
-"""`dgemma bench`: dgemma's diffusion path, its AR mode and the transformers reference, side by side.
+"""`dgemma bench`: dgemma's diffusion path, its AR mode and the transformers reference, side by side
+(and with --turbo, the diffusion path with turbo denoising: same prompts, same seeds).
 
 Peers run interleaved in one process (default, ar, reference, default, ar, ...) on the same
 weights and prompt, so that machine noise hits all of them alike; the table reports medians and
@@ -26,7 +27,10 @@ from ..benchmark import (
     summarize, synthetic_checkpoint,
 )  # fmt: skip
 from ..model.presets import PRESETS
-from .common import MODEL_HELP, add_device_flags, add_hub_flags, add_threads_flag, apply_threads, resolve_model
+from .common import (
+    MODEL_HELP, TURBO_FLAGS, add_device_flags, add_hub_flags, add_threads_flag, add_turbo_flags, apply_threads,
+    resolve_model, turbo_knobs,
+)  # fmt: skip
 
 
 def __getattr__(name: str):
@@ -45,6 +49,8 @@ def print_table(rows: list[dict], header: str) -> None:
 
     table = Table(title=header)
     cols = ["peer", "output_tok_s", "decode_tok_s", "ttft_s", "ms_per_step", "tokens_per_forward", "peak_mem_mb"]
+    if any("positions_per_token" in r for r in rows):  # decoder positions per committed token: turbo's saving
+        cols.insert(-1, "positions_per_token")
     extra = sorted({k for r in rows for k in r if k.startswith("x_vs_")})
     for c in cols + extra:
         table.add_column(c, justify="right" if c != "peer" else "left")
@@ -59,7 +65,7 @@ def print_table(rows: list[dict], header: str) -> None:
 DEFAULTS = {"prompt_canvases": 2, "new_canvases": 3, "steps": 16, "runs": 3, "peers": "default,ar,reference"}
 # --quick: a check that it runs and a first figure, under a minute on tiny; not a measurement.
 QUICK = {"prompt_canvases": 1, "new_canvases": 2, "steps": 4, "runs": 1, "peers": "default,ar"}
-PEER_NAMES = {"default": "dgemma", "ar": "dgemma-ar", "reference": "transformers"}
+PEER_NAMES = {"default": "dgemma", "ar": "dgemma-ar", "reference": "transformers", "turbo": "dgemma-turbo"}
 
 
 def model_config(args):
@@ -90,7 +96,13 @@ def resolve_settings(args, canvas: int) -> None:
     args.peers = [p.strip() for p in args.peers.split(",") if p.strip()] if isinstance(args.peers, str) else args.peers
     unknown = sorted(set(args.peers) - set(PEER_NAMES))
     if unknown or not args.peers:
-        raise ValueError(f"--peers takes a comma list of default, ar, reference (got {','.join(unknown) or 'none'})")
+        raise ValueError(f"--peers takes a comma list of default, ar, reference, turbo (got {','.join(unknown) or 'none'})")
+    if getattr(args, "turbo", None) and "turbo" not in args.peers:  # its row right after dgemma's
+        at = args.peers.index("default") + 1 if "default" in args.peers else len(args.peers)
+        args.peers = args.peers[:at] + ["turbo"] + args.peers[at:]
+    knob = next((flag for flag, dest, _, _ in TURBO_FLAGS[1:] if getattr(args, dest, None) is not None), None)
+    if knob is not None and "turbo" not in args.peers:
+        raise ValueError(f"{knob} sets the turbo row's freezing: it needs --turbo (or turbo in --peers)")
 
 
 def busy_cpu_note(args, device) -> str | None:
@@ -138,6 +150,7 @@ def cmd_bench(args) -> int:
     from ..kernels import cpu as cpu_kernels
 
     apply_threads(args)
+    turbo = {k: v for k, v in turbo_knobs(args).items() if k != "turbo"}  # the turbo row's knobs, checked first
     started = time.perf_counter()
 
     def say(message: str) -> None:  # stderr, so that stdout holds only the table (or the JSON)
@@ -198,7 +211,8 @@ def cmd_bench(args) -> int:
                 result = run_reference(ref, prompts, args.new_tokens, args.steps, args.adaptive, progress)
             else:
                 mode = "ar" if peer == "ar" else "diffusion"
-                result = run_dgemma(model, prompts, args.new_tokens, args.steps, args.adaptive, mode, progress)
+                result = run_dgemma(model, prompts, args.new_tokens, args.steps, args.adaptive, mode, progress,
+                                    turbo=turbo if peer == "turbo" else None)  # fmt: skip
             bar.update(per_run - credited)  # a row that ended early (EOS) still counts as its whole run
             return result
 
@@ -262,7 +276,13 @@ def add_cli(sub) -> None:
                    help=f"fixed denoising steps per canvas (default: {DEFAULTS['steps']}; --quick: {QUICK['steps']})")
     p.add_argument("--adaptive", action="store_true", help="adaptive stopping instead of fixed steps (default: fixed)")
     p.add_argument("--peers", default=None,
-                   help=f"comma list of default, ar, reference (default: {DEFAULTS['peers']}; --quick: {QUICK['peers']})")
+                   help=f"comma list of default, ar, reference, turbo (default: {DEFAULTS['peers']}; --quick: "
+                        f"{QUICK['peers']})")  # fmt: skip
+    p.add_argument("--turbo", action="store_true", default=None,
+                   help="add a dgemma-turbo row: the diffusion peer with turbo denoising, same prompts and seeds; "
+                        "positions_per_token then shows the decoder positions it computed per committed token "
+                        "(default: off)")  # fmt: skip
+    add_turbo_flags(p, switch=False)
     p.add_argument("--runs", type=int, default=None, metavar="N",
                    help=f"timed runs per peer, interleaved; the table gives medians (default: {DEFAULTS['runs']}; "
                         f"--quick: {QUICK['runs']})")

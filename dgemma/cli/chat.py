@@ -51,6 +51,7 @@ KNOBS = {
     "max-new-tokens": ("max_new_tokens", int),
     "seed": ("seed", int),
     "eos": ("eos_token_ids", None),  # "off": generate past EOS (long answers, benchmarks)
+    "turbo": ("turbo", bool),  # "on" / "off": turbo denoising (engine/turbo.py)
 }
 
 HELP = """commands:
@@ -61,7 +62,8 @@ HELP = """commands:
   /image PATH         attach an image (PNG, JPEG, WebP, GIF) to your next message (a model
                       with a vision tower); /image clear drops the attached ones
   /set NAME VALUE     a sampler knob: steps, entropy-bound, t-min, t-max, max-new-tokens, seed,
-                      eos (off: answers run to max-new-tokens)
+                      eos (off: answers run to max-new-tokens), turbo (on or off: stop
+                      recomputing canvas positions that have converged)
                       (VALUE "default": the checkpoint's generation_config.json)
   /help               this text
 Ctrl-C stops a generation (the partial answer stays in the conversation) or clears the line;
@@ -73,14 +75,15 @@ def entropy_style(entropy: float) -> str:
     return "green" if entropy < 0.5 else "yellow" if entropy < 2.0 else "red"
 
 
-def canvas_frame(pieces: list[str], accepted: list[bool], entropy: list[float]):
+def canvas_frame(pieces: list[str], accepted: list[bool], entropy: list[float], frozen: list[bool] = ()):
     """One draft as the terminal draws it (rich Text): accepted positions bold, re-noised ones
-    dim, each coloured by its entropy."""
+    dim, each coloured by its entropy; with turbo, frozen positions (no longer computed) underlined."""
     from rich.text import Text
 
     view = Text()
-    for piece, kept, h in zip(pieces, accepted, entropy):
-        view.append(piece, style=("bold " if kept else "dim ") + entropy_style(h))
+    frozen = list(frozen) or [False] * len(pieces)
+    for piece, kept, h, still in zip(pieces, accepted, entropy, frozen):
+        view.append(piece, style=("bold " if kept else "dim ") + entropy_style(h) + (" underline" if still else ""))
     return view
 
 
@@ -263,6 +266,10 @@ class Session:
             if value != "off":
                 return self.say(f"/set {name}: only 'off' or 'default'", "red")
             parsed = []
+        elif kind is bool:  # turbo
+            if value not in ("on", "off"):
+                return self.say(f"/set {name}: 'on', 'off' or 'default'", "red")
+            parsed = value == "on"
         else:
             try:
                 parsed = kind(value)
@@ -322,8 +329,10 @@ class Session:
                         printed = print_growing(answer, printed)
                 elif isinstance(ev, Draft) and live is not None:
                     view = Text(self.tok.decode(tokens))
-                    view.append_text(canvas_frame(token_pieces(self.tok, ev.canvas), ev.accepted, ev.entropy))
-                    view.append(f"\n[block {ev.block + 1}, step {ev.step}: {sum(ev.accepted)}/{len(ev.accepted)} accepted]", style="dim")
+                    view.append_text(canvas_frame(token_pieces(self.tok, ev.canvas), ev.accepted, ev.entropy, ev.frozen))
+                    frozen = f", {sum(ev.frozen)} frozen" if ev.frozen else ""
+                    view.append(f"\n[block {ev.block + 1}, step {ev.step}: {sum(ev.accepted)}/{len(ev.accepted)} accepted{frozen}]",
+                                style="dim")  # fmt: skip
                     live.update(view)
         except KeyboardInterrupt:
             interrupted = True

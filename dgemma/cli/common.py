@@ -27,6 +27,19 @@ SAMPLER_FLAGS = (
     ("--stability-threshold", "stability_threshold", int, "steps the argmax must hold before stopping"),
     ("--confidence-threshold", "confidence_threshold", float, "mean entropy below which a canvas may stop"),
 )
+# turbo denoising (engine/turbo.py): `--turbo` is a switch (absent: the checkpoint's default, off);
+# run and chat take them with the sampler flags, serve and bench on their own (add_turbo_flags)
+TURBO_FLAGS = (
+    ("--turbo", "turbo", bool, "turbo denoising: canvas positions that have converged stop being recomputed "
+                               "(approximate, fewer positions per pass; docs/performance.md)"),
+    ("--turbo-freeze-passes", "turbo_freeze_passes", int, "with turbo: passes in a row a position's token must be "
+                                                          "accepted unchanged before it freezes"),
+    ("--turbo-freeze-entropy", "turbo_freeze_entropy", float, "with turbo: the entropy (nats) a position may have "
+                                                              "at most to freeze"),
+    ("--turbo-refresh-every", "turbo_refresh_every", int, "with turbo: recompute every position's keys and values "
+                                                          "each N passes (0: never)"),
+)  # fmt: skip
+SAMPLER_FLAGS = SAMPLER_FLAGS + TURBO_FLAGS
 
 # --device and --dtype of run, chat, serve and bench; `dgemma.api.resolve_device` and
 # `resolve_dtype` decide what they mean (the one place "auto" is resolved)
@@ -162,13 +175,52 @@ def apply_chat_template_file(model, args, text: str | None = None) -> None:
     model.tokenizer.chat_template = text
 
 
+def _add_flags(p: argparse.ArgumentParser, table: tuple) -> None:
+    for flag, dest, kind, text in table:
+        if kind is bool:  # a switch: absent is None, so the checkpoint's default applies
+            p.add_argument(flag, dest=dest, action="store_true", default=None,
+                           help=f"{text} (default: generation_config.json, else off)")  # fmt: skip
+        else:
+            p.add_argument(flag, dest=dest, type=kind, default=None, help=f"{text} (default: generation_config.json)")
+
+
 def add_sampler_flags(p: argparse.ArgumentParser) -> None:
-    for flag, dest, kind, text in SAMPLER_FLAGS:
-        p.add_argument(flag, dest=dest, type=kind, default=None, help=f"{text} (default: generation_config.json)")
+    _add_flags(p, SAMPLER_FLAGS)
+
+
+def add_turbo_flags(p: argparse.ArgumentParser, switch: bool = True) -> None:
+    """--turbo and its knobs alone (serve: the default of requests that do not say); without
+    `switch` the knobs only (bench, whose --turbo adds a row)."""
+    _add_flags(p, TURBO_FLAGS if switch else TURBO_FLAGS[1:])
 
 
 def sampler_knobs(args) -> dict:
     return {dest: getattr(args, dest) for _, dest, _, _ in SAMPLER_FLAGS}
+
+
+def turbo_knobs(args) -> dict:
+    """The turbo flags the user gave (unset ones left out), checked by the sampler's own rule
+    (a ConfigError naming the field, which `dgemma` reports by its flag) before any loading."""
+    from ..config import GenerationConfig
+
+    knobs = {dest: getattr(args, dest) for _, dest, _, _ in TURBO_FLAGS if getattr(args, dest, None) is not None}
+    GenerationConfig().with_overrides(**knobs)
+    return knobs
+
+
+def refuse_turbo(args, why: str | None) -> None:
+    """--turbo where `why` (a flag the user gave, e.g. --sampling reference) rules it out: one
+    line, before loading."""
+    if getattr(args, "turbo", None) and why is not None:
+        raise CliError(f"--turbo does not go with {why}: turbo denoising runs on the engine's sampler only; drop one of them")
+
+
+def check_turbo_knobs(args, config) -> None:
+    """Refuse turbo knobs where turbo is off in `config` (the generation config the flags give):
+    they would change nothing."""
+    given = [flag for flag, dest, _, _ in TURBO_FLAGS[1:] if getattr(args, dest, None) is not None]
+    if given and not config.turbo:
+        raise CliError(f"{given[0]} sets when turbo denoising freezes a position: it needs --turbo")
 
 
 def flag_names(message: str, args) -> str:
@@ -218,7 +270,8 @@ def device_memory_override() -> int | None:
 def fit_request(args, device):
     """The memory-plan check's request from a command's flags (`hub.FitRequest`): the device, dtype
     and scheme it loads with, and what it runs: serve its --max-active requests of --max-context
-    positions, the others one request (bench: --batch)."""
+    positions, the others one request (bench: --batch); with --turbo, each of them with its turbo
+    canvas K/V buffer."""
     from functools import partial
 
     from ..api import resolve_dtype
@@ -231,7 +284,8 @@ def fit_request(args, device):
         device, partial(resolve_dtype, getattr(args, "dtype", "auto"), device), getattr(args, "quantization", None),
         getattr(args, "group_size", None), max_active=getattr(args, "max_active", None) or getattr(args, "batch", None) or 1,
         max_context=context, kv_cache_memory=getattr(args, "kv_cache_memory", None),
-        prefill_chunk=getattr(args, "prefill_chunk", 2048), memory=device_memory_override(), flags=flags + ("--force",),
+        prefill_chunk=getattr(args, "prefill_chunk", 2048), turbo=bool(getattr(args, "turbo", None)),
+        memory=device_memory_override(), flags=flags + ("--force",),
     )  # fmt: skip
 
 

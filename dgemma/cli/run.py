@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .common import (
     CliError, add_engine_flags, add_model_flags, add_sampler_flags, add_threads_flag, apply_threads, check_seed_flag,
-    engine_options, load_model, print_growing, sampler_knobs,
+    check_turbo_knobs, engine_options, load_model, print_growing, refuse_turbo, sampler_knobs,
 )  # fmt: skip
 
 DEMO_MODEL_NOTE = ("dgemma: no --model: the shipped demo model dgemma-tiny (10M parameters, trained on Python's "
@@ -196,6 +196,12 @@ class RunTiming:
     def __init__(self, passes: str = "decoder"):
         self.started, self.first_block, self.tokens, self.passes = time.perf_counter(), None, 0, 0
         self.kind = passes
+        self.positions: int | None = None  # with turbo: canvas positions the decoder computed
+
+    def counting(self, events):
+        """`events` passed through; their return value's decoder positions noted (turbo's figure)."""
+        out = yield from events
+        self.positions = sum(getattr(out, "decoder_positions", None) or []) or None
 
     def add(self, block) -> None:
         if self.first_block is None:
@@ -208,6 +214,8 @@ class RunTiming:
         parts = [f"{self.tokens} tokens in {elapsed:.2f} s ({self.tokens / elapsed if elapsed > 0 else 0:.1f} tok/s)"]
         if self.passes:
             parts.append(f"{self.passes} {self.kind} passes ({self.tokens / self.passes:.2f} tokens/forward)")
+        if self.positions and self.tokens:
+            parts.append(f"{self.positions} decoder positions ({self.positions / self.tokens:.1f} per token)")
         if self.first_block is not None:
             parts.append(f"first block after {self.first_block:.2f} s")
         return "dgemma: " + ", ".join(parts)
@@ -218,11 +226,13 @@ def cmd_run(args) -> int:
 
     args.prompt = run_prompt(args)
     temperature = check_temperature(args)
+    refuse_turbo(args, "--sampling reference" if args.sampling == "reference" else "--mode ar" if args.mode == "ar" else None)
     check_seed_flag(args)
     apply_threads(args)
     suffix = run_suffix(args)
     model = load_model(args)
-    model.generation_config.with_overrides(**sampler_knobs(args))  # the knobs checked before any output
+    config = model.generation_config.with_overrides(**sampler_knobs(args))  # the knobs checked before any output
+    check_turbo_knobs(args, config)
     model.configure_engine(engine_options(args))
     tok = model.tokenizer
     if tok is None:
@@ -245,6 +255,8 @@ def cmd_run(args) -> int:
         events = model.stream(
             prompt, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, grammar=grammar, **sampler_knobs(args)
         )
+        if config.turbo:
+            events = timing.counting(events)
     demo_note(args)
     tokens: list[int] = []
     printed = ""

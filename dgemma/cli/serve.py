@@ -17,8 +17,8 @@ from ..serve.listener import Limits, bind, uvicorn_config
 from ..serve.media_sources import MediaPolicy
 from ..serve.protocol import Budgets
 from .common import (
-    CliError, add_chat_template_flag, add_engine_flags, add_model_flags, add_threads_flag, apply_chat_template_file,
-    apply_threads, engine_options, load_model, parse_size, read_chat_template,
+    CliError, add_chat_template_flag, add_engine_flags, add_model_flags, add_threads_flag, add_turbo_flags,
+    apply_chat_template_file, apply_threads, engine_options, load_model, parse_size, read_chat_template, turbo_knobs,
 )  # fmt: skip
 
 
@@ -37,6 +37,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: the hub id, owner/name, or the checkpoint directory's name)")  # fmt: skip
     add_engine_flags(p)
+    add_turbo_flags(p)  # the default of requests without a `turbo` field (and of the knobs when they turn it on)
     add_media_flags(p)
     add_safety_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -133,6 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
     logging.getLogger("dgemma").setLevel(args.log_level.upper())  # refusals, clients that left, timeouts
+    sampler = turbo_knobs(args)  # checked before loading too (a ConfigError: reported by its flag)
     try:  # the operator's limits, checked before minutes of loading
         policy = media_policy(args)
         access, budgets, limits = safety(args)
@@ -145,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or model.name
     try:
         app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy,
-                         args.ui, access, budgets, limits, args.docs)  # fmt: skip
+                         args.ui, access, budgets, limits, args.docs, sampler)  # fmt: skip
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
@@ -159,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"dgemma: serving '{name}' on http://{host}:{port} (max-active {args.max_active}, max-queue {args.max_queue}, "
         f"context {app.state.service.context}, KV blocks of {engine.options.block_size}: {kv}; "
-        f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; {media_summary(model, policy)}; device {model.device})"
+        f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; {media_summary(model, policy)}; device {model.device}"
+        + ("; turbo on unless a request says \"turbo\": false" if app.state.service.defaults.turbo else "") + ")"
         + (f"; playground at http://{host}:{port}/" if args.ui else "")
         + f"; API key {'required' if access.api_key else 'off'}",
         flush=True,

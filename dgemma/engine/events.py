@@ -22,6 +22,7 @@ class Draft:
     canvas: list[int]
     accepted: list[bool] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    frozen: list[bool] = field(default_factory=list)  # turbo: positions no longer computed (else empty)
 
 
 def shown_entropy(entropy: list[float]) -> list[float]:
@@ -64,6 +65,7 @@ class Finished:
     tokens_per_forward: float
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    decoder_positions: int = 0  # canvas positions the decoder computed (C per pass; fewer with turbo)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class GenerationOutput:
     sequences: list[list[int]]
     tokens_per_forward: list[float]
     decoder_passes: list[int]
+    decoder_positions: list[int] = field(default_factory=list)  # canvas positions computed, per prompt
 
 
 def cut_block(block: list[int], eos: tuple[int, ...], room: int) -> tuple[list[int], bool, int]:

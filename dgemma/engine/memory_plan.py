@@ -21,6 +21,7 @@ import torch
 from ..config import SLIDING, ModelConfig
 from .kv_budget import dtype_bytes
 from .paged_cache import kv_bytes_per_token
+from .turbo import canvas_kv_bytes
 
 RESERVE = int(1.5 * 2**30)  # CUDA context, cuBLAS / Triton workspaces, allocator slack
 QUANTISED = ("experts", "attention", "dense")  # the parts a scheme quantises (quant/modules.py)
@@ -96,12 +97,14 @@ def weight_bytes(config: ModelConfig, scheme: str | None, group_size: int | None
     return out
 
 
-def step_buffer_bytes(config: ModelConfig, batch: int, prefill_chunk: int, dtype: torch.dtype) -> int:
+def step_buffer_bytes(config: ModelConfig, batch: int, prefill_chunk: int, dtype: torch.dtype, turbo: bool = False) -> int:
     """The largest transient tensors of a step: a decoder pass over `batch` canvases (the LM head's
     [rows, vocab] output and the probabilities, in the model's dtype, plus the float32 statistics
     path's two [rows, vocab] tensors where the Triton kernels do not run) and the hidden states,
-    the dense MLP's and the experts' intermediates of the larger of that pass and a prefill chunk."""
+    the dense MLP's and the experts' intermediates of the larger of that pass and a prefill chunk.
+    With `turbo`, each of the `batch` requests also holds its canvas K/V buffer (engine/turbo.py)."""
     size = dtype_bytes(dtype)
+    canvas_kv = batch * canvas_kv_bytes(config, size) if turbo else 0
     rows = batch * config.canvas_length
     vocab_rows = rows * config.vocab_size * (2 * size + 2 * 4)
     tokens = max(rows, prefill_chunk)
@@ -111,7 +114,7 @@ def step_buffer_bytes(config: ModelConfig, batch: int, prefill_chunk: int, dtype
         + config.top_k_experts * (3 * config.moe_intermediate_size + config.hidden_size)
         + 2 * config.num_heads * max(spec.head_dim for spec in config.layers)
     )
-    return vocab_rows + tokens * per_token
+    return vocab_rows + tokens * per_token + canvas_kv
 
 
 def kv_bytes(config: ModelConfig, requests: int, context: int, dtype: torch.dtype) -> int:
@@ -130,12 +133,14 @@ def plan_memory(
     context: int | None = None,
     kv_cache_memory: int | None = None,
     prefill_chunk: int = 2048,
+    turbo: bool = False,
 ) -> MemoryPlan:
     """The memory to serve `batch` canvases at once with room for one request of `context`
-    positions (default: max_position_embeddings), or a KV pool of `kv_cache_memory` bytes."""
+    positions (default: max_position_embeddings), or a KV pool of `kv_cache_memory` bytes;
+    `turbo`: every canvas with its canvas K/V buffer."""
     context = context or config.max_position_embeddings
     kv = kv_cache_memory if kv_cache_memory is not None else kv_bytes(config, 1, context, dtype)
     return MemoryPlan(
-        weight_bytes(config, scheme, group_size, dtype), int(kv), step_buffer_bytes(config, batch, prefill_chunk, dtype),
+        weight_bytes(config, scheme, group_size, dtype), int(kv), step_buffer_bytes(config, batch, prefill_chunk, dtype, turbo),
         RESERVE, scheme, batch, context,
     )  # fmt: skip

@@ -22,6 +22,7 @@ from ..inputs.model_inputs import ImagePatches, image_token_runs
 from .constraints import CanvasConstraints
 from .events import TokenLogprob
 from .paged_cache import SequenceBlocks
+from .turbo import TurboState
 
 ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstraints | None"], None]
 # A constraint source may also judge what a block commits: `commit(block) -> n` keeps the first n
@@ -67,6 +68,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)  # emitted tokens (cut at EOS and max_new_tokens)
     counted: int = 0  # generated non-pad tokens up to EOS: the numerator of tokens per forward
     passes: int = 0  # decoder passes of committed (and, on cancel, current) blocks
+    decoder_positions: int = 0  # canvas positions computed by every decoder pass so far
 
     # --- the canvas being denoised
     block: int = 0
@@ -79,6 +81,7 @@ class Request:
     active_constraints: CanvasConstraints | None = None
     generator: torch.Generator | None = None
     canvas_logprobs: list[TokenLogprob] | None = None  # of the last pass's argmax canvas, when it ended its block
+    turbo: TurboState | None = None  # with config.turbo: frozen positions and the canvas K/V buffer
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # with FINISHED: "eos", "length" or "cancelled"
@@ -137,6 +140,8 @@ class Request:
         self.canvas_logprobs = None
         self.step = 0
         self.block_passes = 0
+        if self.config.turbo:
+            self.turbo = TurboState.fresh(canvas_length, device, self.turbo)
 
 
 def max_sequence_length(prompt_len: int, max_new_tokens: int, canvas_length: int, partial: bool = False) -> int:

@@ -30,7 +30,6 @@ from ..kernels import native, triton_step
 from ..kernels.choice import plan_kernels
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
-from .events import TokenLogprob
 from .graphs import DecoderGraphs
 from .options import EngineOptions
 from .paged_cache import PagedKVCache, PagedPass
@@ -38,6 +37,7 @@ from . import prefill as prefill_pass
 from .prefill import PlacedImage
 from .request import Request
 from .scheduler import DecodeResult, EncodeWork, EngineStats, StepPlan
+from .turbo_step import turbo_step
 from .vision_cache import VisionCache
 
 
@@ -82,6 +82,9 @@ class Runner:
         self._encode(plan.encode)
         results = []
         for group in self._groups(plan.decode):
+            if group[0].turbo is not None:
+                results.append(turbo_step(self, group[0]))
+                continue
             decisions = self._decide(group, *self._denoise(group))
             results += self._results(group, decisions)
         return results
@@ -136,11 +139,14 @@ class Runner:
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
         """Batch-invariant: one request per pass. Otherwise one batched pass, or with CUDA graphs
         chunks of at most the largest captured bucket (each chunk replays a graph; a larger group
-        would run eagerly)."""
+        would run eagerly). A turbo request always runs alone, eagerly: its pass computes its own
+        active rows (engine/turbo.py)."""
+        turbo = [[r] for r in requests if r.turbo is not None]  # a pass of its own (its active rows)
+        requests = [r for r in requests if r.turbo is None]
         if self.options.batch_invariant:
-            return ([r] for r in requests)
+            return [[r] for r in requests] + turbo
         size = self.graphs.largest if self.graphs is not None else max(1, len(requests))
-        return [requests[i : i + size] for i in range(0, len(requests), size)]
+        return [requests[i : i + size] for i in range(0, len(requests), size)] + turbo
 
     # ---------------------------------------------------------------- the decoder pass
     def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:
@@ -200,7 +206,13 @@ class Runner:
         not outlive this call.
         """
         n, c = canvas.shape
-        hidden = self.net.decode(canvas, plan, soft)
+        return self.statistics(self.net.decode(canvas, plan, soft), temps, allowed)
+
+    def statistics(self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """What the sampler needs from a decoder pass's final hidden states [n, c, H] (c: the
+        canvas, or a turbo pass's active rows): argmax [n, c], entropy [n, c], weights [n*c, V],
+        totals [n*c] and the next self-conditioning input [n, c, H]."""
+        n, c = hidden.shape[:2]
         if self.triton:  # one kernel for the statistics, one writing the probabilities in the model's dtype
             raw = self.net.lm_head(hidden.view(n * c, -1))
             low = self.net.dtype in (torch.bfloat16, torch.float16)
@@ -292,7 +304,8 @@ class Runner:
         stops = d.stops.tolist()
         logprobs = self._logprobs(group, d.argmax, d.weights, stops)
         return [
-            DecodeResult(r, d.canvas[i], d.argmax[i], d.soft_next[i], d.histories[i], stop, logprobs[i], d.kept[i], d.shown[i])
+            DecodeResult(r, d.canvas[i], d.argmax[i], d.soft_next[i], d.histories[i], stop, logprobs[i], d.kept[i], d.shown[i],
+                         positions=self.config.canvas_length)  # fmt: skip
             for i, (r, stop) in enumerate(zip(group, stops))
         ]
 
@@ -326,17 +339,7 @@ class Runner:
         for i, r in enumerate(group):
             if r.top_logprobs is None or not r.block_ends(stops[i]):
                 continue
-            rows = weights[i * c : (i + 1) * c]
-            log_total = rows.sum(dim=-1, dtype=torch.float64).log()
-            tokens = argmax[i].to(rows.device)
-            picked = (rows.gather(1, tokens[:, None]).squeeze(1).double().log() - log_total).clamp_(max=0.0)
-            top_w, top_ids = rows.topk(min(r.top_logprobs, rows.shape[-1]), dim=-1)
-            top = (top_w.double().log() - log_total[:, None]).clamp_(max=0.0)
-            kept = (top_w > 0).tolist()  # probability 0 (banned): never an alternative
-            out[i] = [
-                TokenLogprob(t, lp, [(a, b) for a, b, keep in zip(ids, lps, ks) if keep])
-                for t, lp, ids, lps, ks in zip(tokens.tolist(), picked.tolist(), top_ids.tolist(), top.tolist(), kept)
-            ]
+            out[i] = sampler.row_logprobs(weights[i * c : (i + 1) * c], argmax[i], r.top_logprobs)
         return out
 
     def _refine(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -359,3 +362,4 @@ class Runner:
             return None
         none = torch.full((self.config.canvas_length,), -1, dtype=torch.long)
         return self._to_device(torch.stack([none if f is None else f for f in fixed]))
+

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .events import TokenLogprob
+
 
 def temperature(steps_remaining: int, max_steps: int, t_min: float, t_max: float) -> torch.Tensor:
     """Linear schedule: t_max at the first step (steps_remaining == max_steps), falling towards t_min.
@@ -161,3 +163,18 @@ def sample_from_weights(weights: torch.Tensor, uniform: torch.Tensor) -> torch.T
     target = uniform.to(cdf.dtype)[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return index.clamp_(max=weights.shape[-1] - 1)
+
+
+def row_logprobs(rows: torch.Tensor, tokens: torch.Tensor, top_logprobs: int) -> list[TokenLogprob]:
+    """The log probabilities of `tokens` [R] under unnormalised weights `rows` [R, V], with the
+    `top_logprobs` most likely tokens per row: log p = log(w[token] / sum w)."""
+    log_total = rows.sum(dim=-1, dtype=torch.float64).log()
+    tokens = tokens.to(rows.device)
+    picked = (rows.gather(1, tokens[:, None]).squeeze(1).double().log() - log_total).clamp_(max=0.0)
+    top_w, top_ids = rows.topk(min(top_logprobs, rows.shape[-1]), dim=-1)
+    top = (top_w.double().log() - log_total[:, None]).clamp_(max=0.0)
+    kept = (top_w > 0).tolist()  # probability 0 (banned): never an alternative
+    return [
+        TokenLogprob(t, lp, [(a, b) for a, b, keep in zip(ids, lps, ks) if keep])
+        for t, lp, ids, lps, ks in zip(tokens.tolist(), picked.tolist(), top_ids.tolist(), top.tolist(), kept)
+    ]

@@ -28,6 +28,7 @@ from .block_manager import BlockManager, extend_hashes
 from .events import Block, Draft, Finished, TokenLogprob, cut_block, shown_entropy
 from .options import EngineOptions
 from .request import Request, RequestStatus, image_spans, max_sequence_length
+from .turbo import TurboState
 
 
 @dataclass
@@ -59,6 +60,8 @@ class DecodeResult:
     logprobs: list[TokenLogprob] | None = None  # [C], when the request asks and the pass ends its block
     accepted: torch.Tensor | None = None  # [C] bool: keeps its token into the next step (sampled or fixed)
     entropy: torch.Tensor | None = None  # [C] at the step's temperature (0 at fixed positions)
+    positions: int = 0  # canvas positions the pass computed
+    turbo: "TurboState | None" = None  # turbo: the canvas's state after the pass
 
 
 def _draft_view(res: DecodeResult) -> tuple[list[bool], list[float]]:
@@ -76,6 +79,7 @@ class EngineStats:
     cached_tokens: int = 0  # of those, found in the prefix cache
     encoded_tokens: int = 0  # every token run through the encoder (prefill, commits, re-encodes)
     decoder_passes: int = 0  # one per canvas per step
+    decoder_positions: int = 0  # canvas positions computed (C per pass; fewer with turbo)
     image_tokens: int = 0  # image soft tokens in admitted prompts
     vision_encodes: int = 0  # images run through the vision tower
     vision_cache_hits: int = 0  # images whose soft tokens came from the vision cache
@@ -233,12 +237,17 @@ class Scheduler:
         for res in decoded:
             req = res.request
             req.canvas, req.argmax, req.soft, req.history = res.canvas, res.argmax, res.soft, res.history
+            if res.turbo is not None:
+                req.turbo = res.turbo
             last = req.block_ends(res.stop)
             req.step += 1
             req.block_passes += 1
+            req.decoder_positions += res.positions
             self.stats.decoder_passes += 1
+            self.stats.decoder_positions += res.positions
             if req.drafts:
-                events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist(), *_draft_view(res)))
+                frozen = res.turbo.frozen.tolist() if res.turbo is not None else []
+                events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist(), *_draft_view(res), frozen))
             if last:
                 req.canvas_logprobs = res.logprobs
                 converged.append(req)
@@ -297,14 +306,15 @@ class Scheduler:
         self.blocks.free(req.request_id, req.kv)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         events.append(
-            Finished(req.request_id, reason, req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), req.cached_tokens)
+            Finished(req.request_id, reason, req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), req.cached_tokens,
+                     req.decoder_positions)  # fmt: skip
         )
 
     def _drop_cancelled(self, events: list) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             req.status, req.finish_reason = RequestStatus.FINISHED, "cancelled"
-            events.append(Finished(req.request_id, "cancelled", req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), 0))
+            events.append(Finished(req.request_id, "cancelled", req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), 0, 0))
         for req in [r for r in self.running if r.cancelled]:
             req.passes += req.block_passes
             self._finish(req, "cancelled", events)

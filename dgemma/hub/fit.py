@@ -60,6 +60,7 @@ class FitRequest:
     max_context: int | None = SINGLE_REQUEST_CONTEXT  # None: the model's max_position_embeddings
     kv_cache_memory: int | None = None
     prefill_chunk: int = 2048
+    turbo: bool = False  # every canvas with its turbo canvas K/V buffer (engine/turbo.py)
     memory: int | None = None
     memory_source: str = DEVICE_MEMORY_ENV  # what `memory` is, in a refusal: the variable, or `--card`
     flags: tuple[str, ...] = ()
@@ -200,7 +201,7 @@ def plan_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | None, req
     longest = facts.config.max_position_embeddings
     context = min(request.max_context or longest, longest)
     plan = memory_plan.plan_memory(facts.config, dtype, scheme, request.group_size, request.max_active, context,
-                                   request.kv_cache_memory, request.prefill_chunk)  # fmt: skip
+                                   request.kv_cache_memory, request.prefill_chunk, request.turbo)  # fmt: skip
     if facts.quant is not None and facts.tensors is not None:
         plan = replace(plan, weights={"stored": stored_weight_bytes(facts.tensors, dtype)}, scheme=facts.quant.scheme)
     if request.device.type == "cpu":
@@ -217,7 +218,7 @@ def variant(plan, facts: CheckpointFacts, dtype: torch.dtype, request: FitReques
     batch, context = batch or plan.batch, context or plan.context
     kv = request.kv_cache_memory
     kv = int(kv if kv is not None else memory_plan.kv_bytes(facts.config, 1, context, dtype))
-    steps = memory_plan.step_buffer_bytes(facts.config, batch, request.prefill_chunk, dtype)
+    steps = memory_plan.step_buffer_bytes(facts.config, batch, request.prefill_chunk, dtype, request.turbo)
     return replace(plan, kv_cache=kv, step_buffers=steps, batch=batch, context=context)
 
 

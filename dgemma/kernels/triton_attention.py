@@ -2,20 +2,25 @@
 
 A decoder (canvas) pass attends, per row, to the row's committed positions [lo, start) in the
 layer's block pool and then to the canvas's own C keys, bidirectionally (every canvas query sees
-the same keys; sliding-window layers just have lo > 0). `PagedKVCache.attend` gathers those
-blocks into a contiguous buffer per row (`_row_keys`), pads the rows to the longest and calls
-`attention.sdpa` with a mask: host-side ranges and shapes that change with every prefix length,
-so nothing of it can be captured once in a CUDA graph. `paged_canvas_attention` replaces that
-gather + mask + SDPA with one Triton kernel whose only prefix-dependent inputs are device tensors
-(block tables, lo, start): one captured graph replays for any prefix length.
+the same keys; sliding-window layers just have lo > 0). The queries are A rows against those C
+canvas keys: A = C for a full pass; A < C for a turbo pass over the active positions only, whose
+frozen positions still contribute keys / values (from a buffer) but no queries. Since every query
+sees the same keys, a query's canvas position plays no part in the kernel.
+
+`PagedKVCache.attend` gathers those blocks into a contiguous buffer per row (`_row_keys`), pads
+the rows to the longest and calls `attention.sdpa` with a mask: host-side ranges and shapes that
+change with every prefix length, so nothing of it can be captured once in a CUDA graph.
+`paged_canvas_attention` replaces that gather + mask + SDPA with one Triton kernel whose only
+prefix-dependent inputs are device tensors (block tables, lo, start): one captured graph replays
+for any prefix length.
 
 Layout (PagedKVCache): one layer's pool is [num_blocks, block_size, Hkv, D]; logical block j of
 row i (positions j * block_size ..) is pool block block_tables[i, j], so position p sits at
 (block_tables[i, p // block_size], p % block_size). Table entries outside [lo, start) are never
 read (a released sliding block reads -1 there). Canvas keys/values are scratch [n, Hkv, C, D],
-never in the pool.
+never in the pool; queries are [n, H, A, D].
 
-The kernel: a program takes one row, one KV head and BLOCK_M of the G * C queries that share the
+The kernel: a program takes one row, one KV head and BLOCK_M of the G * A queries that share the
 head (GQA: query head h reads KV head h // G, G = H / Hkv; the group's heads are packed along M,
 so each K/V tile is loaded once for all of them). It streams keys in tiles of BLOCK_N, first the
 prefix (the tile's block ids read from the table, keys gathered slot by slot), then the canvas,
@@ -80,20 +85,20 @@ if HAVE_TRITON:
     @triton.jit
     def _paged_canvas_kernel(
         q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, table_ptr, lo_ptr, start_ptr, out_ptr, part_ptr, m_ptr, l_ptr,
-        C, G, HKV,
-        sq_b, sq_h, sq_c, sq_d,
+        A, C, G, HKV,
+        sq_b, sq_h, sq_a, sq_d,
         skc_b, skc_h, skc_c, skc_d,
         svc_b, svc_h, svc_c, svc_d,
         skp_n, skp_s, skp_h, skp_d,
         svp_n, svp_s, svp_h, svp_d,
         st_b, st_j,
-        so_b, so_c, so_h, so_d,
+        so_b, so_a, so_h, so_d,
         POOL_BLOCK: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
         UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """Grid (query tiles, n * Hkv, splits): BLOCK_M of the G * C queries of row b, KV head kvh,
-        over split `pid_s`'s share of the prefix (and, for the last split, the canvas)."""
+        """Grid (query tiles, n * Hkv, splits): BLOCK_M of the G * A queries of row b, KV head kvh,
+        over split `pid_s`'s share of the prefix (and, for the last split, the C canvas keys)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -102,13 +107,13 @@ if HAVE_TRITON:
         b64 = b.to(tl.int64)
         kvh64 = kvh.to(tl.int64)
 
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (head in group, canvas index)
-        row_ok = rows < G * C
-        head = (kvh * G + rows // C).to(tl.int64)
-        cidx = (rows % C).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (head in group, query row)
+        row_ok = rows < G * A
+        head = (kvh * G + rows // A).to(tl.int64)
+        qidx = (rows % A).to(tl.int64)
         d = tl.arange(0, D)
         qd_mask = row_ok[:, None] & (d[None, :] < D)
-        q_off = b64 * sq_b + head[:, None] * sq_h + cidx[:, None] * sq_c + d[None, :] * sq_d
+        q_off = b64 * sq_b + head[:, None] * sq_h + qidx[:, None] * sq_a + d[None, :] * sq_d
         q = tl.load(q_ptr + q_off, mask=qd_mask, other=0.0)
 
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -155,10 +160,10 @@ if HAVE_TRITON:
 
         if NUM_SPLITS == 1:
             o = acc / l_i[:, None]
-            o_off = b64 * so_b + cidx[:, None] * so_c + head[:, None] * so_h + d[None, :] * so_d
+            o_off = b64 * so_b + qidx[:, None] * so_a + head[:, None] * so_h + d[None, :] * so_d
             tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=qd_mask)
-        else:  # partials [n, H, C, S] (m, l) and [n, H, C, S, D] (acc), float32, contiguous
-            part_row = ((b64 * (G * HKV) + head) * C + cidx) * NUM_SPLITS + pid_s
+        else:  # partials [n, H, A, S] (m, l) and [n, H, A, S, D] (acc), float32, contiguous
+            part_row = ((b64 * (G * HKV) + head) * A + qidx) * NUM_SPLITS + pid_s
             tl.store(m_ptr + part_row, m_i, mask=row_ok)
             tl.store(l_ptr + part_row, l_i, mask=row_ok)
             tl.store(part_ptr + part_row[:, None] * D + d[None, :], acc, mask=qd_mask)
@@ -166,16 +171,16 @@ if HAVE_TRITON:
     @triton.jit
     def _combine_splits_kernel(
         part_ptr, m_ptr, l_ptr, out_ptr,
-        C, H,
-        so_b, so_c, so_h, so_d,
+        A, H,
+        so_b, so_a, so_h, so_d,
         D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
     ):  # fmt: skip
-        """One query (b, h, c) per program: out = sum_s w_s acc_s / sum_s w_s l_s with
+        """One query (b, h, a) per program: out = sum_s w_s acc_s / sum_s w_s l_s with
         w_s = exp(m_s - max m) (a split that saw no key has m = -inf: weight 0)."""
         r = tl.program_id(0).to(tl.int64)
-        b = r // (H * C)
-        h = (r // C) % H
-        c = r % C
+        b = r // (H * A)
+        h = (r // A) % H
+        a = r % A
         s = tl.arange(0, SPLITS_P2)
         s_ok = s < NUM_SPLITS
         d = tl.arange(0, D)
@@ -184,7 +189,7 @@ if HAVE_TRITON:
         acc = tl.load(part_ptr + (r * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
         w = tl.exp(m - tl.max(m, 0))
         o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-        tl.store(out_ptr + b * so_b + c * so_c + h * so_h + d * so_d, o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + b * so_b + a * so_a + h * so_h + d * so_d, o.to(out_ptr.dtype.element_ty))
 
     INTERPRETED = interpreted(_paged_canvas_kernel)
 else:  # pragma: no cover
@@ -202,7 +207,7 @@ def _sm_count(index: int) -> int:
 
 
 def pick_blocks(rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` = G * C packed queries of a KV head.
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` = G * A packed queries of a KV head.
     The [BLOCK_M, D] float32 accumulator lives in registers and the K / V tiles (times the
     pipeline's stages) in shared memory, so wider heads get fewer query rows or key tiles. Chosen
     from sm90 compiles (triton 3.9's ptxas) as the largest without register spills, bf16:
@@ -238,12 +243,17 @@ def _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start) -> No
     for name, t in zip(names, (q, k_canvas, v_canvas, k_pool, v_pool)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4D, got shape {tuple(t.shape)}")
-    n, h, c, d = q.shape
-    hkv = k_canvas.shape[1]
-    if tuple(k_canvas.shape) != (n, hkv, c, d) or tuple(v_canvas.shape) != (n, hkv, c, d):
+    n, h, a, d = q.shape
+    hkv, c = k_canvas.shape[1], k_canvas.shape[2]
+    if k_canvas.shape != v_canvas.shape:
         raise ValueError(
-            f"k_canvas / v_canvas must be [n, Hkv, C, D] = [{n}, Hkv, {c}, {d}] like q [n, H, C, D], "
-            f"got {tuple(k_canvas.shape)} and {tuple(v_canvas.shape)}"
+            f"k_canvas / v_canvas must be [n, Hkv, C, D] alike, got {tuple(k_canvas.shape)} and {tuple(v_canvas.shape)}"
+        )
+    if k_canvas.shape[0] != n:
+        raise ValueError(f"k_canvas / v_canvas must be [n, Hkv, C, D] with q's n = {n} rows, got {tuple(k_canvas.shape)}")
+    if k_canvas.shape[3] != d:
+        raise ValueError(
+            f"k_canvas / v_canvas must be [n, Hkv, C, D] with q's head_dim D = {d}, got {tuple(k_canvas.shape)}"
         )
     if hkv == 0 or h % hkv:
         raise ValueError(f"q's {h} heads do not divide into {hkv} KV heads")
@@ -256,6 +266,8 @@ def _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start) -> No
         raise ValueError(f"head_dim must be a power of two in 16..{MAX_HEAD_DIM}, got {d}")
     if c < 1:
         raise ValueError("the canvas must have at least one position (C >= 1)")
+    if a < 1:
+        raise ValueError("q must have at least one query row (A >= 1)")
     if q.dtype not in DTYPES:
         raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
     for name, t in zip(names[1:], (k_canvas, v_canvas, k_pool, v_pool)):
@@ -283,10 +295,12 @@ def paged_canvas_attention(
     blocks: tuple[int, int] | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Canvas attention over the paged prefix, without gathering it: row i's queries q[i]
-    [H, C, D] attend to pool positions [lo[i], start[i]) (block_tables[i, p // block_size],
-    slot p % block_size) and then to the canvas's keys k_canvas[i] [Hkv, C, D]; scale 1.0,
-    GQA (query head h reads KV head h // (H / Hkv)). -> [n, C, H, D] in q's dtype, as `sdpa`.
+    """Canvas attention over the paged prefix, without gathering it: row i's A query rows q[i]
+    [H, A, D] attend to pool positions [lo[i], start[i]) (block_tables[i, p // block_size],
+    slot p % block_size) and then to all C canvas keys k_canvas[i] [Hkv, C, D]; scale 1.0,
+    GQA (query head h reads KV head h // (H / Hkv)). -> [n, A, H, D] in q's dtype, as `sdpa`.
+    A = C is a full canvas pass; A < C (any A >= 1) a pass over the active positions, whose
+    output rows equal those rows of the full pass (the attention is bidirectional).
 
     lo / start / block_tables are read on the device only (no host sync, no shape depends on
     the prefix), so a captured CUDA graph replays for any prefix length up to the table's width.
@@ -296,32 +310,32 @@ def paged_canvas_attention(
     if not available(q.device):
         why = "triton is not installed" if not HAVE_TRITON else f"the device is {q.device.type}, not CUDA"
         raise RuntimeError(f"no Triton paged attention here ({why}); use PagedKVCache.attend and sdpa")
-    n, h, c, d = q.shape
-    hkv = k_canvas.shape[1]
+    n, h, a, d = q.shape
+    hkv, c = k_canvas.shape[1], k_canvas.shape[2]
     g = h // hkv
-    out = torch.empty(n, c, h, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(n, a, h, d, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    block_m, block_n, num_warps, num_stages = pick_blocks(g * c, d, q.dtype)
+    block_m, block_n, num_warps, num_stages = pick_blocks(g * a, d, q.dtype)
     if blocks is not None:
         block_m, block_n = blocks
         if min(blocks) < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
             raise ValueError(f"blocks must be powers of two >= 16, got {blocks}")
-    m_tiles = triton.cdiv(g * c, block_m)
+    m_tiles = triton.cdiv(g * a, block_m)
     pool_block = k_pool.shape[1]
     if num_splits is None:
         num_splits = pick_splits(q.device, m_tiles * n * hkv, block_tables.shape[1] * pool_block, block_n)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if num_splits > 1:
-        part = torch.empty(n, h, c, num_splits, d, dtype=torch.float32, device=q.device)
-        m_part = torch.empty(n, h, c, num_splits, dtype=torch.float32, device=q.device)
+        part = torch.empty(n, h, a, num_splits, d, dtype=torch.float32, device=q.device)
+        m_part = torch.empty(n, h, a, num_splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
     else:
         part = m_part = l_part = out  # unused
     _paged_canvas_kernel[(m_tiles, n * hkv, num_splits)](
         q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start, out, part, m_part, l_part,
-        c, g, hkv,
+        a, c, g, hkv,
         *q.stride(), *k_canvas.stride(), *v_canvas.stride(), *k_pool.stride(), *v_pool.stride(),
         *block_tables.stride(), *out.stride(),
         POOL_BLOCK=pool_block, D=d, NUM_SPLITS=num_splits,
@@ -332,8 +346,8 @@ def paged_canvas_attention(
         enable_fp_fusion=True,  # triton's default until 3.10 (3.9 warns when it is left unsaid)
     )  # fmt: skip
     if num_splits > 1:
-        _combine_splits_kernel[(n * h * c,)](
-            part, m_part, l_part, out, c, h, *out.stride(),
+        _combine_splits_kernel[(n * h * a,)](
+            part, m_part, l_part, out, a, h, *out.stride(),
             D=d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
             num_warps=4 if d <= 256 else 8, enable_fp_fusion=True,
         )  # fmt: skip

@@ -72,6 +72,7 @@ def create_app(
     budgets: Budgets | None = None,
     limits: Limits | None = None,
     docs: bool = True,
+    sampler: dict | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up.
 
@@ -81,7 +82,9 @@ def create_app(
     playground page at `GET /` (playground/). `access`: API key, Host and Origin rules
     (access.py; default: no key, local names, no cross-site pages). `budgets`: denoising steps
     and seconds per request. `limits`: the listener's read timeout and connection cap (read by
-    ServerThread and `dgemma serve` from `app.state.limits`). `docs`: `/openapi.json` and `/docs`."""
+    ServerThread and `dgemma serve` from `app.state.limits`). `docs`: `/openapi.json` and `/docs`.
+    `sampler`: GenerationConfig fields over the checkpoint's, the defaults of requests that do not
+    set them (`dgemma serve --turbo` and its knobs; a bad value is a ConfigError naming it)."""
     if max_active < 1 or max_queue < 0:
         raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
     context = model.config.max_position_embeddings if max_context is None else max_context
@@ -91,7 +94,7 @@ def create_app(
             f"max_context must be between {canvas + 1} (one block of {canvas} plus a prompt token) and "
             f"{model.config.max_position_embeddings} (the model's max_position_embeddings); got {context}"
         )
-    service = Service(model, served_model_name, max_active, max_queue, context, options, media_policy, budgets)
+    service = Service(model, served_model_name, max_active, max_queue, context, options, media_policy, budgets, sampler)
     access = access or Access()
     limits = limits or Limits()
 
@@ -143,8 +146,8 @@ def create_app(
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    gen = model.generation_config
-    defaults = {k: getattr(gen, k) for k in ("max_denoising_steps", "entropy_bound", "t_min", "t_max")}
+    gen = service.defaults
+    defaults = {k: getattr(gen, k) for k in ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "turbo")}
 
     def model_card() -> dict:  # OpenAI's fields, vLLM's max_model_len, and what the playground shows
         return {"id": service.name, "object": "model", "created": service.created, "owned_by": "dgemma",

@@ -194,6 +194,7 @@ class EngineThread:
                     self.metrics.cached_tokens.inc(ev.cached_tokens)
                     self.metrics.generation_tokens.inc(len(ev.tokens))
                     self.metrics.decoder_passes.inc(ev.decoder_passes)
+                    self.metrics.decoder_positions.inc(ev.decoder_positions)
                     if ev.decoder_passes:
                         self.metrics.tokens_per_forward.observe(ev.tokens_per_forward)
             if job is None:
@@ -287,6 +288,11 @@ class Generation:
     @property
     def decoder_passes(self) -> int:
         return self.finished.decoder_passes if self.finished else 0
+
+    @property
+    def decoder_positions(self) -> int:
+        """Canvas positions the decoder computed for it (passes x canvas_length, fewer with turbo)."""
+        return self.finished.decoder_positions if self.finished else 0
 
     @property
     def tokens_per_forward(self) -> float:

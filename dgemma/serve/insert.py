@@ -34,6 +34,7 @@ class Insertion:
     decoder_passes: int
     scores: dict[int, float]
     timed_out: bool = False  # some candidate passed the request's deadline: the best of the others (or nothing)
+    decoder_positions: int = 0  # canvas positions the candidates' passes computed (fewer with turbo)
 
 
 def span_lengths(span_length: Any, max_tokens: int | None, canvas_length: int, max_candidates: int) -> list[int]:
@@ -75,19 +76,19 @@ async def insert(engine_thread, prompt: list[int], suffix: list[int], lengths: l
         for job in jobs:
             engine_thread.cancel(job)
         raise
-    passes = sum(p for _, p in results)
+    passes, positions = sum(f.decoder_passes for _, f in results), sum(f.decoder_positions for _, f in results)
     done = [(n, block) for n, (block, _) in zip(lengths, results) if block is not None]
     timed_out = len(done) < len(lengths)
     if not done:
-        return Insertion([], 0, passes, {}, timed_out=True)
+        return Insertion([], 0, passes, {}, timed_out=True, decoder_positions=positions)
     best, scores = most_likely_span([n for n, _ in done], [b for _, b in done])
     block = dict(done)[best]
-    return Insertion(block.tokens[:best], best, passes, scores, timed_out)
+    return Insertion(block.tokens[:best], best, passes, scores, timed_out, positions)
 
 
-async def _block_of(job) -> tuple[Block | None, int]:
-    """The job's one committed block (None when it passed its deadline first) and its decoder
-    passes (its events, to the end)."""
+async def _block_of(job) -> tuple[Block | None, Finished]:
+    """The job's one committed block (None when it passed its deadline first) and the engine's
+    account of it (its events, to the end: decoder passes and positions)."""
     block = None
     while True:
         ev = await job.events.get()
@@ -97,7 +98,7 @@ async def _block_of(job) -> tuple[Block | None, int]:
             block = ev
         elif isinstance(ev, Finished):
             if block is None and ev.reason == "timeout":
-                return None, ev.decoder_passes
+                return None, ev
             if block is None:
                 raise RuntimeError(f"the infill request ended ({ev.reason}) without a block")
-            return block, ev.decoder_passes
+            return block, ev

@@ -123,7 +123,7 @@ class ModelCard:
     def show(self) -> dict:
         """/api/show: details, model_info (ollama's keys; `<family>.context_length` is --max-context),
         capabilities, the sampler defaults as `parameters`, and the chat template (Jinja)."""
-        config, arch, gen = self.model.config, self.family, self.model.generation_config
+        config, arch, gen = self.model.config, self.family, self.service.defaults  # the server's: --turbo included
         info = {"general.architecture": arch, "general.basename": self.service.name,
                 "general.parameter_count": config.num_parameters(), f"{arch}.context_length": self.service.context,
                 f"{arch}.embedding_length": config.hidden_size, f"{arch}.block_count": config.num_layers,
@@ -131,7 +131,7 @@ class ModelCard:
                 f"{arch}.expert_count": config.num_experts, f"{arch}.expert_used_count": config.top_k_experts,
                 f"{arch}.canvas_length": config.canvas_length}  # fmt: skip
         knobs = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
-                 "confidence_threshold")
+                 "confidence_threshold", "turbo")
         parameters = "\n".join(f"{k:<30} {getattr(gen, k)}" for k in knobs if getattr(gen, k, None) is not None)
         source = self.model.path or "the model"
         return {"modelfile": f"# served by dgemma {__version__} from {source}; dgemma reads no Modelfile\n",

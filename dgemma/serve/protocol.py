@@ -123,6 +123,11 @@ class RequestParams(_Strict):
     confidence_threshold: float | None = _num(hi=1e6, gt=0)
     ignore_eos: bool = False
     stream_drafts: bool = False
+    # turbo denoising (engine/turbo.py): null takes the server's default (`dgemma serve --turbo`)
+    turbo: bool | None = None
+    turbo_freeze_passes: int | None = Field(None, ge=1, le=4096)
+    turbo_freeze_entropy: float | None = _num(0, 1e6)
+    turbo_refresh_every: int | None = Field(None, ge=0, le=4096)
     # structured output (structured.py): OpenAI's response_format, vLLM's guided_* fields
     response_format: Any = None
     guided_json: Any = None

@@ -222,11 +222,15 @@ class Responder:
 
     def _draft_frame(self, update: Update) -> dict:
         """A draft frame (docs/server.md): the text that would commit now, and the whole canvas
-        position by position: token ids, their texts, accepted or re-noised, entropy."""
+        position by position: token ids, their texts, accepted or re-noised, entropy; with turbo,
+        which positions are frozen (no longer computed). Without turbo the frame has no `frozen`."""
         draft = update.draft
-        return {"block": update.block, "step": update.step, "text": update.text, "tokens": draft.canvas,
-                "pieces": [self.pieces(t)[0] for t in draft.canvas], "accepted": draft.accepted,
-                "entropy": draft.entropy}  # fmt: skip
+        frame = {"block": update.block, "step": update.step, "text": update.text, "tokens": draft.canvas,
+                 "pieces": [self.pieces(t)[0] for t in draft.canvas], "accepted": draft.accepted,
+                 "entropy": draft.entropy}  # fmt: skip
+        if draft.frozen:
+            frame["frozen"] = draft.frozen
+        return frame
 
     async def _pump(self, choice: _Choice, out: asyncio.Queue) -> None:
         """A choice's chunks into the response's queue (the reader's pace: one waits at a time),
@@ -291,7 +295,7 @@ def insertion_response(service: Service, params: CompletionParams, prompt: Model
     prompt_len = len(prompt.input_ids)
     usage = {"prompt_tokens": prompt_len, "completion_tokens": found.span_length,
              "total_tokens": prompt_len + found.span_length, "decoder_passes": found.decoder_passes,
-             "span_length": found.span_length}  # fmt: skip
+             "decoder_positions": found.decoder_positions, "span_length": found.span_length}  # fmt: skip
     envelope = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": service.name}
     if not params.stream:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}

@@ -62,6 +62,7 @@ class Service:
         options: EngineOptions | None = None,
         media_policy: MediaPolicy | None = None,
         budgets: Budgets | None = None,
+        sampler: dict | None = None,
     ):
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
@@ -69,6 +70,9 @@ class Service:
         self.tool_decode = keeping_decoder(self.tokenizer)
         self.prompts = PromptBuilder(model, max_context, media_policy or MediaPolicy())
         self.budgets = budgets or Budgets()
+        # what a request that does not say gets: the checkpoint's generation config, with the
+        # server's own defaults over it (`dgemma serve --turbo` and its knobs)
+        self.defaults = model.generation_config.with_overrides(**(sampler or {}))
         # fetching and decoding media: a small pool of their own, so that slow remote images do not
         # starve the default pool every other request's tokenizing uses
         self.media_pool = ThreadPoolExecutor(MEDIA_WORKERS, thread_name_prefix="dgemma-media")
@@ -163,7 +167,7 @@ class Service:
                 "prompt" if isinstance(params, CompletionParams) else "messages",
                 "context_length_exceeded",
             )
-        defaults = self.model.generation_config
+        defaults = self.defaults
         if max_tokens is None:
             max_tokens = min(defaults.max_new_tokens, room)
         elif max_tokens > room:
@@ -193,6 +197,10 @@ class Service:
                 stability_threshold=params.stability_threshold,
                 confidence_threshold=params.confidence_threshold,
                 eos_token_ids=() if params.ignore_eos else None,
+                turbo=params.turbo,  # None: the server's default (dgemma serve --turbo); false turns it off
+                turbo_freeze_passes=params.turbo_freeze_passes,
+                turbo_freeze_entropy=params.turbo_freeze_entropy,
+                turbo_refresh_every=params.turbo_refresh_every,
             )
         except ConfigError as e:
             raise ApiError(400, str(e), None, "invalid_value") from None
@@ -308,7 +316,8 @@ class Service:
             return self._token_texts
 
     def usage(self, prompt: ModelInputs, gens: list[Generation]) -> dict:
-        """The request's usage: its prompt counted once, the completion tokens and decoder passes
+        """The request's usage: its prompt counted once, the completion tokens, decoder passes and
+        decoder positions (canvas positions computed: fewer than passes x canvas_length with turbo)
         of all its choices; cached tokens as the first choice found them (the fewest: the others
         also find the blocks it encoded)."""
         done, prompt_len = sum(g.completion_tokens for g in gens), len(prompt.input_ids)
@@ -322,6 +331,7 @@ class Service:
             "total_tokens": prompt_len + done,
             "prompt_tokens_details": {"cached_tokens": cached, "image_tokens": prompt.num_image_tokens},
             "decoder_passes": passes,
+            "decoder_positions": sum(g.decoder_positions for g in gens),
             "tokens_per_forward": round(per_forward, 3),
         }
 

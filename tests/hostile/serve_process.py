@@ -26,6 +26,8 @@ class ServeProcess:
 
     def __init__(self, args: list[str], env: dict | None = None, startup_timeout: float = 180.0):
         environ = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **(env or {})}
+        if "--threads" not in args:  # beside `-n 2` test processes a second intra-op thread waits on a busy
+            args = [*args, "--threads", "1"]  # core at every op: the tiny model's passes ran 10-30x slower (conftest.py)
         self.proc = subprocess.Popen(SERVE + ["--host", "127.0.0.1", "--port", "0", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=environ)  # fmt: skip
         self.lines: list[str] = []

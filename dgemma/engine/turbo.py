@@ -1,0 +1,142 @@
+"""Turbo denoising: positions that have converged stop being recomputed (opt-in, approximate).
+
+A canvas position whose argmax has been accepted with the same value for `freeze_passes`
+passes in a row, at an entropy at most `freeze_entropy`, is *frozen*: its token is that argmax
+(what its block would commit), it stops being a query, and the positions still denoising read
+the keys and values of its last computation from the request's canvas K/V buffer (refreshed by
+a pass over every position each `refresh_every` passes, or never). Positions after a frozen end
+of answer freeze with it (they are cut from the answer anyway). With a grammar only a contiguous
+prefix from the left may freeze: a grammar walks the canvas from the left.
+
+What is kept from an exact pass: frozen positions keep their last entropy in the acceptance rule
+and the stopping rule; every pass draws the same random numbers (C uniforms, C noise tokens), so
+turbo and exact runs differ only by the approximation; a frozen position's log probabilities are
+those of the pass that froze it. The block commits when every position is frozen or the usual
+stopping rule holds. Turbo off changes nothing (the runner's exact path is untouched).
+
+The freeze rule is a pure function (`freeze`); the state one canvas carries is `TurboState`;
+`TurboPass` is the cache pass of a decoder pass over the active rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig, TurboSettings
+from .events import TokenLogprob
+
+
+@dataclass
+class TurboState:
+    """One canvas's turbo state (reset with each canvas; the K/V buffer is kept across blocks).
+
+    `frozen` [C] bool; `streak` [C] passes in a row accepted with an unchanged argmax; `tokens`
+    [C] the last argmax (a frozen position's token); `entropy` [C] the last entropy (kept for
+    frozen positions); `keys` / `values` per layer [C, Hkv, D] of each position's last
+    computation; `passes` since the last pass over every position; `logprobs` of frozen
+    positions, stored when they froze."""
+
+    frozen: torch.Tensor
+    streak: torch.Tensor
+    tokens: torch.Tensor
+    entropy: torch.Tensor
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    passes: int = 0
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+
+    @classmethod
+    def fresh(cls, canvas_length: int, device: torch.device, buffers: "TurboState | None" = None) -> "TurboState":
+        """A new canvas's state; `buffers`: the last canvas's state, whose K/V buffer is reused."""
+        state = cls(
+            frozen=torch.zeros(canvas_length, dtype=torch.bool, device=device),
+            streak=torch.zeros(canvas_length, dtype=torch.long, device=device),
+            tokens=torch.full((canvas_length,), -1, dtype=torch.long, device=device),
+            entropy=torch.zeros(canvas_length, dtype=torch.float32, device=device),
+        )
+        if buffers is not None:
+            state.keys, state.values = buffers.keys, buffers.values
+        return state
+
+    def all_frozen(self) -> bool:
+        return bool(self.frozen.all())
+
+    def query_rows(self, settings: TurboSettings) -> torch.Tensor:
+        """Canvas positions this pass computes (long [A]): every position on a canvas's first pass
+        and on refresh passes, else the positions not frozen."""
+        everything = not self.keys or self.passes == 0 or (settings.refresh_every and self.passes % settings.refresh_every == 0)
+        if everything:
+            return torch.arange(self.frozen.numel(), device=self.frozen.device)
+        return (~self.frozen).nonzero().squeeze(-1)
+
+    def ensure_buffers(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        """The canvas K/V buffer: per layer [C, Hkv, D] keys and values (allocated once per request)."""
+        if self.keys:
+            return
+        c = config.canvas_length
+        for spec in config.layers:
+            self.keys.append(torch.zeros(c, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
+            self.values.append(torch.zeros(c, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
+
+
+def canvas_kv_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """The canvas K/V buffer of one turbo request: keys and values of every canvas position in
+    every layer (~55 MB at the released size in bf16)."""
+    return sum(2 * config.canvas_length * s.num_kv_heads * s.head_dim * dtype_bytes for s in config.layers)
+
+
+def freeze(
+    frozen: torch.Tensor,
+    streak: torch.Tensor,
+    previous: torch.Tensor,
+    argmax: torch.Tensor,
+    accepted: torch.Tensor,
+    entropy: torch.Tensor,
+    settings: TurboSettings,
+    *,
+    prefix_only: bool = False,
+    eos_ids: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(frozen [C], streak [C]) after one pass (pure; every argument [C]).
+
+    A position not frozen extends its streak when it was accepted with the argmax it had last
+    pass, restarts at 1 when accepted with another, and drops to 0 when re-noised; it freezes at
+    `freeze_passes` with entropy <= `freeze_entropy`. `prefix_only` (a grammar): only a
+    contiguous run from the left is frozen. `eos_ids`: every position after a frozen end of
+    answer freezes too (it is cut from the answer; never with `prefix_only`)."""
+    same = accepted & (argmax == previous)
+    streak = torch.where(same, streak + 1, accepted.long())
+    ready = frozen | ((streak >= settings.freeze_passes) & (entropy <= settings.freeze_entropy))
+    if prefix_only:
+        ready = torch.cumprod(ready.long(), dim=0).bool()
+    elif eos_ids:
+        eos = ready & torch.isin(argmax, torch.tensor(eos_ids, device=argmax.device))
+        if bool(eos.any()):
+            first = int(eos.nonzero()[0, 0])
+            ready = ready.clone()
+            ready[first:] = True
+    return ready, streak
+
+
+class TurboPass:
+    """The cache pass of a decoder pass over a canvas's active rows (one request).
+
+    Wraps the full-canvas pass `inner` (prefix ranges, masks, tables: one row, C canvas keys):
+    the active rows' keys/values are written into the request's canvas K/V buffer, then the
+    active queries attend over the prefix and all C canvas positions through `inner`. RoPE
+    positions are the active rows' own."""
+
+    def __init__(self, inner, rows: torch.Tensor, state: TurboState):
+        self.inner, self.rows, self.state = inner, rows, state
+        self.positions = inner.positions[:, rows]
+
+    def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q/k/v [1, H(kv), A, D] of the active rows -> [1, A, H, D]."""
+        keys, values = self.state.keys[layer], self.state.values[layer]
+        keys.index_copy_(0, self.rows, k[0].transpose(0, 1).to(keys.dtype))
+        values.index_copy_(0, self.rows, v[0].transpose(0, 1).to(values.dtype))
+        full_k = keys.transpose(0, 1)[None].to(k.dtype)
+        full_v = values.transpose(0, 1)[None].to(v.dtype)
+        return self.inner.attention(layer, sliding, q, full_k, full_v)

@@ -1,0 +1,124 @@
+"""One turbo decoder step of one request: a pass over its active rows, then the sampler over the
+whole canvas with frozen positions held (engine/turbo.py says what freezes and why).
+
+The pass computes the positions `TurboState.query_rows` names (every position on a canvas's first
+pass and on refresh passes, else those not frozen); statistics, masks and sampling run over the
+positions not frozen and are scattered back into [C] vectors, where frozen positions keep their
+token and last entropy. The random draws are an exact pass's (C uniforms, C noise tokens from the
+request's stream), so a turbo run differs from an exact one only by the approximation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kernels import triton_step
+from . import sampler
+from .request import Request
+from .scheduler import DecodeResult
+from .turbo import TurboPass, TurboState, freeze
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+
+def turbo_step(runner: "Runner", r: Request) -> DecodeResult:
+    """Denoise `r`'s canvas once with its frozen positions skipped: the next canvas, argmax,
+    self-conditioning input, stop flag and turbo state."""
+    state, settings, config = r.turbo, r.config.turbo_settings, runner.config
+    c, device = config.canvas_length, runner.net.device
+    state.ensure_buffers(config, runner.net.dtype, device)
+    queries = state.query_rows(settings)
+    live = (~state.frozen).nonzero().squeeze(-1)  # the rows the sampler decides
+    plan = runner.cache.plan_canvas(c, [r.kv]) if runner.triton else runner.cache.plan_decoder(c, [r.kv])
+    soft_in = None if r.soft is None else r.soft[queries][None]
+    hidden = runner.net.decode(r.canvas[queries][None], TurboPass(plan, queries, state), soft_in)
+    if queries.numel() != live.numel():  # a refresh pass: frozen rows computed for their keys only
+        hidden = hidden[:, live]
+    temps = runner._temperatures([r])[: live.numel()]
+    allowed = runner._allowed([r])
+    argmax_l, entropy_l, weights, total, soft_l = runner.statistics(hidden, temps, None if allowed is None else allowed[live])
+
+    fixed = runner._fixed([r])
+    free = None if fixed is None else fixed[0] < 0  # False where the constraints fix the token
+    argmax = state.tokens.clone()
+    argmax[live] = argmax_l[0]
+    entropy = state.entropy.clone()
+    entropy[live] = entropy_l[0]
+    weighed = entropy if free is None else entropy * free
+    bound = torch.tensor([[r.config.entropy_bound]], dtype=torch.float32, device=device)
+    accepted = sampler.entropy_bound_accept(weighed[None], bound)[0]
+    if free is not None:
+        accepted &= free
+
+    uniforms, noise = _draws(runner, r)
+    canvas = noise.clone()
+    picked = accepted[live]
+    rows = live[picked]
+    if rows.numel():
+        if runner.triton:
+            canvas[rows] = triton_step.sample_rows(weights[picked], total[picked], uniforms[rows])
+        else:
+            canvas[rows] = sampler.sample_from_weights(weights[picked], uniforms[rows])
+    canvas = torch.where(state.frozen, state.tokens, canvas)
+    if fixed is not None:
+        canvas = torch.where(free, canvas, fixed[0])
+        argmax = torch.where(free, argmax, fixed[0])
+    grammar = hasattr(r.constraints, "refine")
+    if grammar:
+        argmax = r.constraints.refine(argmax.cpu(), _full_weights(weights, live, state, c)).to(device)
+    argmax = torch.where(state.frozen, state.tokens, argmax)  # a frozen position never changes
+
+    stop, history = sampler.stable_and_confident(
+        r.history, argmax[None], entropy[None], r.config.stability_threshold, r.config.confidence_threshold,
+        None if free is None else free[None],
+    )  # fmt: skip
+    kept = accepted if free is None else accepted | ~free
+    frozen, streak = freeze(
+        state.frozen, state.streak, state.tokens, argmax, kept, weighed, settings,
+        prefix_only=grammar, eos_ids=tuple(r.config.eos_token_ids),
+    )  # fmt: skip
+    canvas = torch.where(frozen, argmax, canvas)  # a frozen position holds its token (read again on refresh passes)
+    stop = bool(stop[0]) or bool(frozen.all())
+
+    logprobs = dict(state.logprobs)
+    if r.top_logprobs is not None:
+        newly = (frozen & ~state.frozen)[live]
+        for pos, lp in zip(live[newly].tolist(), sampler.row_logprobs(weights[newly], argmax[live][newly], r.top_logprobs)):
+            logprobs[pos] = lp
+    block_logprobs = None
+    if r.top_logprobs is not None and r.block_ends(stop):
+        computed = dict(zip(live.tolist(), sampler.row_logprobs(weights, argmax[live], r.top_logprobs)))
+        block_logprobs = [logprobs[p] if p in logprobs and bool(state.frozen[p]) else computed[p] for p in range(c)]
+
+    soft = torch.zeros(c, config.hidden_size, dtype=soft_l.dtype, device=device) if r.soft is None else r.soft.clone()
+    soft[live] = soft_l[0].to(soft.dtype)
+    new_state = TurboState(frozen, streak, argmax, entropy, state.keys, state.values, state.passes + 1, logprobs)
+    shown = entropy if free is None else entropy * free
+    return DecodeResult(r, canvas, argmax, soft, history, stop, block_logprobs, kept | state.frozen, shown,
+                        positions=queries.numel(), turbo=new_state)  # fmt: skip
+
+
+def _draws(runner: "Runner", r: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    """An exact pass's random numbers for `r`: C uniforms and C noise tokens, on the device."""
+    c, vocab, device = runner.config.canvas_length, runner.config.vocab_size, runner.net.device
+    if runner.triton:
+        seeds = runner._to_device(torch.tensor([triton_step.seed_bits(r.seed)], dtype=torch.long))
+        passes = runner._to_device(torch.tensor([r.passes + r.block_passes], dtype=torch.long))
+        uniforms, noise = triton_step.philox_draws(seeds, passes, c, vocab)
+        return uniforms.view(-1), noise.view(-1)
+    uniforms = torch.rand(c, generator=r.generator)
+    noise = torch.randint(0, vocab, (c,), generator=r.generator)
+    return uniforms.to(device), noise.to(device)
+
+
+def _full_weights(weights: torch.Tensor, live: torch.Tensor, state: TurboState, c: int) -> torch.Tensor:
+    """[C, V] weights for a grammar's walk: the pass's rows where computed, and a frozen
+    position's own token with all the weight (it is what that position holds)."""
+    full = weights.new_zeros(c, weights.shape[-1])
+    full[live] = weights
+    frozen = state.frozen.nonzero().squeeze(-1)
+    full[frozen, state.tokens[frozen]] = 1.0
+    return full
