@@ -129,7 +129,7 @@ class TurboSettings:
     (docs/performance.md, "Turbo denoising")."""
 
     freeze_passes: int = 2  # passes in a row a position's argmax must be accepted unchanged
-    freeze_entropy: float = 0.05  # nats at the pass's temperature, at most
+    freeze_entropy: float = 0.02  # nats at the pass's temperature, at most
     refresh_every: int = 0  # recompute every position's keys/values each this many passes (0: never)
 
     def check(self) -> "TurboSettings":
@@ -161,7 +161,7 @@ class GenerationConfig:
     # turbo denoising (engine/turbo.py): off by default, and off it changes nothing
     turbo: bool = False
     turbo_freeze_passes: int = 2
-    turbo_freeze_entropy: float = 0.05
+    turbo_freeze_entropy: float = 0.02
     turbo_refresh_every: int = 0
 
     @property

@@ -24,7 +24,7 @@ An example, not a test: it reports what it measures, whatever that is.
 - `--turbo` (and `--turbo-freeze-passes/--turbo-freeze-entropy/--turbo-refresh-every`) solves
   with turbo denoising (engine/turbo.py). `--compare-turbo`, after fine-tuning once, solves the
   held-out puzzles (both variants) with the fine-tuned model exact, exact with other seeds (the
-  noise floor), turbo at its default, aggressive (freeze after 1 pass at entropy <= 0.3) and the
+  noise floor), turbo at its default, aggressive (freeze after 1 pass at entropy <= 0.05) and the
   --turbo flags' own if given, `--compare-seeds` seeds each (puzzle i, repeat r: seed + i +
   10**6 r, + 500000 on the noise row), interleaved per repeat: cells and grids with bootstrap 95%
   intervals over puzzles (scripts/turbo_quality.py), the share of grids equal to exact's at the

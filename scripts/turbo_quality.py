@@ -14,7 +14,7 @@ An example, not a test: it reports what it measures, whatever that is.
   prompt, once every file gave one, is its next such chunk, from the start of the next line.
   Blank chunks are skipped, and so is a line too long to fit alone.
 - Settings: "exact" (turbo off) always runs; `--settings` names the turbo ones: "default" (turbo
-  with the engine's defaults), "aggressive" (turbo_freeze_passes=1, turbo_freeze_entropy=0.3),
+  with the engine's defaults), "aggressive" (turbo_freeze_passes=1, turbo_freeze_entropy=0.05),
   "refresh4" (the defaults and turbo_refresh_every=4), or NAME=K,E,R (freeze passes, freeze
   entropy, refresh every; an empty field keeps the engine's default, e.g. `f3=3,,`).
 - Runs: for each seed s in range(`--seeds`), one `generate` call over all prompts per setting,
@@ -65,7 +65,7 @@ from infill_eval import cpu_name, held_out_files  # scripts/ is on sys.path when
 
 PRESETS = {
     "default": {},
-    "aggressive": {"turbo_freeze_passes": 1, "turbo_freeze_entropy": 0.3},
+    "aggressive": {"turbo_freeze_passes": 1, "turbo_freeze_entropy": 0.05},
     "refresh4": {"turbo_refresh_every": 4},
 }
 KNOBS = (("turbo_freeze_passes", int), ("turbo_freeze_entropy", float), ("turbo_refresh_every", int))

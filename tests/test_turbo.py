@@ -213,3 +213,21 @@ def test_the_canvas_buffer_is_counted():
 
     real = make_config(**PRESETS["real"])
     assert 50e6 < canvas_kv_bytes(real, 2) < 64e6  # ~55 MB in bf16 at the released size
+
+
+def test_images_with_turbo(vision_checkpoint):
+    """An image prompt: with nothing frozen, turbo's answer is the exact one; with freezing on,
+    it runs and computes fewer positions (the image lives in the prefix the canvas attends to)."""
+    from PIL import Image
+
+    model = dgemma.load(vision_checkpoint, dtype="float32")
+    image = Image.new("RGB", (48, 32), (200, 30, 30))
+    inputs = model.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "what is it?"}]}],
+        max_soft_tokens=70,
+    )  # fmt: skip
+    exact = model.generate([inputs], max_new_tokens=24, seed=2)
+    same = model.generate([inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_entropy=0.0)
+    assert same.sequences == exact.sequences
+    frozen = model.generate([inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_passes=1, turbo_freeze_entropy=100.0)
+    assert frozen.decoder_positions[0] < frozen.decoder_passes[0] * model.config.canvas_length

@@ -139,8 +139,9 @@ class Runner:
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
         """Batch-invariant: one request per pass. Otherwise one batched pass, or with CUDA graphs
         chunks of at most the largest captured bucket (each chunk replays a graph; a larger group
-        would run eagerly). A turbo request always runs alone, eagerly: its pass computes its own
-        active rows (engine/turbo.py)."""
+        would run eagerly). A turbo request always runs alone and eagerly: its pass computes its own
+        active rows (engine/turbo.py), whose number changes from pass to pass, so no captured graph
+        or shared batch shape fits it (ragged batching of active rows is not built)."""
         turbo = [[r] for r in requests if r.turbo is not None]  # a pass of its own (its active rows)
         requests = [r for r in requests if r.turbo is None]
         if self.options.batch_invariant:
