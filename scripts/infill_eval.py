@@ -156,7 +156,7 @@ def cpu_name() -> str:
 def compare_turbo(model, cases: list[Case], args) -> None:
     """--compare-turbo: method (a) exact and with turbo on the same cases and seeds, side by side."""
     from dgemma.engine.events import collect
-    from turbo_quality import bootstrap, compare_seed, compared, interval
+    from turbo_compare import bootstrap, compare_seed, compared, interval
 
     settings, k, tok = compared(args), len(cases), model.tokenizer
     sums = {name: {key: (np.zeros(k), np.zeros(k)) for key in ("exact", "edit", "same", "positions")} for name in settings}
@@ -207,7 +207,7 @@ def compare_turbo(model, cases: list[Case], args) -> None:
 
 
 def main() -> None:
-    from turbo_quality import add_turbo_options, turbo_knobs  # imports this module: not at the top
+    from turbo_compare import add_turbo_options, turbo_knobs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: the shipped dgemma-tiny)")

@@ -51,7 +51,7 @@ from dgemma.engine.constraints import CanvasConstraints, FirstCanvas
 from dgemma.engine.events import GenerationOutput
 from dgemma.train.trainer import TrainArgs, train
 from infill_eval import cpu_name  # scripts/ is on sys.path when this runs
-from turbo_quality import add_turbo_options, bootstrap, compare_seed, compared, interval, turbo_knobs
+from turbo_compare import add_turbo_options, bootstrap, compare_seed, compared, interval, turbo_knobs
 
 PROMPT = "# 4x4 sudoku\n"
 Grid = tuple[int, ...]  # 16 digits, row by row; 0 = blank

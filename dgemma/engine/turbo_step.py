@@ -10,21 +10,36 @@ request's stream), so a turbo run differs from an exact one only by the approxim
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from ..config import ModelConfig
 from ..kernels import triton_step
+from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
+from .paged_cache import PagedKVCache
 from .request import Request
 from .scheduler import DecodeResult
 from .turbo import TurboPass, TurboState, freeze
 
-if TYPE_CHECKING:
-    from .runner import Runner
+
+class Runner(Protocol):
+    """The parts of engine/runner.py's Runner a turbo step uses (it calls `turbo_step`)."""
+
+    config: ModelConfig
+    net: DiffusionGemma
+    cache: PagedKVCache
+    triton: bool
+
+    def statistics(self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]: ...
+    def _temperatures(self, group: list[Request]) -> torch.Tensor: ...
+    def _allowed(self, group: list[Request]) -> torch.Tensor | None: ...
+    def _fixed(self, group: list[Request]) -> torch.Tensor | None: ...
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
-def turbo_step(runner: "Runner", r: Request) -> DecodeResult:
+def turbo_step(runner: Runner, r: Request) -> DecodeResult:
     """Denoise `r`'s canvas once with its frozen positions skipped: the next canvas, argmax,
     self-conditioning input, stop flag and turbo state."""
     state, settings, config = r.turbo, r.config.turbo_settings, runner.config
@@ -101,7 +116,7 @@ def turbo_step(runner: "Runner", r: Request) -> DecodeResult:
                         positions=queries.numel(), turbo=new_state)  # fmt: skip
 
 
-def _draws(runner: "Runner", r: Request) -> tuple[torch.Tensor, torch.Tensor]:
+def _draws(runner: Runner, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
     """An exact pass's random numbers for `r`: C uniforms and C noise tokens, on the device."""
     c, vocab, device = runner.config.canvas_length, runner.config.vocab_size, runner.net.device
     if runner.triton:
