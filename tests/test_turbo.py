@@ -51,8 +51,9 @@ def test_turbo_computes_fewer_positions_and_answers_alike(tiny):
 
 
 def test_nothing_frozen_is_token_for_token_the_exact_pass(tiny):
-    """With a freeze entropy of 0 nothing freezes: every pass computes every row through the
-    turbo pass (keys from the buffer), and the answer is the exact one, draw for draw."""
+    """With a freeze entropy of 0 nothing here freezes (no position reaches entropy 0): every pass
+    computes every row through the turbo pass (keys from the buffer), and the answer is the exact
+    one, draw for draw."""
     exact = tiny.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6])
     turbo = tiny.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0)
     assert turbo.sequences == exact.sequences and turbo.decoder_passes == exact.decoder_passes
