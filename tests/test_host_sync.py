@@ -224,7 +224,8 @@ ALLOWED = {
     # turbo is opt-in and eager: its active rows set the pass's shapes, so the host must know them each pass
     ("engine/turbo.py", "query_rows"): "turbo: the rows this pass computes (a shape)",
     ("engine/turbo.py", "freeze"): "turbo: where a frozen end of answer lies",
-    ("engine/turbo_step.py", "turbo_step"): "turbo: the rows the sampler decides, the stop flag",
+    ("engine/turbo_step.py", "turbo_step"): "turbo: the rows the sampler decides (their count is a shape)",
+    ("engine/turbo_step.py", "_decide"): "turbo: the sampled rows, the stop flag, the positions that froze",
     ("engine/turbo_step.py", "_full_weights"): "turbo with a grammar: the frozen rows of the walk's weights",
 }
 

@@ -150,3 +150,18 @@ def test_the_option_needs_a_device_that_runs_the_kernels(model, monkeypatch):
         model.engine
     model.configure_engine(triton=None)
     assert model.engine.runner.triton is False  # default: CUDA only
+
+
+@pytest.mark.slow
+def test_turbo_on_the_triton_path(model):
+    """Turbo through the Triton kernels (A active query rows against C canvas keys, Philox draws
+    per request): with nothing frozen it is the exact Triton path token for token; with freezing
+    it computes fewer positions."""
+    c = model.config.canvas_length
+    model.configure_engine(triton=True, block_size=8)
+    knobs = dict(max_new_tokens=c, max_denoising_steps=3, eos_token_ids=[])
+    exact = model.generate(PROMPTS[:2], seed=7, **knobs)
+    same = model.generate(PROMPTS[:2], seed=7, turbo=True, turbo_freeze_entropy=0.0, **knobs)
+    assert same.sequences == exact.sequences
+    frozen = model.generate(PROMPTS[:2], seed=7, turbo=True, turbo_freeze_passes=1, turbo_freeze_entropy=100.0, **knobs)
+    assert sum(frozen.decoder_positions) < sum(frozen.decoder_passes) * c

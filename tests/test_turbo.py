@@ -138,6 +138,24 @@ def test_batched_requests_answer_as_alone(tiny):
         assert alone.sequences[0] == together.sequences[i] and alone.decoder_positions[0] == together.decoder_positions[i]
 
 
+def test_batched_turbo_runs_one_pass_a_step_and_with_nothing_frozen_is_the_batched_exact_pass(monkeypatch):
+    """batch_invariant=False (the GPU default): a step's turbo canvases share one decoder pass,
+    each one's active rows padded to the most; with nothing frozen that pass is the batched exact
+    pass, token for token (the same shapes and masks)."""
+    model = dgemma.load(default_model_dir(), dtype="float32")
+    model.configure_engine(batch_invariant=False, prefix_cache=False)
+    exact = model.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6])
+    same = model.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0)
+    assert same.sequences == exact.sequences and same.decoder_passes == exact.decoder_passes
+    net, calls = model.engine_net, []
+    decode = net.decode
+    monkeypatch.setattr(net, "decode", lambda canvas, *a, **k: calls.append(canvas.shape[0]) or decode(canvas, *a, **k))
+    turbo = model.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True)
+    assert max(calls) == len(PROMPTS) and len(calls) < sum(turbo.decoder_passes)  # canvases batched per pass
+    c = model.config.canvas_length
+    assert sum(turbo.decoder_positions) < sum(turbo.decoder_passes) * c
+
+
 def test_infill_with_turbo(tiny):
     result = tiny.infill("def add(a, b):\n", "\n\nprint(add(1, 2))\n", span_length=8, seed=1, turbo=True)
     assert result.text is not None
@@ -201,10 +219,10 @@ def test_the_active_rows_pass_is_the_full_pass_restricted_to_them(tiny):
         state = TurboState.fresh(c, net.device)
         state.ensure_buffers(cfg, net.dtype, net.device)
         everything = torch.arange(c)
-        whole = net.decode(canvas, TurboPass(cache.plan_decoder(c, [row]), everything, state), soft)
+        whole = net.decode(canvas, TurboPass(cache.plan_decoder(c, [row]), everything[None], [state]), soft)
         torch.testing.assert_close(whole, full)
         rows = torch.tensor([0, 3, 4, 17, c - 1])
-        part = net.decode(canvas[:, rows], TurboPass(cache.plan_decoder(c, [row]), rows, state), soft[:, rows])
+        part = net.decode(canvas[:, rows], TurboPass(cache.plan_decoder(c, [row]), rows[None], [state]), soft[:, rows])
     torch.testing.assert_close(part, full[:, rows], rtol=1e-5, atol=1e-5)
 
 

@@ -83,7 +83,7 @@ class Runner:
         results = []
         for group in self._groups(plan.decode):
             if group[0].turbo is not None:
-                results.append(turbo_step(self, group[0]))
+                results += turbo_step(self, group)
                 continue
             decisions = self._decide(group, *self._denoise(group))
             results += self._results(group, decisions)
@@ -139,15 +139,15 @@ class Runner:
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
         """Batch-invariant: one request per pass. Otherwise one batched pass, or with CUDA graphs
         chunks of at most the largest captured bucket (each chunk replays a graph; a larger group
-        would run eagerly). A turbo request always runs alone and eagerly: its pass computes its own
-        active rows (engine/turbo.py), whose number changes from pass to pass, so no captured graph
-        or shared batch shape fits it (ragged batching of active rows is not built)."""
-        turbo = [[r] for r in requests if r.turbo is not None]  # a pass of its own (its active rows)
+        would run eagerly). Turbo requests run in a group of their own (batched: all of them, each
+        one's active rows padded to the group's most; batch-invariant: one each), eagerly: their
+        active rows change in number from pass to pass, so no captured graph fits (engine/turbo.py)."""
+        turbo = [r for r in requests if r.turbo is not None]  # passes of their own: their active rows
         requests = [r for r in requests if r.turbo is None]
         if self.options.batch_invariant:
-            return [[r] for r in requests] + turbo
+            return [[r] for r in requests] + [[r] for r in turbo]
         size = self.graphs.largest if self.graphs is not None else max(1, len(requests))
-        return [requests[i : i + size] for i in range(0, len(requests), size)] + turbo
+        return [requests[i : i + size] for i in range(0, len(requests), size)] + ([turbo] if turbo else [])
 
     # ---------------------------------------------------------------- the decoder pass
     def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:

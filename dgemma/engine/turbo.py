@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig, TurboSettings
+from ..model.attention import sdpa
 from .events import TokenLogprob
 
 
@@ -121,22 +122,27 @@ def freeze(
 
 
 class TurboPass:
-    """The cache pass of a decoder pass over a canvas's active rows (one request).
+    """The cache pass of a decoder pass over the active rows of n canvases.
 
-    Wraps the full-canvas pass `inner` (prefix ranges, masks, tables: one row, C canvas keys):
-    the active rows' keys/values are written into the request's canvas K/V buffer, then the
-    active queries attend over the prefix and all C canvas positions through `inner`. RoPE
-    positions are the active rows' own."""
+    Wraps the full-canvas pass `inner` (prefix ranges, masks, tables: n rows, C canvas keys each):
+    each request's active rows' keys/values are written into its canvas K/V buffer, then the
+    active queries attend over their prefix and all C canvas positions. `rows` [n, A]: the canvas
+    positions computed per request (RoPE positions are theirs)."""
 
-    def __init__(self, inner, rows: torch.Tensor, state: TurboState):
-        self.inner, self.rows, self.state = inner, rows, state
-        self.positions = inner.positions[:, rows]
+    def __init__(self, inner, rows: torch.Tensor, states: list[TurboState]):
+        self.inner, self.rows, self.states = inner, rows, states
+        self.positions = inner.positions.gather(1, rows.to(inner.positions.device))
 
     def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q/k/v [1, H(kv), A, D] of the active rows -> [1, A, H, D]."""
-        keys, values = self.state.keys[layer], self.state.values[layer]
-        keys.index_copy_(0, self.rows, k[0].transpose(0, 1).to(keys.dtype))
-        values.index_copy_(0, self.rows, v[0].transpose(0, 1).to(values.dtype))
-        full_k = keys.transpose(0, 1)[None].to(k.dtype)
-        full_v = values.transpose(0, 1)[None].to(v.dtype)
-        return self.inner.attention(layer, sliding, q, full_k, full_v)
+        """q/k/v [n, H(kv), A, D] of the active rows -> [n, A, H, D]."""
+        for i, state in enumerate(self.states):
+            state.keys[layer].index_copy_(0, self.rows[i], k[i].transpose(0, 1).to(state.keys[layer].dtype))
+            state.values[layer].index_copy_(0, self.rows[i], v[i].transpose(0, 1).to(state.values[layer].dtype))
+        full_k = torch.stack([s.keys[layer] for s in self.states]).transpose(1, 2).to(k.dtype)
+        full_v = torch.stack([s.values[layer] for s in self.states]).transpose(1, 2).to(v.dtype)
+        if self.inner.tables is not None:  # the Triton kernel takes A query rows against C canvas keys
+            return self.inner.attention(layer, sliding, q, full_k, full_v)
+        k_all, v_all, mask, is_causal = self.inner.attend(layer, sliding, full_k, full_v)
+        if mask is not None:  # every query of a canvas sees the same keys: the first A rows' mask serves
+            mask = mask[:, :, : q.shape[2]]
+        return sdpa(q, k_all, v_all, mask, is_causal)

@@ -39,29 +39,61 @@ class Runner(Protocol):
     def _to_device(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
-def turbo_step(runner: Runner, r: Request) -> DecodeResult:
-    """Denoise `r`'s canvas once with its frozen positions skipped: the next canvas, argmax,
-    self-conditioning input, stop flag and turbo state."""
+def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
+    """Denoise the group's canvases once with their frozen positions skipped, in one decoder pass
+    (each request's active rows padded to the group's most with copies of its last one, whose
+    results are dropped): per request the next canvas, argmax, self-conditioning input, stop flag
+    and turbo state."""
+    config, device = runner.config, runner.net.device
+    c = config.canvas_length
+    states = [r.turbo for r in group]
+    for state in states:
+        state.ensure_buffers(config, runner.net.dtype, device)
+    queries = [s.query_rows(r.config.turbo_settings) for r, s in zip(group, states)]
+    lives = [(~s.frozen).nonzero().squeeze(-1) for s in states]  # the rows the sampler decides
+    width = max(q.numel() for q in queries)
+    padded = torch.stack([torch.cat([q, q[-1:].expand(width - q.numel())]) for q in queries])  # [n, A]
+    kvs = [r.kv for r in group]
+    plan = runner.cache.plan_canvas(c, kvs) if runner.triton else runner.cache.plan_decoder(c, kvs)
+    canvas_in = torch.stack([r.canvas[rows] for r, rows in zip(group, padded)])
+    soft_in = None
+    if any(r.soft is not None for r in group):  # a zero input is exactly "no self-conditioning"
+        zeros = torch.zeros(c, config.hidden_size, dtype=runner.net.dtype, device=device)
+        soft_in = torch.stack([(zeros if r.soft is None else r.soft)[rows] for r, rows in zip(group, padded)])
+    hidden = runner.net.decode(canvas_in, TurboPass(plan, padded, states), soft_in)
+    # each live row's place among its request's computed rows: all of them, or (refresh) the live ones
+    picks = [live if q.numel() != live.numel() else torch.arange(live.numel(), device=device) for q, live in zip(queries, lives)]
+    hidden = torch.cat([hidden[i, pick] for i, pick in enumerate(picks)])[None]
+    temps = torch.cat([runner._temperatures([r])[: live.numel()] for r, live in zip(group, lives)])
+    masks = [runner._allowed([r]) for r in group]
+    allowed = None
+    if any(m is not None for m in masks):
+        words = -(-config.vocab_size // 32)
+        everything = torch.full((c, words), -1, dtype=torch.int32, device=device)
+        allowed = torch.cat([(everything if m is None else m)[live] for m, live in zip(masks, lives)])
+    argmax_l, entropy_l, weights, total, soft_l = runner.statistics(hidden, temps, allowed)
+    results, start = [], 0
+    for r, live, rows in zip(group, lives, queries):
+        end = start + live.numel()  # its own rows count as its positions; the padding is the batch's
+        results.append(_decide(runner, r, live, rows.numel(), argmax_l[0, start:end], entropy_l[0, start:end],
+                               weights[start:end], total[start:end], soft_l[0, start:end]))  # fmt: skip
+        start = end
+    return results
+
+
+def _decide(runner: Runner, r: Request, live: torch.Tensor, positions: int, argmax_l: torch.Tensor, entropy_l: torch.Tensor,
+            weights: torch.Tensor, total: torch.Tensor, soft_l: torch.Tensor) -> DecodeResult:  # fmt: skip
+    """One request's sampler decisions over its whole canvas, from its live rows' statistics
+    (argmax, entropy [R], weights [R, V], totals [R], self-conditioning inputs [R, H]);
+    `positions`: the canvas positions its pass computed."""
     state, settings, config = r.turbo, r.config.turbo_settings, runner.config
     c, device = config.canvas_length, runner.net.device
-    state.ensure_buffers(config, runner.net.dtype, device)
-    queries = state.query_rows(settings)
-    live = (~state.frozen).nonzero().squeeze(-1)  # the rows the sampler decides
-    plan = runner.cache.plan_canvas(c, [r.kv]) if runner.triton else runner.cache.plan_decoder(c, [r.kv])
-    soft_in = None if r.soft is None else r.soft[queries][None]
-    hidden = runner.net.decode(r.canvas[queries][None], TurboPass(plan, queries, state), soft_in)
-    if queries.numel() != live.numel():  # a refresh pass: frozen rows computed for their keys only
-        hidden = hidden[:, live]
-    temps = runner._temperatures([r])[: live.numel()]
-    allowed = runner._allowed([r])
-    argmax_l, entropy_l, weights, total, soft_l = runner.statistics(hidden, temps, None if allowed is None else allowed[live])
-
     fixed = runner._fixed([r])
     free = None if fixed is None else fixed[0] < 0  # False where the constraints fix the token
     argmax = state.tokens.clone()
-    argmax[live] = argmax_l[0]
+    argmax[live] = argmax_l
     entropy = state.entropy.clone()
-    entropy[live] = entropy_l[0]
+    entropy[live] = entropy_l
     weighed = entropy if free is None else entropy * free
     bound = torch.tensor([[r.config.entropy_bound]], dtype=torch.float32, device=device)
     accepted = sampler.entropy_bound_accept(weighed[None], bound)[0]
@@ -109,11 +141,11 @@ def turbo_step(runner: Runner, r: Request) -> DecodeResult:
         block_logprobs = [logprobs[p] if p in logprobs and bool(state.frozen[p]) else computed[p] for p in range(c)]
 
     soft = torch.zeros(c, config.hidden_size, dtype=soft_l.dtype, device=device) if r.soft is None else r.soft.clone()
-    soft[live] = soft_l[0].to(soft.dtype)
+    soft[live] = soft_l.to(soft.dtype)
     new_state = TurboState(frozen, streak, argmax, entropy, state.keys, state.values, state.passes + 1, logprobs)
     shown = entropy if free is None else entropy * free
     return DecodeResult(r, canvas, argmax, soft, history, stop, block_logprobs, kept | state.frozen, shown,
-                        positions=queries.numel(), turbo=new_state)  # fmt: skip
+                        positions=positions, turbo=new_state)  # fmt: skip
 
 
 def _draws(runner: Runner, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
