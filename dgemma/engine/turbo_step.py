@@ -64,13 +64,10 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
     # each live row's place among its request's computed rows: all of them, or (refresh) the live ones
     picks = [live if q.numel() != live.numel() else torch.arange(live.numel(), device=device) for q, live in zip(queries, lives)]
     hidden = torch.cat([hidden[i, pick] for i, pick in enumerate(picks)])[None]
-    temps = torch.cat([runner._temperatures([r])[: live.numel()] for r, live in zip(group, lives)])
-    masks = [runner._allowed([r]) for r in group]
-    allowed = None
-    if any(m is not None for m in masks):
-        words = -(-config.vocab_size // 32)
-        everything = torch.full((c, words), -1, dtype=torch.int32, device=device)
-        allowed = torch.cat([(everything if m is None else m)[live] for m, live in zip(masks, lives)])
+    flat = torch.cat([i * c + live for i, live in enumerate(lives)])  # the live rows among the group's n * C
+    temps = runner._temperatures(group)[flat]
+    allowed = runner._allowed(group)
+    allowed = None if allowed is None else allowed[flat]
     argmax_l, entropy_l, weights, total, soft_l = runner.statistics(hidden, temps, allowed)
     results, start = [], 0
     for r, live, rows in zip(group, lives, queries):
