@@ -149,6 +149,38 @@ class Tally:
         a[1][i] += den
 
 
+def freeze_ceiling(model, ids: list[list[int]], seeds: int, max_new_tokens: int, exact: Tally) -> dict:
+    """The fewest positions a freeze rule could compute on exact's own acceptance schedule.
+
+    Each prompt and seed is streamed again (exact, with drafts: the same tokens as the batched
+    run); in each block of P passes, position p was first accepted at pass t_p (0-based; never
+    accepted: P - 1). A rule that froze it one pass later, once its token was its input and its
+    keys and values were computed from it (turbo's default needs that pass too: two accepted
+    passes), computes it min(t_p + 2, P) times; one freezing at first acceptance, min(t_p + 1, P).
+    Exact computes it P times. An optimistic bound: it assumes the schedule does not change when
+    positions freeze, and that a position accepted once stays right."""
+    totals = {"exact": 0, "fresh": 0, "stale": 0, "answers": 0, "identical": 0}
+    for s in range(seeds):
+        for i, prompt in enumerate(ids):
+            blocks: dict[int, list[list[bool]]] = {}
+            tokens: list[int] = []
+            for event in model.stream(prompt, drafts=True, seed=s, max_new_tokens=max_new_tokens):
+                if hasattr(event, "accepted") and hasattr(event, "step"):
+                    blocks.setdefault(event.block, []).append(event.accepted)
+                elif hasattr(event, "tokens"):
+                    tokens += event.tokens
+            totals["answers"] += 1
+            totals["identical"] += tokens == exact.sequences[s][i]
+            for passes in blocks.values():
+                accepted = torch.tensor(passes)  # [P, C]
+                p, c = accepted.shape
+                first = torch.where(accepted.any(0), accepted.float().argmax(0), torch.full((c,), p - 1.0)).long()
+                totals["exact"] += p * c
+                totals["fresh"] += int((first + 2).clamp(max=p).sum())
+                totals["stale"] += int((first + 1).clamp(max=p).sum())
+    return totals
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: the shipped dgemma-tiny)")
@@ -162,6 +194,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--bootstrap-seed", type=int, default=0)
     p.add_argument("--json", help="write the figures, the settings and every answer as JSON here")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also the bound any freeze rule meets: exact's own acceptance schedule, streamed with drafts")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = dgemma.load(args.model, dtype="float32")
@@ -202,6 +236,8 @@ def main() -> None:
                 if name != "exact":
                     t.add("agreement", i, *agreement(seq, exact.sequences[s][i]))
 
+    ceiling = freeze_ceiling(model, ids, args.seeds, args.max_new_tokens, exact) if args.ceiling else None
+
     rows = {}
     for name, t in tallies.items():
         ci = {key: bootstrap(*t.sums[key], seed=args.bootstrap_seed) for key in t.sums}
@@ -236,8 +272,14 @@ def main() -> None:
             f"{r['tok_s']:.1f}",
         ]
         print("| " + " | ".join(cells) + " |")
+    if ceiling is not None:
+        print(f"\nCeiling (exact's own schedule, streamed with drafts; answers identical to exact's: "
+              f"{ceiling['identical']}/{ceiling['answers']}): exact computed {ceiling['exact']:,} canvas positions; "
+              f"freezing each position one pass after it was first accepted would compute {ceiling['fresh']:,} "
+              f"({ceiling['exact'] / ceiling['fresh']:.2f}x fewer); at its first acceptance (keys and values from a pass "
+              f"where its input was still noise) {ceiling['stale']:,} ({ceiling['exact'] / ceiling['stale']:.2f}x fewer)")  # fmt: skip
     if args.json:
-        record = {"command": cmd, "setup": setup, "cpu": cpu_name(), "threads": torch.get_num_threads(), "rows": rows,
+        record = {"ceiling": ceiling, "command": cmd, "setup": setup, "cpu": cpu_name(), "threads": torch.get_num_threads(), "rows": rows,
                   "prompts": [{"file": f, "tokens": len(i)} for (f, _), i in zip(prompts, ids)],
                   "answers": {name: t.sequences for name, t in tallies.items()}}  # fmt: skip
         with open(args.json, "w") as f:
