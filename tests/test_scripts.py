@@ -116,7 +116,7 @@ def test_turbo_quality_compares_every_setting_with_exact(tmp_path):
     pass, agreements are shares, and a malformed --settings entry is refused in one line."""
     out = tmp_path / "turbo.json"
     argv = [sys.executable, "scripts/turbo_quality.py", "--prompts", "2", "--seeds", "1", "--max-new-tokens", "16",
-            "--settings", "default", "f1=1,,", "--json", str(out)]  # fmt: skip
+            "--settings", "default", "f1=1,,", "--ceiling", "--json", str(out)]  # fmt: skip
     run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -127,6 +127,9 @@ def test_turbo_quality_compares_every_setting_with_exact(tmp_path):
     assert "agreement" not in exact and all(0 <= rows[k]["agreement"]["value"] <= 1 for k in list(rows)[1:])
     assert all(r["nll"]["value"] > 0 and r["tok_s"] > 0 for r in rows.values()) and len(report["answers"]["f1"][0]) == 2
     assert run.stdout.count("| exact") == 2 and "(noise floor)" in run.stdout and "torch thread(s)" in run.stdout
+    ceiling = report["ceiling"]  # exact streamed again gives the batched answers; the bound lies between
+    assert ceiling["identical"] == ceiling["answers"] == 2
+    assert ceiling["stale"] <= ceiling["fresh"] < ceiling["exact"] == round(exact["positions_per_token"]["value"] * exact["length"]["value"] * 2)
     bad = subprocess.run([sys.executable, "scripts/turbo_quality.py", "--settings", "f1=1,x,"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "turbo_freeze_entropy takes float" in bad.stderr and "Traceback" not in bad.stderr
