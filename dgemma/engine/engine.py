@@ -10,11 +10,13 @@ prompts added up front), streams, and the HTTP server (continuous batching).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
 
 from ..model.diffusion_gemma import DiffusionGemma
+from ..parallel import runtime
 from .block_manager import BlockManager
 from .kv_budget import plan_blocks
 from .options import EngineOptions
@@ -44,9 +46,13 @@ class Engine:
     def __init__(self, net: DiffusionGemma, options: EngineOptions | None = None):
         self.device = net.device
         make_current(self.device)  # before anything below touches the device (memory, kernels, graphs)
-        self.options = (options or EngineOptions()).resolve(net.config, net.device, net.dtype)
+        options = options or EngineOptions()
+        if runtime.sharded(net) and options.triton is None:  # the Triton step reads whole vocabulary rows
+            options = dataclasses.replace(options, triton=False)
+        self.options = options.resolve(net.config, net.device, net.dtype)
         o = self.options
-        num_blocks = plan_blocks(net.config, net.dtype, o.block_size, o.kv_cache_memory, o.max_span(net.config), o.max_active)
+        num_blocks = plan_blocks(runtime.kv_config(net), net.dtype, o.block_size, o.kv_cache_memory, o.max_span(net.config), o.max_active)
+        num_blocks = runtime.agreed_blocks(net, num_blocks)  # tensor parallel: every rank's scheduler the same
         blocks = BlockManager(
             num_blocks, self.options.block_size, net.config.sliding_window, self.options.max_span(net.config),
             prefix_cache=self.options.prefix_cache,

@@ -29,6 +29,7 @@ import torch
 from ..kernels import native, triton_step
 from ..kernels.choice import plan_kernels
 from ..model.diffusion_gemma import DiffusionGemma
+from ..parallel import runtime
 from . import sampler
 from .graphs import DecoderGraphs
 from .options import EngineOptions
@@ -68,7 +69,10 @@ class Runner:
         self.net, self.config, self.options = net, net.config, options
         self.stats = stats if stats is not None else EngineStats()
         self.vision_cache = VisionCache()
-        self.cache = PagedKVCache(net.config, num_blocks, options.block_size, net.device, net.dtype)
+        # tensor parallelism (dgemma/parallel): this rank's KV heads, its vocabulary shard's sampler
+        self.kv_config = runtime.kv_config(net)
+        self.sharded = runtime.ShardedSampler.of(net) if self.kernels.statistics == "sharded" else None
+        self.cache = PagedKVCache(self.kv_config, num_blocks, options.block_size, net.device, net.dtype)
         self.pass_tokens = options.block_size if options.batch_invariant else None
         self.triton = self.kernels.triton  # GPU: the Triton step kernels (statistics, Philox sampling, attention)
         self.native = native.extension() if self.kernels.statistics == "native" else None
@@ -223,6 +227,9 @@ class Runner:
             stats, soft_input = sampler.StepStatistics(argmax, entropy, probs, total), probs
         elif self.native is not None:
             stats, soft_input = self._native_statistics(hidden.view(n * c, -1), temps, allowed)
+        elif self.sharded is not None:  # this rank's vocabulary columns; the reductions span the ranks
+            stats = self.sharded.statistics(self.net.logits(hidden).view(n * c, -1), temps, allowed)
+            soft_input = stats.weights
         else:
             # CPU: the [n * C, vocab] float32 logits and weights live in buffers reused every step (a
             # fresh 32 MB tensor is a fresh mmap: ~8 ms of page faults here); elsewhere the allocator caches.
@@ -325,10 +332,29 @@ class Runner:
         canvas = noise.to(device, non_blocking=True)
         if not self.sample_all_positions:
             picked = accepted.view(-1).nonzero().squeeze(-1)
-            canvas.view(-1)[picked] = sampler.sample_from_weights(weights[picked], uniforms.view(-1)[picked])
+            canvas.view(-1)[picked] = self.sample_rows(weights[picked], total[picked], uniforms.view(-1)[picked])
             return canvas
-        sampled = sampler.sample_from_weights(weights, uniforms.view(-1)).view(len(group), c)
+        sampled = self.sample_rows(weights, total, uniforms.view(-1)).view(len(group), c)
         return torch.where(accepted, sampled, canvas)
+
+    def sample_rows(self, weights: torch.Tensor, total: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """One token per row of unnormalised `weights` [R, V] (this rank's columns when sharded),
+        by inverse CDF at `uniforms` [R]: the Triton kernel, the shards' search, or torch."""
+        if self.triton:
+            return triton_step.sample_rows(weights, total, uniforms)
+        if self.sharded is not None:
+            return self.sharded.sample(weights, uniforms)
+        return sampler.sample_from_weights(weights, uniforms)
+
+    def row_logprobs(self, weights: torch.Tensor, tokens: torch.Tensor, top_logprobs: int) -> list:
+        """`sampler.row_logprobs` (over the ranks' shards when sharded)."""
+        if self.sharded is not None:
+            return self.sharded.row_logprobs(weights, tokens, top_logprobs)
+        return sampler.row_logprobs(weights, tokens, top_logprobs)
+
+    def full_rows(self, weights: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary weight rows for a grammar's walk (gathered from the ranks when sharded)."""
+        return weights if self.sharded is None else self.sharded.full_rows(weights)
 
     def _logprobs(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor, stops: list[bool]) -> list:
         """Per request, the log probabilities of its argmax canvas (the final one: after `_refine`)
@@ -340,7 +366,7 @@ class Runner:
         for i, r in enumerate(group):
             if r.top_logprobs is None or not r.block_ends(stops[i]):
                 continue
-            out[i] = sampler.row_logprobs(weights[i * c : (i + 1) * c], argmax[i], r.top_logprobs)
+            out[i] = self.row_logprobs(weights[i * c : (i + 1) * c], argmax[i], r.top_logprobs)
         return out
 
     def _refine(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -349,7 +375,7 @@ class Runner:
         replaces each rejected token by the most likely allowed one)."""
         if not any(hasattr(r.constraints, "refine") for r in group):
             return argmax
-        rows = weights.view(len(group), self.config.canvas_length, -1)
+        rows = self.full_rows(weights).view(len(group), self.config.canvas_length, -1)
         refined = [
             self._to_device(r.constraints.refine(argmax[i].cpu(), rows[i])) if hasattr(r.constraints, "refine") else argmax[i]
             for i, r in enumerate(group)

@@ -28,6 +28,7 @@ class Runner(Protocol):
     """The parts of engine/runner.py's Runner a turbo step uses (it calls `turbo_step`)."""
 
     config: ModelConfig
+    kv_config: ModelConfig
     net: DiffusionGemma
     cache: PagedKVCache
     triton: bool
@@ -37,6 +38,9 @@ class Runner(Protocol):
     def _allowed(self, group: list[Request]) -> torch.Tensor | None: ...
     def _fixed(self, group: list[Request]) -> torch.Tensor | None: ...
     def _to_device(self, t: torch.Tensor) -> torch.Tensor: ...
+    def sample_rows(self, weights: torch.Tensor, total: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor: ...
+    def row_logprobs(self, weights: torch.Tensor, tokens: torch.Tensor, top_logprobs: int) -> list: ...
+    def full_rows(self, weights: torch.Tensor) -> torch.Tensor: ...
 
 
 def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
@@ -48,7 +52,7 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
     c = config.canvas_length
     states = [r.turbo for r in group]
     for state in states:
-        state.ensure_buffers(config, runner.net.dtype, device)
+        state.ensure_buffers(runner.kv_config, runner.net.dtype, device)  # this rank's KV heads when sharded
     queries = [s.query_rows(r.config.turbo_settings) for r, s in zip(group, states)]
     lives = [(~s.frozen).nonzero().squeeze(-1) for s in states]  # the rows the sampler decides
     width = max(q.numel() for q in queries)
@@ -102,17 +106,14 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, positions: int, argm
     picked = accepted[live]
     rows = live[picked]
     if rows.numel():
-        if runner.triton:
-            canvas[rows] = triton_step.sample_rows(weights[picked], total[picked], uniforms[rows])
-        else:
-            canvas[rows] = sampler.sample_from_weights(weights[picked], uniforms[rows])
+        canvas[rows] = runner.sample_rows(weights[picked], total[picked], uniforms[rows])
     canvas = torch.where(state.frozen, state.tokens, canvas)
     if fixed is not None:
         canvas = torch.where(free, canvas, fixed[0])
         argmax = torch.where(free, argmax, fixed[0])
     grammar = hasattr(r.constraints, "refine")
     if grammar:
-        argmax = r.constraints.refine(argmax.cpu(), _full_weights(weights, live, state, c)).to(device)
+        argmax = r.constraints.refine(argmax.cpu(), _full_weights(runner.full_rows(weights), live, state, c)).to(device)
     argmax = torch.where(state.frozen, state.tokens, argmax)  # a frozen position never changes
 
     stop, history = sampler.stable_and_confident(
@@ -130,11 +131,11 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, positions: int, argm
     logprobs = dict(state.logprobs)
     if r.top_logprobs is not None:
         newly = (frozen & ~state.frozen)[live]
-        for pos, lp in zip(live[newly].tolist(), sampler.row_logprobs(weights[newly], argmax[live][newly], r.top_logprobs)):
+        for pos, lp in zip(live[newly].tolist(), runner.row_logprobs(weights[newly], argmax[live][newly], r.top_logprobs)):
             logprobs[pos] = lp
     block_logprobs = None
     if r.top_logprobs is not None and r.block_ends(stop):
-        computed = dict(zip(live.tolist(), sampler.row_logprobs(weights, argmax[live], r.top_logprobs)))
+        computed = dict(zip(live.tolist(), runner.row_logprobs(weights, argmax[live], r.top_logprobs)))
         block_logprobs = [logprobs[p] if p in logprobs and bool(state.frozen[p]) else computed[p] for p in range(c)]
 
     soft = torch.zeros(c, config.hidden_size, dtype=soft_l.dtype, device=device) if r.soft is None else r.soft.clone()

@@ -17,6 +17,9 @@ The choices, and why:
 - CUDA graphs: for the decoder step on a GPU with Triton (attention reads block tables on the
   device, so one graph replays for any prefix length).
 - Sampling: on a GPU every position is sampled (no host sync); on a CPU only the accepted ones.
+- A model cut across ranks (dgemma/parallel): statistics over its vocabulary shard with the
+  ranks' reductions ("sharded"; the native and Triton statistics read whole rows), attention
+  gathered, no CUDA graphs (eager: the sharded step has not been captured and measured yet).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class KernelPlan:
     """Which kernels one engine runs (decided by `plan_kernels`)."""
 
     network: str  # "packed", "widened", "plain" (CPU) or "triton" / "plain" (GPU): see `engine_net`
-    statistics: str  # "native", "triton" or "torch"
+    statistics: str  # "native", "triton", "sharded" (tensor parallel) or "torch"
     attention: str  # "paged" (Triton, the pool read in place) or "gathered" (SDPA)
     cuda_graphs: bool
     sample_all_positions: bool  # GPU: no host sync to find the accepted positions
@@ -106,7 +109,11 @@ def plan_kernels(net: DiffusionGemma, triton: bool, cuda_graphs: bool) -> Kernel
     """The kernels an engine over `net` (already `engine_net`'s copy) runs, with the resolved
     EngineOptions' `triton` and `cuda_graphs`."""
     cpu = net.device.type == "cpu"
-    if triton:
+    if getattr(net, "shards", None) is not None and net.shards.size > 1:
+        if triton:
+            raise ValueError("triton: the Triton step kernels do not run on a model cut across ranks yet (tensor parallelism runs eagerly)")
+        statistics = "sharded"
+    elif triton:
         statistics = "triton"
     elif cpu and net.config.vocab_size % 16 == 0 and native.extension() is not None:
         statistics = "native"

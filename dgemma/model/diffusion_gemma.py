@@ -27,6 +27,16 @@ from ..config import LayerSpec, ModelConfig
 from .layers import RMSNorm, gated_mlp
 
 
+def no_reduce(t: torch.Tensor) -> torch.Tensor:
+    """The reduce points' default: one process holds every partial sum already."""
+    return t
+
+
+def table_lookup(table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding lookup's default: the table's rows at `ids`."""
+    return table(ids)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -158,16 +168,21 @@ class Layer(nn.Module):
         # The decoder's layer_scalar is stored with the layer; the encoder's separately.
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
+        # Tensor parallelism (parallel/shard.py): the all-reduce where a rank's partial sums meet,
+        # after the attention's o_proj, the dense MLP and the MoE. Here, not in those modules, so
+        # that the kernels' replacements of them (kernels/cpu.py, gpu.py) keep it.
+        self.reduce = no_reduce
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        dense = self.post_feedforward_layernorm_1(self.reduce(self.mlp(self.pre_feedforward_layernorm(h))))
         flat = h.reshape(-1, h.shape[-1])
         _, weights, index = self.router(flat)
-        moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(h.shape)
+        moe = self.reduce(self.experts(self.pre_feedforward_layernorm_2(flat), index, weights)).reshape(h.shape)
         return self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
 
     def forward(self, h, cos, sin, layer, cache_pass, encoder: bool) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, layer, cache_pass))
+        attn = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, layer, cache_pass))
+        h = h + self.post_attention_layernorm(attn)
         h = h + self.feed_forward(h)
         return h * (self.encoder_layer_scalar if encoder else self.layer_scalar)
 
@@ -185,10 +200,11 @@ class SelfConditioning(nn.Module):
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
 
-    def forward(self, embeds: torch.Tensor, soft_embeds: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, soft_embeds: torch.Tensor | None, reduce=no_reduce) -> torch.Tensor:
+        """`reduce`: the model's (tensor parallelism sums the MLP's intermediate shards before the add)."""
         if soft_embeds is None:  # first step: the signal is exactly zero
             return self.post_norm(embeds)
-        return self.post_norm(embeds + self.mlp(self.pre_norm(soft_embeds)))
+        return self.post_norm(embeds + reduce(self.mlp(self.pre_norm(soft_embeds))))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return gated_mlp(self, x)
@@ -220,6 +236,13 @@ class DiffusionGemma(nn.Module):
         # (`rope_frequencies`), not as buffers that a dtype cast would round.
         self.rope_specs = {spec.kind: spec for spec in config.layers}
         self._rope_frequencies: dict[torch.device, dict[str, torch.Tensor]] = {}
+        # Tensor parallelism (parallel/shard.py): the ranks' ShardGroup and ShardPlan once the model
+        # is cut to one rank's share; `reduce` sums the vocabulary and self-conditioning shards'
+        # partial results and `lookup` reads a vocabulary shard's rows (identity / the table here).
+        self.shards = None
+        self.shard_plan = None
+        self.reduce = no_reduce
+        self.lookup = table_lookup
         # The vision tower (model.encoder.vision_tower / embed_vision), when the checkpoint holds it.
         self.quantization: tuple[str, int | None] | None = None  # (scheme, group size) once quantised
         self.vision = None
@@ -241,18 +264,20 @@ class DiffusionGemma(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
-        return self.embed_tokens(ids) * scale
+        return self.lookup(self.embed_tokens, ids) * scale
 
     def soft_embed(self, probs: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
         """Expected embedding under `probs` [.., vocab]: probs @ E x sqrt(hidden).
 
         With `total`, `probs` are unnormalised weights and the result is divided by it, which saves
         normalising the full-vocab tensor.
+        Sharded by vocabulary, `probs` are this rank's columns [.., Vs] and `total` the full sum.
         """
         w = self.embed_tokens.weight
         scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
         kernel = self.soft_embed_kernel
         soft = kernel(probs.to(self.dtype)) if kernel is not None else torch.matmul(probs.to(w.dtype), w)
+        soft = self.reduce(soft)
         if total is not None:
             soft = soft / total.to(soft.dtype)[..., None]
         return soft * scale
@@ -287,7 +312,7 @@ class DiffusionGemma(nn.Module):
 
     def decode(self, canvas: torch.Tensor, cache_pass, soft_embeds: torch.Tensor | None) -> torch.Tensor:
         """Bidirectional pass over canvas [B, C] given self-conditioning soft embeddings [B, C, H] (or None)."""
-        h = self.self_conditioning(self.embed(canvas), soft_embeds)
+        h = self.self_conditioning(self.embed(canvas), soft_embeds, self.reduce)
         return self._run_layers(h, cache_pass, encoder=False)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""What the engine asks of a model cut across ranks (parallel/shard.py), in one place.
+
+- `kv_config`: the config whose KV shapes this rank's pool holds (its own KV heads per layer,
+  replicas included), with the true vocabulary (noise tokens are drawn over all of it).
+- `agreed_blocks`: the KV pool's block counts, the same on every rank (each rank's scheduler
+  replica must make the same decisions): the smallest any rank can hold.
+- `ShardedSampler`: the runner's sampler calls over this rank's vocabulary shard (statistics,
+  sampling, log probabilities, a grammar's full rows), through parallel/sampling.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..config import ModelConfig
+from ..engine import sampler
+from ..engine.events import TokenLogprob
+from . import sampling
+from .group import ShardGroup
+from .shard import gather_logits
+
+
+def sharded(net) -> bool:
+    """Whether `net` is cut across more than one rank."""
+    return getattr(net, "shards", None) is not None and net.shards.size > 1
+
+
+def kv_config(net) -> ModelConfig:
+    """The config of the keys and values this rank holds (the full one when not sharded)."""
+    if not sharded(net):
+        return net.config
+    return replace(net.shard_plan.rank_config(net.shards.rank), vocab_size=net.config.vocab_size)
+
+
+def agreed_blocks(net, num_blocks: dict[str, int]) -> dict[str, int]:
+    """Block counts per pool every rank uses: the smallest over the ranks (one all-gather)."""
+    if not sharded(net):
+        return num_blocks
+    kinds = sorted(num_blocks)
+    every = net.shards.all_gather(torch.tensor([num_blocks[k] for k in kinds], dtype=torch.long))
+    return {k: int(v) for k, v in zip(kinds, every.min(dim=0).values.tolist())}
+
+
+class ShardedSampler:
+    """The sampler's reductions over this rank's vocabulary shard [start, end)."""
+
+    def __init__(self, group: ShardGroup, vocab_size: int, start: int, end: int):
+        self.group, self.vocab_size, self.start, self.end = group, vocab_size, start, end
+
+    @classmethod
+    def of(cls, net) -> "ShardedSampler":
+        start, end = net.shard_plan.ranks[net.shards.rank].vocab
+        return cls(net.shards, net.config.vocab_size, start, end)
+
+    def statistics(self, logits: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None) -> sampler.StepStatistics:
+        """`sampler.step_statistics` of this rank's logits' columns [R, Vs]: global argmax, entropy
+        and total; local weights."""
+        return sampling.sharded_step_statistics(logits, temps, self.group, self.start, allowed, overwrite_logits=True)
+
+    def sample(self, weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        return sampling.sharded_sample(weights, uniforms, self.group, self.start)
+
+    def row_logprobs(self, weights: torch.Tensor, tokens: torch.Tensor, top_logprobs: int) -> list[TokenLogprob]:
+        return sampling.sharded_row_logprobs(weights, tokens, top_logprobs, self.group, self.start)
+
+    def full_rows(self, weights: torch.Tensor) -> torch.Tensor:
+        """[R, V] weights from every rank's [R, Vs] (a grammar's walk reads whole rows: a gather
+        of R x V values, for grammar requests only)."""
+        return gather_logits(weights, self.group, self.vocab_size)
