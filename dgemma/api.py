@@ -302,6 +302,8 @@ class Model:
         config = self.generation_config.with_overrides(**overrides)
         if seed is None:
             seeds = [random_seed() for _ in range(num_prompts)]
+            if self.net.shards is not None:  # every rank's engine replica must draw the same numbers
+                seeds = self.net.shards.broadcast_object(seeds)
         elif isinstance(seed, int) and not isinstance(seed, bool):
             seeds = [seed] * num_prompts
         elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
@@ -563,7 +565,7 @@ class Model:
         if canvas.min() < 0 or canvas.max() >= self.config.vocab_size:
             raise ValueError("canvas_ids hold ids outside the vocabulary")
         lengths = [len(p) for p in prompts]
-        cache = DenseKVCache(self.config, len(prompts), max(lengths) + canvas.shape[1], self.device, self.dtype)
+        cache = DenseKVCache(self.net.kv_config, len(prompts), max(lengths) + canvas.shape[1], self.device, self.dtype)
         placed = [self._placed_images(p, im) if im else [] for p, im in zip(prompts, images)]
         prefill(self.net, cache, list(range(len(prompts))), prompts, images=placed)
         soft = None
@@ -573,7 +575,7 @@ class Model:
                 raise ValueError(f"self_conditioning_logits must be {(*canvas.shape, self.config.vocab_size)}")
             soft = self.net.soft_embed_from_logits(sc)
         hidden = self.net.decode(canvas, cache.plan_decoder(canvas.shape[1]), soft)
-        return self.net.logits(hidden)
+        return self.net.whole_logits(hidden)
 
 
 def load(
@@ -584,6 +586,8 @@ def load(
     group_size: int | None = None,
     revision: str | None = None,
     force: bool = False,
+    tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
 ) -> Model:
     """Load a checkpoint: a directory (config.json, safetensors, tokenizer) or a Hugging Face hub id
     (`owner/name`, at `revision`: a branch, tag or commit), fetched into the hub's cache (only the
@@ -600,7 +604,14 @@ def load(
 
     Before any weights are read or downloaded, the memory plan of one request (dgemma/hub/fit.py)
     is checked against the device's memory: a plan that does not fit raises `dgemma.hub.FitError`
-    saying what would, unless `force`. `model.name` is the hub id, or the directory's name."""
+    saying what would, unless `force`. `model.name` is the hub id, or the directory's name.
+
+    `tensor_parallel_size` N > 1 cuts the model across N ranks (dgemma/parallel: attention heads,
+    MLPs, experts and vocabulary split, all-reduces where the partial sums meet; `expert_parallel`
+    places whole experts per rank instead of splitting each): call it in every one of N processes
+    started by `torchrun --nproc-per-node N` (or dgemma's launcher), each then running the same
+    calls; a rank on a GPU takes cuda:LOCAL_RANK. Sizes that cannot be split are a one-line
+    `ShardError` before any weights are read. Each rank reads the checkpoint, then keeps its share."""
     from functools import partial
 
     from .hub import FitRequest, resolve_checkpoint
@@ -619,6 +630,19 @@ def load(
     # cuda:N current on this thread for what runs outside the engine too (AR mode, canvas_logits:
     # quantised linears launch Triton kernels on the current device); the engine makes it current itself
     engine_core.make_current(dev)
+    group = None
+    if tensor_parallel_size != 1 or expert_parallel:
+        from .parallel.group import join_ranks
+        from .parallel.plan import ShardPlan
+
+        ShardPlan.build(config, tensor_parallel_size, expert_parallel)  # a size that cannot be split: one line, now
+        if quantization is not None or isinstance(config.raw.get("quantization_config"), dict):
+            raise ValueError("tensor parallelism with quantised weights is not supported yet: load the unquantised checkpoint")
+        group, dev = join_ranks(tensor_parallel_size, dev)
     net = weights.load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size)
+    if group is not None:
+        from .parallel.shard import shard_model
+
+        net = shard_model(net, group, expert_parallel)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Model(net, generation_config, tokenizer, path, checkpoint.name)

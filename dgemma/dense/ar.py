@@ -34,7 +34,7 @@ def ar_events(
         raise ValueError("temperature must be >= 0")
     device, batch = net.device, len(prompts)
     lengths = [len(p) for p in prompts]
-    cache = DenseKVCache(net.config, batch, max(lengths) + max_new_tokens, device, net.dtype)
+    cache = DenseKVCache(net.kv_config, batch, max(lengths) + max_new_tokens, device, net.dtype)
     generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
     last = prefill(net, cache, list(range(batch)), prompts)
 
@@ -42,7 +42,7 @@ def ar_events(
     live = list(range(batch))
     eos = set(eos_token_ids)
     for step in range(max_new_tokens):
-        logits = net.logits(last)  # [live, vocab]
+        logits = net.whole_logits(last)  # [live, vocab]
         if temperature == 0:
             next_ids = logits.argmax(dim=-1)
         else:

@@ -63,7 +63,7 @@ def reference_events(
     device, batch, canvas_len, vocab = net.device, len(prompts), cfg.canvas_length, cfg.vocab_size
     max_len = max(len(p) for p in prompts)
     num_blocks = math.ceil(gen.max_new_tokens / canvas_len)
-    cache = DenseKVCache(cfg, batch, max_len + num_blocks * canvas_len, device, net.dtype)
+    cache = DenseKVCache(net.kv_config, batch, max_len + num_blocks * canvas_len, device, net.dtype)
 
     ids = torch.full((batch, max_len), gen.pad_token_id, dtype=torch.long)
     valid = torch.zeros(batch, max_len, dtype=torch.bool)
@@ -96,7 +96,7 @@ def reference_events(
         for steps_remaining in reversed(range(1, gen.max_denoising_steps + 1)):
             block_passes += ~(finished_denoising | finished)
             soft = net.soft_embed_from_logits(sc_logits) if sc_logits is not None else None
-            logits = net.logits(net.decode(canvas, decode_pass, soft))
+            logits = net.whole_logits(net.decode(canvas, decode_pass, soft))
             processed = logits / sampler.temperature(steps_remaining, gen.max_denoising_steps, gen.t_min, gen.t_max)
             probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
             denoised = torch.multinomial(probs.view(-1, vocab), num_samples=1).view(batch, canvas_len)

@@ -18,6 +18,8 @@ rounding, and to the bit where the reference's own kernels are used.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -243,6 +245,10 @@ class DiffusionGemma(nn.Module):
         self.shard_plan = None
         self.reduce = no_reduce
         self.lookup = table_lookup
+        # ... and `gather_vocab` assembles whole logits rows from the ranks' columns, `own_vocab`
+        # cuts a whole row to this rank's columns (both the identity here)
+        self.gather_vocab = no_reduce
+        self.own_vocab = no_reduce
         # The vision tower (model.encoder.vision_tower / embed_vision), when the checkpoint holds it.
         self.quantization: tuple[str, int | None] | None = None  # (scheme, group size) once quantised
         self.vision = None
@@ -257,6 +263,14 @@ class DiffusionGemma(nn.Module):
     def dtype(self) -> torch.dtype:
         """The activations' dtype: the weights' unless a kernel choice computes wider (`compute_dtype`)."""
         return self.compute_dtype or self.embed_tokens.weight.dtype
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The config of the keys and values this network computes: its rank's KV heads (replicas
+        included) when cut across ranks (parallel/shard.py), with the whole vocabulary; else `config`."""
+        if self.shards is None or self.shards.size == 1:
+            return self.config
+        return replace(self.shard_plan.rank_config(self.shards.rank), vocab_size=self.config.vocab_size)
 
     @property
     def device(self) -> torch.device:
@@ -284,7 +298,7 @@ class DiffusionGemma(nn.Module):
 
     def soft_embed_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The reference's self-conditioning input: softmax(logits) @ E x sqrt(hidden)."""
-        return self.soft_embed(logits.softmax(dim=-1, dtype=torch.float32))
+        return self.soft_embed(self.own_vocab(logits.softmax(dim=-1, dtype=torch.float32)))
 
     def rope_frequencies(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Each layer kind's RoPE inverse frequencies (float32) on `device`: computed on the CPU as
@@ -319,6 +333,11 @@ class DiffusionGemma(nn.Module):
         """hidden @ E.T in the model's dtype: the logits before softcapping."""
         kernel = self.lm_head_kernel
         return kernel(hidden) if kernel is not None else F.linear(hidden, self.embed_tokens.weight)
+
+    def whole_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` over the whole vocabulary: on a model cut across ranks, every rank's columns
+        gathered (the reference sampler, AR mode, `canvas_logits`); else `logits` itself."""
+        return self.gather_vocab(self.logits(hidden))
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tied LM head, then float32 tanh softcapping.

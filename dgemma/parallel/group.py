@@ -83,3 +83,20 @@ def from_environment(device: torch.device | str = "cpu", timeout_s: float = 120.
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return ShardGroup(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD)
+
+
+def join_ranks(size: int, device: torch.device) -> tuple[ShardGroup, torch.device]:
+    """This process's place in a group of `size` ranks (`dgemma.load(tensor_parallel_size=size)`),
+    and its device: cuda:LOCAL_RANK for a rank on a GPU. A process that was not started as one of
+    `size` ranks is told how to start it."""
+    found = int(os.environ.get("WORLD_SIZE", "1"))
+    if found != size:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} processes started together (torchrun --nproc-per-node {size}, "
+            f"or dgemma's --tensor-parallel-size flag); this one is one of {found}"
+        )
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return from_environment(device), device

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..config import ModelConfig
@@ -29,9 +27,7 @@ def sharded(net) -> bool:
 
 def kv_config(net) -> ModelConfig:
     """The config of the keys and values this rank holds (the full one when not sharded)."""
-    if not sharded(net):
-        return net.config
-    return replace(net.shard_plan.rank_config(net.shards.rank), vocab_size=net.config.vocab_size)
+    return net.kv_config
 
 
 def agreed_blocks(net, num_blocks: dict[str, int]) -> dict[str, int]:

@@ -70,6 +70,25 @@ class VocabLookup:
         return self
 
 
+class VocabColumns:
+    """Whole-vocabulary rows <-> this rank's columns: `gather` assembles every rank's [.., Vs] into
+    [.., vocab] (the reference sampler, AR mode and `canvas_logits` read whole rows); `own` cuts a
+    whole row to the rank's [start, end) (their self-conditioning input, whose product the
+    sharded `soft_embed` sums over the ranks)."""
+
+    def __init__(self, group: ShardGroup, vocab_size: int, start: int, end: int):
+        self.group, self.vocab_size, self.start, self.end = group, vocab_size, start, end
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_logits(logits, self.group, self.vocab_size)
+
+    def own(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[..., self.start : self.end]
+
+    def __deepcopy__(self, memo) -> "VocabColumns":
+        return self
+
+
 class ExpertShard(nn.Module):
     """Expert parallelism: the whole experts [first, first + n) of one layer's MoE (`experts`, an
     `Experts` of n experts, which the kernel choice may replace). Routed (token, slot) pairs whose
@@ -181,6 +200,8 @@ def shard_model(net: DiffusionGemma, group: ShardGroup, expert_parallel: bool = 
     _shard_mlp(net.self_conditioning, mine.intermediate, "self_conditioning")
     net.reduce = reduce
     net.lookup = VocabLookup(v0, v1, reduce)
+    columns = VocabColumns(group, net.config.vocab_size, v0, v1)
+    net.gather_vocab, net.own_vocab = columns.gather, columns.own
     return net
 
 

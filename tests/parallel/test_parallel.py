@@ -33,3 +33,11 @@ def group_results(tmp_path_factory):
 def test_two_ranks(group_results, name):
     assert name in group_results, f"{name} did not run"
     assert group_results[name] == "ok", group_results[name]
+
+
+def test_load_outside_a_group_says_how_to_start_one():
+    import dgemma
+
+    with pytest.raises(ValueError) as e:
+        dgemma.load(tensor_parallel_size=2)
+    assert str(e.value).startswith("tensor_parallel_size=2 needs 2 processes started together (torchrun --nproc-per-node 2")
