@@ -2,7 +2,7 @@
 
 import importlib
 
-MODULES = ("checks_model", "checks_sampling", "checks_engine")
+MODULES = ("checks_model", "checks_sampling", "checks_engine", "checks_quant", "checks_grammar")
 
 
 def all_checks():
