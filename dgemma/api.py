@@ -622,7 +622,8 @@ def load(
             raise FileNotFoundError(f"the shipped model is missing from {path}; pass a checkpoint directory")
     dev = resolve_device(device)
     fit = None if force and quantization != "auto" else FitRequest(dev, partial(resolve_dtype, dtype, dev), quantization,
-                                                                      group_size)  # fmt: skip
+                                                                      group_size, tensor_parallel_size=tensor_parallel_size,
+                                                                      expert_parallel=expert_parallel)  # fmt: skip
     checkpoint = resolve_checkpoint(path, revision, fit=fit, force=force)
     path, quantization = checkpoint.path, checkpoint.quantization if fit is not None else quantization
     config = load_model_config(path)

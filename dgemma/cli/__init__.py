@@ -31,6 +31,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launch_ranks(args, argv: list[str] | None) -> int | None:
+    """--tensor-parallel-size N > 1 outside a group: start N ranks of this very command
+    (parallel/launch.py) and return their status; inside a rank (WORLD_SIZE set): None."""
+    size = getattr(args, "tensor_parallel_size", 1)
+    if not getattr(args, "launch_ranks", False):
+        return None
+    if size < 1:
+        raise CliError(f"--tensor-parallel-size must be at least 1, got {size}")
+    if getattr(args, "expert_parallel", False) and size == 1:
+        raise CliError("--expert-parallel needs --tensor-parallel-size 2 or more")
+    if size == 1 or "WORLD_SIZE" in os.environ:
+        return None
+    from ..parallel.launch import launch
+
+    return launch(list(sys.argv[1:] if argv is None else argv), size)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -47,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if quiet_hub:
         os.environ["HF_HUB_VERBOSITY"] = "info" if args.verbose else "error"
     try:
+        launched = _launch_ranks(args, argv)
+        if launched is not None:
+            return launched
         return args.func(args) or 0
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")

@@ -67,10 +67,26 @@ def add_hub_flags(p: argparse.ArgumentParser) -> None:
                         "(default: refuse, saying what would fit)")  # fmt: skip
 
 
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size and --expert-parallel (dgemma/parallel; docs/parallel.md)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model across N ranks: N processes on this host, one per GPU on a GPU host (across "
+                        "hosts: start the ranks with torchrun, docs/parallel.md) (default: 1)")  # fmt: skip
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: whole experts per rank instead of every expert split (default: split)")
+    p.set_defaults(launch_ranks=True)  # cli/__init__.py starts the ranks (`dgemma memory` only plans them)
+
+
+def parallel_load_args(args) -> dict:
+    """dgemma.load's tensor_parallel_size / expert_parallel from the flags."""
+    return {"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1), "expert_parallel": getattr(args, "expert_parallel", False)}
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help=f"{MODEL_HELP} (default: the shipped dgemma-tiny)")
     add_hub_flags(p)
     add_device_flags(p)
+    add_parallel_flags(p)
     add_quantization_flags(p, "quantise the text layers' linears and experts while loading (docs/quantization.md); "
                               "auto: the best scheme whose memory plan fits the device (a pre-quantised checkpoint: "
                               "its own)")  # fmt: skip
@@ -285,7 +301,7 @@ def fit_request(args, device):
         getattr(args, "group_size", None), max_active=getattr(args, "max_active", None) or getattr(args, "batch", None) or 1,
         max_context=context, kv_cache_memory=getattr(args, "kv_cache_memory", None),
         prefill_chunk=getattr(args, "prefill_chunk", 2048), turbo=bool(getattr(args, "turbo", None)),
-        memory=device_memory_override(), flags=flags + ("--force",),
+        memory=device_memory_override(), flags=flags + ("--force",), **parallel_load_args(args),
     )  # fmt: skip
 
 
@@ -315,7 +331,7 @@ def load_model(args):
 
     checkpoint = resolve_model(args)  # force=True below: checked here, with the command's own flags
     model = dgemma.load(checkpoint.path, device=args.device, dtype=args.dtype, quantization=checkpoint.quantization,
-                        group_size=getattr(args, "group_size", None), force=True)  # fmt: skip
+                        group_size=getattr(args, "group_size", None), force=True, **parallel_load_args(args))  # fmt: skip
     model.name = checkpoint.name
     return model
 

@@ -1,5 +1,7 @@
 """`dgemma memory`: the KV cache bytes of one request (paged against preallocated rows), or with
---card SIZE whether serving fits a device of that size, part by part."""
+--card SIZE whether serving fits a device of that size, part by part. With
+--tensor-parallel-size N (and --expert-parallel) both are per rank: what each of N devices of
+that size holds, the largest rank deciding."""
 
 from __future__ import annotations
 
@@ -21,13 +23,17 @@ def print_memory_plan(config, args) -> int:
     name = args.model or f"--size {args.size}"
     # a checkpoint's facts include a pre-quantised one's headers (its weights as stored)
     facts = local_facts(Path(args.model)) if args.model else CheckpointFacts(name, Path("."), config)
+    ranks = args.tensor_parallel_size
+    flags = ("--quantization", "--max-context", "--max-active") + (("--tensor-parallel-size",) if ranks > 1 else ())
     request = FitRequest(torch.device("cuda"), lambda _: dtype, args.quantization, args.group_size, args.max_active,
-                         args.max_context, memory=args.card, memory_source="--card",
-                         flags=("--quantization", "--max-context", "--max-active"))  # fmt: skip
+                         args.max_context, memory=args.card, memory_source="--card", flags=flags,
+                         tensor_parallel_size=ranks, expert_parallel=args.expert_parallel)  # fmt: skip
     try:
         fit = check_fit(facts, request, force=True)
     except (FitError, ValueError) as e:
         raise CliError(str(e)) from None
+    if ranks > 1:
+        return print_rank_plans(facts, request, fit, name, args)
     plan, gib = fit.plan, 2**30
     print(f"serving {name} on a {args.card / gib:.1f} GiB device, {args.dtype}, "
           f"{plan.scheme or 'unquantised'} weights, batch {plan.batch}, context {plan.context}:")  # fmt: skip
@@ -41,6 +47,55 @@ def print_memory_plan(config, args) -> int:
         return 1
     print("fits")
     return 0
+
+
+def print_rank_plans(facts, request, fit, name: str, args) -> int:
+    """`dgemma memory --card SIZE --tensor-parallel-size N`: every rank's plan, part by part, one
+    column per rank, and whether the largest fits a device of SIZE."""
+    from ..hub.fit import rank_plans_for
+
+    every = rank_plans_for(facts, request.dtype(facts.config_dir), fit.scheme, request)
+    gib, split = 2**30, "expert parallel" if args.expert_parallel else "tensor parallel"
+    print(f"serving {name} on {len(every)} devices of {args.card / gib:.1f} GiB, {args.dtype}, "
+          f"{fit.plan.scheme or 'unquantised'} weights, batch {fit.plan.batch}, context {fit.plan.context}, "
+          f"per rank ({len(every)} ranks, {split}), GiB:")  # fmt: skip
+    groups: list[list] = []  # consecutive ranks that hold the same bytes share a column
+    for plan in every:
+        if groups and groups[-1][-1].weights == plan.weights and groups[-1][-1].total == plan.total:
+            groups[-1].append(plan)
+        else:
+            groups.append([plan])
+    labels = [f"rank {g[0].rank}" if len(g) == 1 else f"ranks {g[0].rank}-{g[-1].rank}" for g in groups]
+    plans = [g[0] for g in groups]
+    print(f"  {'':<21}" + "".join(f"{label:>12}" for label in labels))
+    rows = [(f"weights: {part}", [p.weights[part] for p in plans]) for part in plans[0].weights]
+    rows += [(part, [getattr(p, field) for p in plans]) for part, field in
+             (("KV cache", "kv_cache"), ("step buffers", "step_buffers"), ("reserve", "reserve"), ("total", "total"))]  # fmt: skip
+    for label, sizes in rows:
+        print(f"  {label:<21}" + "".join(f"{size / gib:12.2f}" for size in sizes))
+    for note in fit.plan.notes:
+        print(f"note: {note}")
+    if not fit.fits:
+        print(f"does not fit: {fit.message}")
+        return 1
+    print(f"fits: rank {fit.plan.rank}, the largest, takes {fit.plan.total / gib:.2f} of {args.card / gib:.1f} GiB")
+    return 0
+
+
+def kv_config(config, args):
+    """The config whose KV cache one device holds: the whole model's, or with
+    --tensor-parallel-size the largest rank's heads (replicated KV heads counted)."""
+    if args.tensor_parallel_size == 1:
+        return config
+    from ..engine.memory_plan import rank_kv_bytes_per_token
+    from ..parallel.plan import ShardError, ShardPlan
+
+    try:
+        shards = ShardPlan.build(config, args.tensor_parallel_size, args.expert_parallel)
+    except ShardError as e:
+        raise CliError(str(e)) from None
+    rank = max(range(shards.size), key=lambda r: (sum(rank_kv_bytes_per_token(shards, r, 2).values()), -r))
+    return shards.rank_config(rank)
 
 
 def cmd_memory(args) -> int:
@@ -60,12 +115,16 @@ def cmd_memory(args) -> int:
         config = make_config(**PRESETS[args.size])
     if args.tokens < 1:
         raise CliError(f"--tokens must be positive (got {args.tokens})")
+    if args.tensor_parallel_size < 1:
+        raise CliError(f"--tensor-parallel-size must be positive (got {args.tensor_parallel_size})")
     if args.card is not None:
         return print_memory_plan(config, args)
+    full, config = config, kv_config(config, args)
     r = kv_report(config, args.tokens, resolve_dtype(args.dtype), args.block_size)
     unit, scale = ("GiB", 2**30) if r["dense_total"] >= 2**30 else ("MiB", 2**20)
+    ranks = f", per rank ({args.tensor_parallel_size} ranks)" if args.tensor_parallel_size > 1 else ""
     print(f"KV cache for one request of {r['tokens']} tokens, {args.dtype}, blocks of {r['block_size']} positions "
-          f"({args.model or args.size}: window {config.sliding_window})")  # fmt: skip
+          f"({args.model or args.size}: window {full.sliding_window}){ranks}")  # fmt: skip
     print(f"{'layers':<20} {'bytes/token':>12} {'paged ' + unit:>10} {'preallocated rows ' + unit:>22}")
     for kind in r["paged"]:
         n = sum(1 for spec in config.layers if spec.kind == kind)
@@ -93,4 +152,8 @@ def add_cli(sub) -> None:
     mem.add_argument("--max-active", type=int, default=8, help="with --card: canvases denoised at once (default 8)")
     mem.add_argument("--max-context", type=int, default=None,
                      help="with --card: positions of the longest request (default: max_position_embeddings)")  # fmt: skip
+    mem.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="plan per rank of a model split across this many devices (default 1)")  # fmt: skip
+    mem.add_argument("--expert-parallel", action="store_true",
+                     help="with --tensor-parallel-size: whole experts per rank instead of each expert split")  # fmt: skip
     mem.set_defaults(func=cmd_memory)

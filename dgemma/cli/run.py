@@ -5,6 +5,7 @@ between a prefix and a suffix). Also --chat, --image/--video, --json-schema/--re
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -224,13 +225,17 @@ class RunTiming:
 def cmd_run(args) -> int:
     from ..engine.events import Block, Draft
 
-    args.prompt = run_prompt(args)
+    # a rank after the first (--tensor-parallel-size) gets rank 0's prompt once the ranks are joined
+    follower = int(os.environ.get("RANK", "0")) > 0 and args.prompt == "-"
+    args.prompt = "" if follower else run_prompt(args)
     temperature = check_temperature(args)
     refuse_turbo(args, "--sampling reference" if args.sampling == "reference" else "--mode ar" if args.mode == "ar" else None)
     check_seed_flag(args)
     apply_threads(args)
     suffix = run_suffix(args)
     model = load_model(args)
+    if model.net.shards is not None:
+        args.prompt = model.net.shards.broadcast_object(args.prompt)
     config = model.generation_config.with_overrides(**sampler_knobs(args))  # the knobs checked before any output
     check_turbo_knobs(args, config)
     model.configure_engine(engine_options(args))

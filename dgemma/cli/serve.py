@@ -143,6 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     apply_threads(args)
     template = read_chat_template(args)
     model = load_model(args)  # a bad --device first, then a hub id fetched after its memory plan's check
+    if model.net.shards is not None and model.net.shards.rank > 0:  # a worker rank: replay rank 0's steps
+        return follow_leader(model, args)
     apply_chat_template_file(model, args, template)
     name = args.served_model_name or model.name
     try:
@@ -171,6 +173,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"dgemma: warning: listening on {args.host} without --api-key: anyone who can reach this address can use "
               "the model (docs/security.md)", flush=True)  # fmt: skip
     uvicorn.Server(uvicorn_config(app, limits, args.log_level, args.access_log)).run(sockets=[sock])
+    if hasattr(engine, "stop"):  # a split model: the worker ranks leave their loops
+        engine.stop()
+    return 0
+
+
+def follow_leader(model, args: argparse.Namespace) -> int:
+    """A worker rank of `serve --tensor-parallel-size`: the same engine as rank 0's, replaying
+    the requests rank 0 admits (parallel/lockstep.py), until rank 0 stops."""
+    from dataclasses import replace
+
+    from ..engine.engine import Engine
+    from ..parallel.lockstep import follow
+
+    follow(Engine(model.engine_net, replace(engine_options(args), max_active=args.max_active)), model)
     return 0
 
 

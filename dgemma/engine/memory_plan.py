@@ -9,12 +9,20 @@ weights exactly as the formats store them (compressed-tensors layouts: float32 p
 scales, int4 group scales in the model's dtype), a KV pool holding one request of the context
 (sliding layers: their window), step buffers from the tensors a decoder pass and a prefill chunk
 create at their largest, and a fixed reserve for the CUDA context and allocator.
+
+Split across `tensor_parallel_size` ranks (parallel/plan.py's `ShardPlan`), each rank's plan is
+the same arithmetic on what that rank holds: its weights (its query and KV heads, KV heads that do
+not split counted on every rank that holds them; its MLP and expert slices, or its whole experts
+with expert parallelism; its vocabulary rows of the tied embedding; norms, router and scalars
+whole), its heads' share of the KV pool, step buffers of its vocabulary width and intermediate
+slices (hidden-size activations replicated), and a reserve of its own. The largest rank decides.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +31,11 @@ from .kv_budget import dtype_bytes
 from .paged_cache import kv_bytes_per_token
 from .turbo import canvas_kv_bytes
 
+if TYPE_CHECKING:
+    from ..parallel.plan import ShardPlan
+
 RESERVE = int(1.5 * 2**30)  # CUDA context, cuBLAS / Triton workspaces, allocator slack
+COLLECTIVE_RESERVE = 2**28  # split across ranks: each rank's NCCL communicator buffers (an estimate)
 QUANTISED = ("experts", "attention", "dense")  # the parts a scheme quantises (quant/modules.py)
 
 
@@ -36,6 +48,10 @@ class MemoryPlan:
     scheme: str | None
     batch: int
     context: int
+    ranks: int = 1  # tensor-parallel size: > 1, this is one rank's plan (`rank`)
+    rank: int = 0
+    expert_parallel: bool = False
+    notes: tuple[str, ...] = ()  # what a reader of the figures should know (quantisation groups a split breaks)
 
     @property
     def total(self) -> int:
@@ -44,7 +60,8 @@ class MemoryPlan:
     def describe(self) -> str:
         gib = 2**30
         w = sum(self.weights.values())
-        return (f"weights {w / gib:.1f} GiB ({self.scheme or 'unquantised'}), KV cache {self.kv_cache / gib:.1f} GiB, "
+        ranks = f"per rank ({self.ranks} ranks{', expert parallel' if self.expert_parallel else ''}): " if self.ranks > 1 else ""
+        return (f"{ranks}weights {w / gib:.1f} GiB ({self.scheme or 'unquantised'}), KV cache {self.kv_cache / gib:.1f} GiB, "
                 f"step buffers {self.step_buffers / gib:.1f} GiB (batch {self.batch}), reserve "
                 f"{self.reserve / gib:.1f} GiB: {self.total / gib:.1f} GiB")  # fmt: skip
 
@@ -88,9 +105,15 @@ def matrix_bytes(rows: int, cols: int, scheme: str | None, group_size: int | Non
 
 
 def weight_bytes(config: ModelConfig, scheme: str | None, group_size: int | None, dtype: torch.dtype) -> dict[str, int]:
+    return counted_bytes(parameter_counts(config), scheme, group_size, dtype)
+
+
+def counted_bytes(counts: dict[str, dict[str, tuple[int, int, int]]], scheme: str | None, group_size: int | None,
+                  dtype: torch.dtype) -> dict[str, int]:  # fmt: skip
+    """Bytes by part of `parameter_counts`' matrices (or a rank's: parallel.plan.rank_parameter_counts) as stored."""
     size = dtype_bytes(dtype)
     out = {}
-    for part, matrices in parameter_counts(config).items():
+    for part, matrices in counts.items():
         quantised = scheme if part in QUANTISED else None
         out[part] = sum(n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
                         for r, c, n in matrices.values())  # int4: its weight_shape (int32 [2]) once per tensor
@@ -134,13 +157,156 @@ def plan_memory(
     kv_cache_memory: int | None = None,
     prefill_chunk: int = 2048,
     turbo: bool = False,
+    tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
 ) -> MemoryPlan:
     """The memory to serve `batch` canvases at once with room for one request of `context`
     positions (default: max_position_embeddings), or a KV pool of `kv_cache_memory` bytes;
-    `turbo`: every canvas with its canvas K/V buffer."""
+    `turbo`: every canvas with its canvas K/V buffer. Across `tensor_parallel_size` ranks: the
+    largest rank's plan (`rank_plans`; `ShardError` where the size does not split)."""
+    if tensor_parallel_size != 1:
+        plans = rank_plans(config, dtype, scheme, group_size, batch, context, kv_cache_memory, prefill_chunk, turbo,
+                           tensor_parallel_size, expert_parallel)  # fmt: skip
+        return largest(plans)
     context = context or config.max_position_embeddings
     kv = kv_cache_memory if kv_cache_memory is not None else kv_bytes(config, 1, context, dtype)
     return MemoryPlan(
         weight_bytes(config, scheme, group_size, dtype), int(kv), step_buffer_bytes(config, batch, prefill_chunk, dtype, turbo),
         RESERVE, scheme, batch, context,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- per rank
+def largest(plans: list[MemoryPlan]) -> MemoryPlan:
+    """The plan that decides whether a split fits: the rank that needs the most (the first of equals)."""
+    return max(plans, key=lambda p: (p.total, -p.rank))
+
+
+def split_groups(full: dict, ranks: list[dict], scheme: str | None, group_size: int | None) -> tuple[str, ...]:
+    """The quantised matrices whose column split leaves some rank a part of a quantisation group
+    (int4's groups of `group_size`, nvfp4's of 16), as '<part> <matrix> (<cols> of <whole> columns)':
+    a split the loader must replicate or refuse (the released 704 and 2112 halved are not multiples
+    of 64). `full`: parameter_counts; `ranks`: each rank's rank_parameter_counts."""
+    from ..quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP
+
+    if scheme not in ("int4", "nvfp4"):
+        return ()
+    group = (group_size or DEFAULT_GROUP_SIZE) if scheme == "int4" else NVFP4_GROUP
+    found: dict[str, None] = {}  # ordered, without repeats
+    for counts in ranks:
+        for part in QUANTISED:
+            for name, (_, cols, _) in counts[part].items():
+                whole = full[part][name][1]
+                if cols != whole and cols % group:
+                    leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+                    found[f"{part} {leaf} ({cols} of {whole} columns)"] = None
+    return tuple(found)
+
+
+def split_note(full: dict, ranks: list[dict], scheme: str | None, group_size: int | None) -> tuple[str, ...]:
+    """`split_groups` as a note for the plan, with an int4 group size that keeps every split whole."""
+    from ..quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP
+
+    broken = split_groups(full, ranks, scheme, group_size)
+    if not broken:
+        return ()
+    group = (group_size or DEFAULT_GROUP_SIZE) if scheme == "int4" else NVFP4_GROUP
+    smaller = [g for g in (32, 16, 8) if scheme == "int4" and g < group and not split_groups(full, ranks, scheme, g)]
+    fix = f"; --group-size {smaller[0]} keeps them whole" if smaller else ""
+    return (f"{scheme}'s groups of {group} do not divide what each rank holds of {', '.join(broken)}: counted split "
+            f"here, though the loader may replicate such a matrix or refuse the split{fix}",)  # fmt: skip
+
+
+def rank_plans(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    scheme: str | None = None,
+    group_size: int | None = None,
+    batch: int = 8,
+    context: int | None = None,
+    kv_cache_memory: int | None = None,
+    prefill_chunk: int = 2048,
+    turbo: bool = False,
+    tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
+) -> list[MemoryPlan]:
+    """`plan_memory` for each rank of a `tensor_parallel_size` split: its weights
+    (parallel.plan.rank_parameter_counts, stored as weight_bytes stores them), a KV pool of its
+    heads (replicated heads counted), step buffers of its shapes (`rank_config`: its vocabulary
+    width, its MLP and expert slices; with expert parallelism, every routed slot of a token on
+    one rank at worst), the reserve and, split, NCCL's buffers. `kv_cache_memory` is each rank's.
+    A size that does not split: parallel.plan.ShardError."""
+    from ..parallel.plan import ShardPlan
+
+    shards = ShardPlan.build(config, tensor_parallel_size, expert_parallel)
+    context = context or config.max_position_embeddings
+    counts = [rank_parameter_counts(shards, rank) for rank in range(tensor_parallel_size)]
+    notes = split_note(parameter_counts(config), counts, scheme, group_size) if tensor_parallel_size > 1 else ()
+    reserve = RESERVE + (COLLECTIVE_RESERVE if tensor_parallel_size > 1 else 0)
+    plans = []
+    for rank in range(tensor_parallel_size):
+        mine = shards.rank_config(rank)
+        kv = kv_cache_memory if kv_cache_memory is not None else kv_bytes(mine, 1, context, dtype)
+        plans.append(MemoryPlan(
+            counted_bytes(counts[rank], scheme, group_size, dtype), int(kv),
+            step_buffer_bytes(mine, batch, prefill_chunk, dtype, turbo), reserve, scheme, batch, context,
+            tensor_parallel_size, rank, bool(expert_parallel), notes,
+        ))  # fmt: skip
+    return plans
+
+
+def rank_parameter_counts(plan: ShardPlan, rank: int) -> dict[str, dict[str, tuple[int, int, int]]]:
+    """`parameter_counts` for what rank `rank` holds: the same parts and names,
+    each matrix cut to the rank's rows / columns / experts (replicated KV heads counted on every
+    rank that holds them; norms, router and scalars whole on every rank)."""
+    c, mine = plan.config, plan.ranks[rank]
+    full = parameter_counts(c)
+    inter = mine.intermediate[1] - mine.intermediate[0]
+    out: dict[str, dict[str, tuple[int, int, int]]] = {part: {} for part in full}
+    for part, matrices in full.items():
+        for name, (rows, cols, count) in matrices.items():
+            fields = name.split(".")
+            leaf = fields[-2] if name.endswith(".weight") else fields[-1]
+            if name.startswith("embed_tokens"):
+                rows = mine.vocab[1] - mine.vocab[0]
+            elif part == "attention":
+                h = mine.heads[int(fields[1])]
+                head_dim = c.layers[int(fields[1])].head_dim
+                if leaf == "q_proj":
+                    rows = h.num_query * head_dim
+                elif leaf in ("k_proj", "v_proj"):
+                    rows = h.num_kv * head_dim
+                elif leaf == "o_proj":
+                    cols = h.num_query * head_dim
+            elif part == "dense":
+                if leaf == "down_proj":
+                    cols = inter
+                else:
+                    rows = inter
+            elif part == "experts":
+                count = mine.experts[1] - mine.experts[0]
+                moe = mine.moe_intermediate[1] - mine.moe_intermediate[0]
+                rows, cols = (2 * moe, cols) if leaf == "gate_up_proj" else (rows, moe)
+            elif name.startswith("self_conditioning.") and leaf in ("gate_proj", "up_proj", "down_proj"):
+                rows = rows * inter // c.intermediate_size  # "other" holds (numel, 1, 1)
+            out[part][name] = (rows, cols, count)
+    return out
+
+
+def rank_weight_bytes(plan: ShardPlan, rank: int, scheme: str | None, group_size: int | None, dtype) -> dict[str, int]:
+    """`weight_bytes` for rank `rank`: its weights' bytes by part, as stored
+    (quantised parts by `matrix_bytes`; whether a split keeps a quantisation group whole is not
+    checked here)."""
+    size = dtype_bytes(dtype)
+    out = {}
+    for part, matrices in rank_parameter_counts(plan, rank).items():
+        quantised = scheme if part in QUANTISED else None
+        out[part] = sum(n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
+                        for r, c, n in matrices.values())  # fmt: skip
+    return out
+
+
+def rank_kv_bytes_per_token(plan: ShardPlan, rank: int, dtype_size: int) -> dict[str, int]:
+    """K and V bytes one position takes on rank `rank` in every layer of each kind (its KV heads,
+    replicated ones included): `paged_cache.kv_bytes_per_token` of its `rank_config`."""
+    return kv_bytes_per_token(plan.rank_config(rank), dtype_size)

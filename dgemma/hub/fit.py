@@ -11,6 +11,11 @@ its config (the headers add nothing there, and are not read). The plan is for on
 SINGLE_REQUEST_CONTEXT positions unless the caller says more (serve: --max-active requests of
 --max-context positions).
 
+With `tensor_parallel_size` N > 1 the plan is the largest rank's (engine/memory_plan.py's
+`rank_plans`), checked against one device's memory: each rank has a device of the same size (on
+a CPU the ranks share the machine's RAM, so each gets 1/N of it). A size the model cannot be split
+into is parallel/plan.py's one-line ShardError, before anything else.
+
 `FitRequest.memory` stands in for the device's memory: the `dgemma` command sets it from
 DGEMMA_DEVICE_MEMORY (a size: 24GiB, 16GB, a byte count), for planning on one machine what another
 will run, and for tests.
@@ -33,6 +38,7 @@ AUTO_ORDER = (None, "fp8", "int8", "int4", "nvfp4")  # --quantization auto: the 
 DEVICE_MEMORY_ENV = "DGEMMA_DEVICE_MEMORY"
 SINGLE_REQUEST_CONTEXT = 8192  # run, chat, bench and dgemma.load plan one request of this many positions
 CPU_RESERVE = 2**29  # on a CPU, in place of the CUDA context: the interpreter, torch, the tokenizer
+TENSOR_PARALLEL_SIZES = (2, 4, 8, 16)  # larger splits a refusal may suggest
 CONTEXTS = (65536, 32768, 16384, 8192, 4096)  # shorter contexts a refusal may suggest
 BATCHES = (4, 2, 1)
 HEADER_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64,
@@ -50,7 +56,8 @@ class FitRequest:
     not decide dtypes); the scheme asked for ("auto": the best that fits); the shape of the work
     the plan is for. `memory`: bytes to plan for instead of the device's. `flags`: the command's
     flags a refusal may suggest (--quantization, --max-context, --max-active, --force); () for the
-    API, whose refusals name `load()`'s arguments."""
+    API, whose refusals name `load()`'s arguments. `tensor_parallel_size` / `expert_parallel`:
+    the split the model loads in (the plan is per rank, against each rank's device)."""
 
     device: torch.device
     dtype: Callable[[Path], torch.dtype]
@@ -64,6 +71,8 @@ class FitRequest:
     memory: int | None = None
     memory_source: str = DEVICE_MEMORY_ENV  # what `memory` is, in a refusal: the variable, or `--card`
     flags: tuple[str, ...] = ()
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def fix(self, knob: str, value: object) -> str:
         """How the caller changes `knob`: `--max-context 8192`, or `quantization='int4'`."""
@@ -195,9 +204,12 @@ def stored_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]], dtype: 
 
 def plan_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | None, request: FitRequest):
     """engine/memory_plan.py's plan for this checkpoint and request (a pre-quantised checkpoint's
-    weights from its headers; on a CPU the process's reserve, not CUDA's)."""
+    weights from its headers; on a CPU the process's reserve, not CUDA's); split across ranks,
+    the largest rank's."""
     from ..engine import memory_plan
 
+    if request.tensor_parallel_size != 1:
+        return memory_plan.largest(rank_plans_for(facts, dtype, scheme, request))
     longest = facts.config.max_position_embeddings
     context = min(request.max_context or longest, longest)
     plan = memory_plan.plan_memory(facts.config, dtype, scheme, request.group_size, request.max_active, context,
@@ -209,6 +221,30 @@ def plan_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | None, req
     return plan
 
 
+def rank_plans_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | None, request: FitRequest) -> list:
+    """Each rank's plan (engine.memory_plan.rank_plans) for this checkpoint and request. A
+    pre-quantised checkpoint's stored bytes are cut by the share of its scheme's weights each rank
+    holds (the headers name tensors, not what a split keeps of them)."""
+    from ..engine import memory_plan
+
+    longest = facts.config.max_position_embeddings
+    context = min(request.max_context or longest, longest)
+    shape = (request.max_active, context, request.kv_cache_memory, request.prefill_chunk, request.turbo,
+             request.tensor_parallel_size, request.expert_parallel)  # fmt: skip
+    if facts.quant is not None and facts.tensors is not None:
+        stored, known = stored_weight_bytes(facts.tensors, dtype), facts.quant.scheme
+        known = known if known in AUTO_ORDER else None  # "mixed": the unquantised shares
+        plans = memory_plan.rank_plans(facts.config, dtype, known, facts.quant.group_size, *shape)
+        whole = sum(memory_plan.weight_bytes(facts.config, known, facts.quant.group_size, dtype).values())
+        plans = [replace(p, weights={"stored": stored * sum(p.weights.values()) // whole}, scheme=facts.quant.scheme)
+                 for p in plans]  # fmt: skip
+    else:
+        plans = memory_plan.rank_plans(facts.config, dtype, scheme, request.group_size, *shape)
+    if request.device.type == "cpu":
+        plans = [replace(p, reserve=CPU_RESERVE) for p in plans]
+    return plans
+
+
 def variant(plan, facts: CheckpointFacts, dtype: torch.dtype, request: FitRequest, batch: int | None = None,
             context: int | None = None):  # fmt: skip
     """`plan` for another batch or context: the same weights, memory_plan's KV pool and step buffers
@@ -216,10 +252,24 @@ def variant(plan, facts: CheckpointFacts, dtype: torch.dtype, request: FitReques
     from ..engine import memory_plan
 
     batch, context = batch or plan.batch, context or plan.context
+    config = facts.config
+    if plan.ranks > 1:  # the rank's own shapes
+        from ..parallel.plan import ShardPlan
+
+        config = ShardPlan.build(config, plan.ranks, plan.expert_parallel).rank_config(plan.rank)
     kv = request.kv_cache_memory
-    kv = int(kv if kv is not None else memory_plan.kv_bytes(facts.config, 1, context, dtype))
-    steps = memory_plan.step_buffer_bytes(facts.config, batch, request.prefill_chunk, dtype, request.turbo)
+    kv = int(kv if kv is not None else memory_plan.kv_bytes(config, 1, context, dtype))
+    steps = memory_plan.step_buffer_bytes(config, batch, request.prefill_chunk, dtype, request.turbo)
     return replace(plan, kv_cache=kv, step_buffers=steps, batch=batch, context=context)
+
+
+def rank_memory(request: FitRequest) -> tuple[int | None, str]:
+    """`device_memory` for one rank: each rank's own device, or on a CPU its share of the RAM."""
+    memory, where = device_memory(request.device, request.memory, request.memory_source)
+    ranks = request.tensor_parallel_size
+    if ranks > 1 and request.device.type == "cpu" and memory is not None:
+        return memory // ranks, f"{where} shared by {ranks} ranks"
+    return memory, where
 
 
 def check_fit(facts: CheckpointFacts, request: FitRequest, force: bool = False) -> Fit:
@@ -230,8 +280,12 @@ def check_fit(facts: CheckpointFacts, request: FitRequest, force: bool = False) 
 
         int4 = request.quantization == "int4"
         check_scheme(request.quantization, (request.group_size or DEFAULT_GROUP_SIZE) if int4 else None)
+    if request.tensor_parallel_size != 1:  # a size that cannot be split: one line, before anything else
+        from ..parallel.plan import ShardPlan
+
+        ShardPlan.build(facts.config, request.tensor_parallel_size, request.expert_parallel)
     dtype = request.dtype(facts.config_dir)
-    memory, where = device_memory(request.device, request.memory, request.memory_source)
+    memory, where = rank_memory(request)
     if facts.quant is not None and request.quantization not in (None, "auto"):
         raise HubError(f"{facts.name} is already quantised ({facts.quant.scheme}): load it without "
                        f"{'--quantization' if request.flags else 'quantization'}")  # fmt: skip
@@ -263,6 +317,8 @@ def refusal(facts: CheckpointFacts, request: FitRequest, dtype: torch.dtype, pla
                 build = " or a pre-quantised build of it, a smaller download" if facts.from_hub else ""
                 fixes.append(f"{request.fix('quantization', scheme)} ({other.total / GIB:.1f} GiB{build})")
                 break
+    if request.tensor_parallel_size > 1 or request.has("tensor_parallel_size"):
+        fixes += larger_split(facts, request, dtype, plan)
     for knob, values, now, shape in (("max_context", CONTEXTS, plan.context, "context"),
                                       ("max_active", BATCHES, plan.batch, "batch")):  # fmt: skip
         if not request.has(knob):
@@ -272,9 +328,31 @@ def refusal(facts: CheckpointFacts, request: FitRequest, dtype: torch.dtype, pla
             if value < now and other.total <= memory:
                 fixes.append(f"{request.fix(knob, value)} ({other.total / GIB:.1f} GiB)")
                 break
-    hint = "it would fit with " + " or ".join(fixes) if fixes else "no smaller scheme, context or batch fits it either"
+    split = ", larger tensor-parallel size" if request.tensor_parallel_size > 1 else ""
+    hint = "it would fit with " + " or ".join(fixes) if fixes else f"no smaller scheme{split}, context or batch fits it either"
     if request.flags:
         force = "; --force loads it anyway" if "--force" in request.flags else ""
     else:
         force = "; force=True loads it anyway"
+    if request.tensor_parallel_size > 1:
+        where = f"{where}, tensor-parallel size {request.tensor_parallel_size}"
     return f"{facts.name} does not fit this device's {memory / GIB:.1f} GiB ({where}): {plan.describe()}; {hint}{force}"
+
+
+def larger_split(facts: CheckpointFacts, request: FitRequest, dtype: torch.dtype, plan) -> list[str]:
+    """The smallest larger tensor-parallel size the model splits into whose per-rank plan (same
+    scheme) fits, as a fix; [] if none of TENSOR_PARALLEL_SIZES does."""
+    from ..parallel.plan import ShardError
+
+    for size in TENSOR_PARALLEL_SIZES:
+        if size <= request.tensor_parallel_size:
+            continue
+        split = replace(request, tensor_parallel_size=size)
+        try:
+            other = plan_for(facts, dtype, plan.scheme, split)
+        except ShardError:
+            continue
+        memory = rank_memory(split)[0]  # a CPU's RAM shared by more ranks
+        if other.total <= memory:
+            return [f"{request.fix('tensor_parallel_size', size)} ({other.total / GIB:.1f} GiB per rank)"]
+    return []

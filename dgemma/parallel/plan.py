@@ -17,9 +17,9 @@ Experts: each expert's moe_intermediate split the same way, or with expert paral
 experts [r E / size, (r + 1) E / size) per rank. The router, the norms and the scalars are
 replicated.
 
-For the memory plans: `ShardPlan.rank_config` (a rank's shapes, to size its KV cache),
-`rank_parameter_counts` / `rank_weight_bytes` (engine/memory_plan.py's counts, per rank) and
-`rank_kv_bytes_per_token` (replicated KV heads counted on every rank that holds them).
+For the memory plans: `ShardPlan.rank_config` (a rank's shapes, to size its KV cache); the
+bytes a rank holds are counted in engine/memory_plan.py (`rank_parameter_counts`,
+`rank_weight_bytes`, `rank_kv_bytes_per_token`: replicated KV heads on every rank that holds them).
 """
 
 from __future__ import annotations
@@ -147,67 +147,3 @@ class ShardPlan:
             num_experts=mine.experts[1] - mine.experts[0],
             vocab_size=mine.vocab[1] - mine.vocab[0],
         )
-
-
-def rank_parameter_counts(plan: ShardPlan, rank: int) -> dict[str, dict[str, tuple[int, int, int]]]:
-    """`engine.memory_plan.parameter_counts` for what rank `rank` holds: the same parts and names,
-    each matrix cut to the rank's rows / columns / experts (replicated KV heads counted on every
-    rank that holds them; norms, router and scalars whole on every rank)."""
-    from ..engine.memory_plan import parameter_counts
-
-    c, mine = plan.config, plan.ranks[rank]
-    full = parameter_counts(c)
-    inter = mine.intermediate[1] - mine.intermediate[0]
-    out: dict[str, dict[str, tuple[int, int, int]]] = {part: {} for part in full}
-    for part, matrices in full.items():
-        for name, (rows, cols, count) in matrices.items():
-            fields = name.split(".")
-            leaf = fields[-2] if name.endswith(".weight") else fields[-1]
-            if name.startswith("embed_tokens"):
-                rows = mine.vocab[1] - mine.vocab[0]
-            elif part == "attention":
-                h = mine.heads[int(fields[1])]
-                head_dim = c.layers[int(fields[1])].head_dim
-                if leaf == "q_proj":
-                    rows = h.num_query * head_dim
-                elif leaf in ("k_proj", "v_proj"):
-                    rows = h.num_kv * head_dim
-                elif leaf == "o_proj":
-                    cols = h.num_query * head_dim
-            elif part == "dense":
-                if leaf == "down_proj":
-                    cols = inter
-                else:
-                    rows = inter
-            elif part == "experts":
-                count = mine.experts[1] - mine.experts[0]
-                moe = mine.moe_intermediate[1] - mine.moe_intermediate[0]
-                rows, cols = (2 * moe, cols) if leaf == "gate_up_proj" else (rows, moe)
-            elif name.startswith("self_conditioning.") and leaf in ("gate_proj", "up_proj", "down_proj"):
-                rows = rows * inter // c.intermediate_size  # "other" holds (numel, 1, 1)
-            out[part][name] = (rows, cols, count)
-    return out
-
-
-def rank_weight_bytes(plan: ShardPlan, rank: int, scheme: str | None, group_size: int | None, dtype) -> dict[str, int]:
-    """`engine.memory_plan.weight_bytes` for rank `rank`: its weights' bytes by part, as stored
-    (quantised parts by `matrix_bytes`; whether a split keeps a quantisation group whole is not
-    checked here)."""
-    from ..engine.kv_budget import dtype_bytes
-    from ..engine.memory_plan import QUANTISED, matrix_bytes
-
-    size = dtype_bytes(dtype)
-    out = {}
-    for part, matrices in rank_parameter_counts(plan, rank).items():
-        quantised = scheme if part in QUANTISED else None
-        out[part] = sum(n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
-                        for r, c, n in matrices.values())  # fmt: skip
-    return out
-
-
-def rank_kv_bytes_per_token(plan: ShardPlan, rank: int, dtype_size: int) -> dict[str, int]:
-    """K and V bytes one position takes on rank `rank` in every layer of each kind (its KV heads,
-    replicated ones included): `paged_cache.kv_bytes_per_token` of its `rank_config`."""
-    from ..engine.paged_cache import kv_bytes_per_token
-
-    return kv_bytes_per_token(plan.rank_config(rank), dtype_size)

@@ -220,6 +220,15 @@ class EngineThread:
         job.deliver(final)
 
     def _fail_all(self, error: Exception) -> None:
+        if getattr(self.engine, "leads_ranks", False) and not self._stop.is_set():
+            # a model split across ranks: a failed step is a failed rank (or a collective that timed
+            # out); the ranks' engines no longer agree, so the server ends (the launcher stops the rest)
+            import os
+            import sys
+
+            sys.stderr.write(f"dgemma: error: a step across the tensor-parallel ranks failed ({error}); the server stops\n")
+            sys.stderr.flush()
+            os._exit(1)
         for job in list(self._jobs.values()):
             self._done(job, EngineFailure(str(error) or type(error).__name__))
         self._jobs.clear()

@@ -84,6 +84,10 @@ class Service:
         net = model.engine_net
 
         def new_engine() -> Engine:
+            if net.shards is not None and net.shards.size > 1:  # rank 0 of a split model: the others replay its steps
+                from ..parallel.lockstep import LeaderEngine
+
+                return LeaderEngine(Engine(net, options), net.shards)
             return Engine(net, options)
 
         self.engine_thread = EngineThread(new_engine, max_active, max_queue, self.metrics)

@@ -41,3 +41,42 @@ def test_load_outside_a_group_says_how_to_start_one():
     with pytest.raises(ValueError) as e:
         dgemma.load(tensor_parallel_size=2)
     assert str(e.value).startswith("tensor_parallel_size=2 needs 2 processes started together (torchrun --nproc-per-node 2")
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of rank `rank` among the launcher's children (its RANK variable)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    raise LookupError(f"no rank {rank} among {children}")
+
+
+def test_serve_tensor_parallel_answers_like_one_process_and_ends_when_a_rank_dies():
+    """`dgemma serve --tensor-parallel-size 2`: the official openai client gets the answers one
+    process gives (plain and streamed, same seeds); killing the worker rank ends the server
+    with a line naming it, within seconds."""
+    from hostile.serve_process import ServeProcess
+    from servers import openai_client
+
+    def answers(url: str) -> tuple[str, str]:
+        client = openai_client(url)
+        plain = client.completions.create(model="dgemma-tiny", prompt="def add(a, b):", max_tokens=24, seed=1)
+        stream = client.chat.completions.create(model="dgemma-tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=24, seed=2, stream=True)  # fmt: skip
+        return plain.choices[0].text, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with ServeProcess([]) as one:
+        want = answers(one.url)
+    with ServeProcess(["--tensor-parallel-size", "2"]) as two:
+        assert answers(two.url) == want and all(want)
+        import os
+        import signal
+        import time
+
+        os.kill(_rank_pid(two.proc.pid, 1), signal.SIGKILL)
+        start = time.monotonic()
+        two.proc.wait(30)
+        assert time.monotonic() - start < 15 and two.proc.returncode != 0
+        assert "rank 1 of 2 ended with signal SIGKILL; stopped the other ranks" in two.output
