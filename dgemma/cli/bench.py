@@ -28,7 +28,7 @@ from ..benchmark import (
 )  # fmt: skip
 from ..model.presets import PRESETS
 from .common import (
-    MODEL_HELP, TURBO_FLAGS, add_device_flags, add_hub_flags, add_threads_flag, add_turbo_flags, apply_threads,
+    MODEL_HELP, TURBO_FLAGS, add_device_flags, add_hub_flags, add_parallel_flags, parallel_load_args, add_threads_flag, add_turbo_flags, apply_threads,
     resolve_model, turbo_knobs,
 )  # fmt: skip
 
@@ -168,10 +168,13 @@ def cmd_bench(args) -> int:
     print("\n".join(plan_lines(args, config, device)), file=sys.stderr, flush=True)
     peers = list(args.peers)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.tensor_parallel_size > 1 and "reference" in peers:
+            say("the transformers reference runs in one process: skipping it with --tensor-parallel-size")
+            peers.remove("reference")
         if args.quantization is not None and "reference" in peers:
             say("transformers runs full-precision weights only: skipping the reference peer with --quantization")
             peers.remove("reference")
-        if args.quantization is not None and not args.model:
+        if args.quantization is not None and not args.model and args.tensor_parallel_size == 1:
             say(f"building random {args.quantization} weights of --size {args.size}")
             path, model = None, quantized_synthetic_model(args.size, args.quantization, args.group_size, dtype)
         else:
@@ -181,7 +184,7 @@ def cmd_bench(args) -> int:
             say(f"loading {path if args.model else 'them'}")
             # --model's plan was checked once already, by resolve_model (at --batch); random weights' here
             model = load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size,
-                         force=bool(args.model) or args.force)  # fmt: skip
+                         force=bool(args.model) or args.force, **parallel_load_args(args))  # fmt: skip
         if "reference" in peers:
             say("loading the transformers reference")
             ref = load_reference(path, device, dtype)
@@ -236,7 +239,9 @@ def cmd_bench(args) -> int:
     header = (
         f"{args.model or args.size} | {device} {args.dtype} | batch {args.batch} | prompt {args.prompt_len} | "
         f"{args.new_tokens} new | {'adaptive' if args.adaptive else f'{args.steps} fixed'} steps | "
-        f"canvas {model.config.canvas_length} | threads {torch.get_num_threads()} | "
+        f"canvas {model.config.canvas_length} | threads {torch.get_num_threads()}"
+        f"{f' x {args.tensor_parallel_size} ranks' if args.tensor_parallel_size > 1 else ''}"
+        f"{' (expert parallel)' if args.expert_parallel else ''} | "
         f"kernels: {cpu_kernels.describe(model.engine_net)}"
     )
     say(f"done: {args.runs} timed round{'s' * (args.runs > 1)} of {len(peers)} peer{'s' * (len(peers) > 1)}")
@@ -261,6 +266,7 @@ def add_cli(sub) -> None:
     add_hub_flags(p)
     p.add_argument("--size", choices=list(PRESETS), default="tiny",
                    help="model size preset for random weights, dgemma/model/presets.py (default: tiny)")
+    add_parallel_flags(p)
     add_device_flags(p)  # random --size weights on CUDA: --dtype auto is bfloat16, the released model's
     p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
                    help="quantised weights; random --size models are built directly quantised (default: none)")

@@ -386,6 +386,20 @@ def read_lines(session: Session):
             return
 
 
+def session_lines(session: Session, shards=None):
+    """The user's lines; on a model split across ranks (--tensor-parallel-size), rank 0 reads them
+    and every rank gets each one (each rank runs the same turns: parallel/lockstep.py says why)."""
+    if shards is None or shards.size == 1:
+        yield from read_lines(session)
+        return
+    lines = read_lines(session) if shards.rank == 0 else None
+    while True:
+        line = shards.broadcast_object(next(lines, None) if lines is not None else None)
+        if line is None:
+            return
+        yield line
+
+
 def setup_readline() -> None:
     try:
         import atexit
@@ -425,7 +439,7 @@ def cmd_chat(args) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         setup_readline()
         session.say(f"dgemma chat with {model.path}: /help for commands, Ctrl-D to leave", "dim")
-    for line in read_lines(session):
+    for line in session_lines(session, model.net.shards):
         line = line.strip()
         if not line:
             continue

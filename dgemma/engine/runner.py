@@ -31,6 +31,7 @@ from ..kernels.choice import plan_kernels
 from ..model.diffusion_gemma import DiffusionGemma
 from ..parallel import runtime
 from . import sampler
+from .constraints.grammar import PassRows
 from .graphs import DecoderGraphs
 from .options import EngineOptions
 from .paged_cache import PagedKVCache, PagedPass
@@ -352,9 +353,12 @@ class Runner:
             return self.sharded.row_logprobs(weights, tokens, top_logprobs)
         return sampler.row_logprobs(weights, tokens, top_logprobs)
 
-    def full_rows(self, weights: torch.Tensor) -> torch.Tensor:
-        """Whole-vocabulary weight rows for a grammar's walk (gathered from the ranks when sharded)."""
-        return weights if self.sharded is None else self.sharded.full_rows(weights)
+    def full_rows(self, weights: torch.Tensor) -> "torch.Tensor | PassRows":
+        """One canvas's weight rows [R, V] as a grammar's walk reads them: the rows themselves, or
+        on a model cut by vocabulary `PassRows` over this rank's [R, Vs] (each shard's top-k
+        gathered once per pass, one gather per position those do not settle; every rank walks
+        the same canvas, so the collectives pair up), never a gathered [R, V]."""
+        return weights if self.sharded is None else self.sharded.pass_rows(weights)
 
     def _logprobs(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor, stops: list[bool]) -> list:
         """Per request, the log probabilities of its argmax canvas (the final one: after `_refine`)
@@ -372,14 +376,16 @@ class Runner:
     def _refine(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The argmax canvases after constraint sources that correct them once the pass is known
         (`refine(argmax [C], weights [C, V]) -> [C]`: a grammar's left-to-right walk, which
-        replaces each rejected token by the most likely allowed one)."""
+        replaces each rejected token by the most likely allowed one; its weights are `full_rows`
+        of the request's C rows)."""
         if not any(hasattr(r.constraints, "refine") for r in group):
             return argmax
-        rows = self.full_rows(weights).view(len(group), self.config.canvas_length, -1)
+        c = self.config.canvas_length
         refined = [
-            self._to_device(r.constraints.refine(argmax[i].cpu(), rows[i])) if hasattr(r.constraints, "refine") else argmax[i]
+            self._to_device(r.constraints.refine(argmax[i].cpu(), self.full_rows(weights[i * c : (i + 1) * c])))
+            if hasattr(r.constraints, "refine") else argmax[i]
             for i, r in enumerate(group)
-        ]
+        ]  # fmt: skip
         return torch.stack(refined)
 
     def _fixed(self, group: list[Request]) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..kernels import triton_step
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
+from .constraints.grammar import PassRows, held_rows
 from .paged_cache import PagedKVCache
 from .request import Request
 from .scheduler import DecodeResult
@@ -40,7 +41,7 @@ class Runner(Protocol):
     def _to_device(self, t: torch.Tensor) -> torch.Tensor: ...
     def sample_rows(self, weights: torch.Tensor, total: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor: ...
     def row_logprobs(self, weights: torch.Tensor, tokens: torch.Tensor, top_logprobs: int) -> list: ...
-    def full_rows(self, weights: torch.Tensor) -> torch.Tensor: ...
+    def full_rows(self, weights: torch.Tensor) -> torch.Tensor | PassRows: ...
 
 
 def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
@@ -159,9 +160,14 @@ def _draws(runner: Runner, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
     return uniforms.to(device), noise.to(device)
 
 
-def _full_weights(weights: torch.Tensor, live: torch.Tensor, state: TurboState, c: int) -> torch.Tensor:
+def _full_weights(weights: torch.Tensor | PassRows, live: torch.Tensor, state: TurboState, c: int) -> torch.Tensor | PassRows:
     """[C, V] weights for a grammar's walk: the pass's rows where computed, and a frozen
-    position's own token with all the weight (it is what that position holds)."""
+    position's own token with all the weight (it is what that position holds). From the walk's
+    reads of the live rows (`PassRows`: a model cut by vocabulary), the same walk's reads of
+    those [C, V] weights, which are never built."""
+    if isinstance(weights, PassRows):
+        frozen = state.frozen.nonzero().squeeze(-1).tolist()
+        return held_rows(weights, live.tolist(), dict(zip(frozen, state.tokens[frozen].tolist())), c)
     full = weights.new_zeros(c, weights.shape[-1])
     full[live] = weights
     frozen = state.frozen.nonzero().squeeze(-1)

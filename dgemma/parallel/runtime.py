@@ -5,7 +5,7 @@
 - `agreed_blocks`: the KV pool's block counts, the same on every rank (each rank's scheduler
   replica must make the same decisions): the smallest any rank can hold.
 - `ShardedSampler`: the runner's sampler calls over this rank's vocabulary shard (statistics,
-  sampling, log probabilities, a grammar's full rows), through parallel/sampling.py.
+  sampling, log probabilities, a grammar walk's reads), through parallel/sampling.py.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 
 from ..config import ModelConfig
 from ..engine import sampler
+from ..engine.constraints.grammar import PassRows
 from ..engine.events import TokenLogprob
 from . import sampling
 from .group import ShardGroup
-from .shard import gather_logits
 
 
 def sharded(net) -> bool:
@@ -61,7 +61,8 @@ class ShardedSampler:
     def row_logprobs(self, weights: torch.Tensor, tokens: torch.Tensor, top_logprobs: int) -> list[TokenLogprob]:
         return sampling.sharded_row_logprobs(weights, tokens, top_logprobs, self.group, self.start)
 
-    def full_rows(self, weights: torch.Tensor) -> torch.Tensor:
-        """[R, V] weights from every rank's [R, Vs] (a grammar's walk reads whole rows: a gather
-        of R x V values, for grammar requests only)."""
-        return gather_logits(weights, self.group, self.vocab_size)
+    def pass_rows(self, weights: torch.Tensor) -> PassRows:
+        """What a grammar's walk reads of one canvas's full rows, from this rank's [C, Vs]: each
+        shard's top-k gathered once per pass, and one gather per position the candidates do not
+        settle (every rank walks the same canvas, so the collectives pair up); no [C, V] gather."""
+        return sampling.sharded_pass_rows(weights, self.group, self.start)

@@ -12,8 +12,10 @@ and exchanges only per-row scalars or each shard's top-k, never a [R, V] tensor:
 - `sharded_sample`: inverse-CDF sampling from the shards' totals and a local search.
 - `sharded_row_logprobs`, `sharded_topk_weights`, `sharded_top_candidates`: from each shard's
   top-k, gathered once.
-- `sharded_best_allowed`: one round of a grammar walk's fallback (the most likely allowed token of
-  a whole row), driven by the rank that walks.
+- `sharded_best_allowed_at`: a grammar walk's fallback (the most likely allowed token of a whole
+  row), called by every rank at the same position of its own (identical) walk; `sharded_pass_rows`
+  gives a walk both reads (`grammar.PassRows`). `sharded_best_allowed`: the same, driven by one
+  rank that walks alone.
 
 Pure functions of the tensors and the `ShardGroup`: every rank calls them in the same order with
 rows of the same shape (the collectives pair up). With `ShardGroup.single()` and vocab_start 0
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.constraints.grammar import CANDIDATES
+from ..engine.constraints.grammar import CANDIDATES, PassRows
 from ..engine.events import TokenLogprob
 from ..engine.sampler import EXP_FLOOR, StepStatistics, unpack_token_mask
 from .group import ShardGroup
@@ -222,7 +224,7 @@ def sharded_best_allowed(
     Each round is one broadcast (the request) and one all_gather of each shard's (best weight,
     global id); every rank gets (True, the token) for a request.
     """
-    width, device = weights_local.shape[-1], weights_local.device
+    device = weights_local.device
     message = torch.zeros(2 + words, dtype=torch.int32, device=device)
     if group.rank == src and request is not None:
         message[0], message[1] = 1, request[0]
@@ -231,12 +233,53 @@ def sharded_best_allowed(
     head = message[:2].tolist()
     if head[0] == 0:
         return False, None
-    mine = torch.tensor([-1.0, float(vocab_start)], dtype=torch.float64, device=device)
-    if width:
-        allowed = unpack_token_mask(shard_mask(message[2:], vocab_start, vocab_start + width), width)
-        scores = torch.where(allowed, weights_local[head[1]].float(), -1.0)
-        best = scores.argmax()
-        mine = torch.stack([scores[best].double(), (best + vocab_start).double()])
-    every = group.all_gather(mine)  # [size, 2]
+    every = group.all_gather(_best_allowed_local(weights_local, vocab_start, head[1], message[2:]))  # [size, 2]
     value, token = _best_lowest(every[:, 0], every[:, 1])
     return True, (int(token) if float(value) > 0 else None)
+
+
+class WalkDivergedError(RuntimeError):
+    """The ranks' grammar walks asked for different positions: their grammar states differ."""
+
+
+def _best_allowed_local(weights_local: torch.Tensor, vocab_start: int, row: int, mask: torch.Tensor) -> torch.Tensor:
+    """This shard's (best allowed weight, its global id) at `row` as float64 [2]: (-1, start)
+    where it allows nothing (or holds no tokens)."""
+    width = weights_local.shape[-1]
+    if not width:
+        return torch.tensor([-1.0, float(vocab_start)], dtype=torch.float64, device=weights_local.device)
+    allowed = unpack_token_mask(shard_mask(mask.to(weights_local.device), vocab_start, vocab_start + width), width)
+    scores = torch.where(allowed, weights_local[row].float(), -1.0)
+    best = scores.argmax()
+    return torch.stack([scores[best].double(), (best + vocab_start).double()])
+
+
+def sharded_best_allowed_at(
+    weights_local: torch.Tensor, group: ShardGroup, vocab_start: int, row: int, mask: torch.Tensor
+) -> int | None:
+    """`grammar.best_allowed(mask, full_row)` at `row` of this rank's weights [C, Vs], called by
+    every rank with the same row and mask (each walks the same canvas from the same grammar
+    state, so each reaches the same positions): the allowed token of highest weight, the lowest
+    id among equals, or None when every allowed token weighs 0. One all_gather of each shard's
+    (best weight, global id, row); rows that differ across the ranks raise WalkDivergedError
+    (their walks no longer pair up) instead of answering."""
+    mine = torch.cat([_best_allowed_local(weights_local, vocab_start, row, mask), weights_local.new_tensor([row], dtype=torch.float64)])
+    every = group.all_gather(mine)  # [size, 3]
+    rows = every[:, 2].tolist()
+    if any(r != row for r in rows):
+        raise WalkDivergedError(f"grammar walks diverged across ranks: positions {[int(r) for r in rows]}")
+    value, token = _best_lowest(every[:, 0], every[:, 1])
+    return int(token) if float(value) > 0 else None
+
+
+def sharded_pass_rows(weights_local: torch.Tensor, group: ShardGroup, vocab_start: int, k: int = CANDIDATES) -> PassRows:
+    """What a grammar's walk reads of a pass's full rows [C, V], from this rank's [C, Vs]: the
+    candidates from each shard's top-k, gathered once (when the walk first rejects a token), and
+    the whole-row fallback in one gather per unsettled position; never a [C, V] tensor. Every
+    rank walks the same tokens from the same grammar state (its scheduler replica runs the same
+    requests, and the candidates and fallback answers are the same on every rank), so every rank
+    issues these collectives at the same points of its walk."""
+    return PassRows(
+        lambda: sharded_top_candidates(weights_local, group, vocab_start, k),
+        lambda row, mask: sharded_best_allowed_at(weights_local, group, vocab_start, row, mask),
+    )

@@ -22,6 +22,11 @@ constraints.py):
 - A block commits only its valid prefix (`commit`: at least its first token, which is always
   masked from the committed state), and the next canvas continues from there.
 
+A walk reads a pass's weights only through `PassRows`: each position's top candidates (once per
+pass, at the first rejection) and, where they cannot settle a position, its whole row's best
+allowed token. On a model cut by vocabulary every rank walks the same canvas from the same state,
+and both reads are collectives over the shards (parallel/sampling.py), never a gathered [C, V].
+
 Every pass thus masks a valid prefix of the canvas that grows as the draft settles, instead of
 fixing one position per pass; scripts/grammar_speed.py measures tokens per forward with and
 without a grammar (docs/server.md, "Structured output").
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -178,17 +183,18 @@ class CanvasGrammar:
             return self._walked[1]
         return self._walk(request.argmax.tolist())[1]
 
-    def refine(self, argmax: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def refine(self, argmax: torch.Tensor, weights: "torch.Tensor | PassRows") -> torch.Tensor:
         """The pass's argmax canvas made valid left to right: each token the grammar rejects
         (given the refined tokens before it) becomes the most likely allowed token under this
-        pass's `weights` [C, V]; past an EOS, that EOS repeated (the block is cut there); where
-        no allowed token has weight (the pass masked that position differently), the walk
-        stops and the rest is kept. The walk is kept for the next pass, whose draft this is."""
+        pass's `weights` [C, V] (or what a walk reads of them: `PassRows`, for weights cut across
+        ranks); past an EOS, that EOS repeated (the block is cut there); where no allowed token
+        has weight (the pass masked that position differently), the walk stops and the rest is
+        kept. The walk is kept for the next pass, whose draft this is."""
         tokens, constraints = self._walk(argmax.tolist(), weights)
         self._walked = (tokens, constraints)
         return torch.tensor(tokens, dtype=argmax.dtype)
 
-    def _walk(self, tokens: list[int], weights: torch.Tensor | None = None) -> tuple[list[int], CanvasConstraints]:
+    def _walk(self, tokens: list[int], weights: "torch.Tensor | PassRows | None" = None) -> tuple[list[int], CanvasConstraints]:
         """Walk `tokens` from the committed state: the mask at each position whose left
         neighbours are accepted, forced tokens fixed (and written into `tokens`). At the first
         rejected token: without `weights` the walk stops (that position masked, the rest free);
@@ -196,6 +202,7 @@ class CanvasGrammar:
         from llguidance.torch import fill_next_token_bitmask
 
         c, compiler, matcher, row = self.canvas_length, self.compiler, self.matcher, self._row[0]
+        rows = None if weights is None else pass_rows(weights)
         candidates = None  # each position's most likely tokens, read from the device at the first rejection
         tokens = list(tokens)
         masks = torch.full((c, compiler.words), -1, dtype=torch.int32)
@@ -210,12 +217,12 @@ class CanvasGrammar:
                 fixed[i] = tokens[i] = only
             elif not token_allowed(row, tokens[i]):
                 best = None
-                if weights is not None:
+                if rows is not None:
                     if candidates is None:
-                        candidates = top_candidates(weights)
+                        candidates = rows.candidates()
                     best = best_allowed_candidate(row, *candidates[i])
                     if best is False:  # not settled by the candidates: the whole row
-                        best = best_allowed(row, weights[i])
+                        best = rows.best_allowed(i, row)
                 if best is None:
                     break
                 tokens[i] = best
@@ -259,6 +266,49 @@ def single_token(mask: torch.Tensor) -> int | None:
 
 
 CANDIDATES = 64
+
+
+@dataclass(frozen=True)
+class PassRows:
+    """What a grammar's walk reads of a pass's weights [C, V], as two functions, so that rows cut
+    across ranks (parallel/sampling.py) can answer without gathering them: `candidates()`, each
+    position's heaviest tokens (`top_candidates`' format; called at most once per walk, at its
+    first rejection), and `best_allowed(i, mask)`, position i's allowed token of highest weight
+    (`best_allowed` of its whole row; only where the candidates cannot settle it)."""
+
+    candidates: Callable[[], list[tuple[list[float], list[int]]]]
+    best_allowed: Callable[[int, torch.Tensor], int | None]
+
+
+def pass_rows(weights: "torch.Tensor | PassRows") -> PassRows:
+    """A walk's reads of whole rows [C, V] (`top_candidates`, `best_allowed`), or `weights` itself
+    when it already is one."""
+    if isinstance(weights, PassRows):
+        return weights
+    return PassRows(lambda: top_candidates(weights), lambda i, mask: best_allowed(mask, weights[i]))
+
+
+def held_rows(rows: PassRows, computed: list[int], held: dict[int, int], c: int) -> PassRows:
+    """`rows` (R rows, of canvas positions `computed`) read as C positions, where each position of
+    `held` (position: token) has all its weight on its token (turbo's frozen positions) and any
+    other position none: the walk on it equals the walk on the [C, V] weights so built
+    (`turbo_step._full_weights`), with no [C, V] tensor."""
+    row_of = {p: k for k, p in enumerate(computed)}
+
+    def weightless(p: int) -> tuple[list[float], list[int]]:
+        # one token of weight 1 and the others 0 (or all 0): settled by these (best_allowed_candidate)
+        return ([1.0, 0.0], [held[p], held[p]]) if p in held else ([0.0], [0])
+
+    def candidates() -> list[tuple[list[float], list[int]]]:
+        found = rows.candidates()
+        return [found[row_of[p]] if p in row_of else weightless(p) for p in range(c)]
+
+    def best(i: int, mask: torch.Tensor) -> int | None:
+        if i in row_of:
+            return rows.best_allowed(row_of[i], mask)
+        return held[i] if i in held and token_allowed(mask, held[i]) else None
+
+    return PassRows(candidates, best)
 
 
 def top_candidates(weights: torch.Tensor, k: int = CANDIDATES) -> list[tuple[list[float], list[int]]]:
