@@ -137,9 +137,20 @@ class Runner:
 
     def _encode_image(self, image) -> torch.Tensor:
         n, device = image.num_patches, self.net.device
+        if self.sharded is not None and self.net.shards.rank > 0:  # rank 0 runs the tower; its soft tokens come here
+            return self._soft_tokens_from_rank_0(image)
         pixels = torch.from_numpy(image.pixel_values[None, :n]).to(device)
         positions = torch.from_numpy(image.position_ids[None, :n]).to(device)
-        return self.net.vision.image_features(pixels, positions)
+        features = self.net.vision.image_features(pixels, positions)
+        if self.sharded is not None:  # in the activations' dtype, as prefill writes them (and the other ranks receive)
+            features = self.net.shards.broadcast(features.to(self.net.dtype).contiguous())
+        return features
+
+    def _soft_tokens_from_rank_0(self, image) -> torch.Tensor:
+        """An image's soft tokens [num_soft_tokens, hidden] as rank 0's tower made them (every rank
+        encodes the same images at the same step: their engines replay one scheduler's decisions)."""
+        features = torch.empty(image.num_soft_tokens, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
+        return self.net.shards.broadcast(features)
 
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
         """Batch-invariant: one request per pass. Otherwise one batched pass, or with CUDA graphs

@@ -2,7 +2,7 @@
 
 import importlib
 
-MODULES = ("checks_model", "checks_sampling", "checks_engine", "checks_quant", "checks_grammar")
+MODULES = ("checks_model", "checks_sampling", "checks_engine", "checks_quant", "checks_grammar", "checks_vision")
 
 
 def all_checks():

@@ -1,0 +1,53 @@
+"""Images on a model cut across the ranks: the vision tower runs on rank 0 and its soft tokens
+reach the others (engine/runner.py); `generate` with images gives the whole model's tokens, and
+only rank 0's tower runs."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import dgemma
+from dgemma.api import Model
+from dgemma.parallel.group import ShardGroup
+from dgemma.parallel.shard import shard_model
+
+sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/: the checkpoint writers
+
+
+def check_images_generate_like_one_process(group: ShardGroup) -> None:
+    from test_vision import IMAGES, prompt_with  # noqa: PLC0415 - tests/ helpers, loaded on demand
+    from vision_checkpoint import write_vision_checkpoint
+
+    path = Path(tempfile.gettempdir()) / f"dgemma-parallel-vision-{os.environ['MASTER_PORT']}"
+    if group.rank == 0:
+        write_vision_checkpoint(path, processor=False, generation={"eos_token_id": [1], "pad_token_id": 0})
+    group.barrier()
+    whole = dgemma.load(path, dtype="float32")
+    cut = Model(shard_model(copy.deepcopy(whole.net), group), whole.generation_config, whole.tokenizer, path)
+    towers, tower = [], type(cut.net.vision).image_features
+
+    def counted(self, *args):  # the split model's tower runs (the engine's copy of the network's included)
+        towers.append(1)
+        return tower(self, *args)
+    # a random checkpoint: self-conditioning amplifies float rounding (x40 a pass here), so whole runs
+    # part after a few passes; the first pass after a prompt with images is compared, value by value
+    for inputs, seed in ((prompt_with(IMAGES[:2]), 2), (prompt_with(IMAGES[2:3], text=(22,)), 3)):
+        want = next(e for e in whole.stream(inputs, drafts=True, seed=seed, max_new_tokens=8) if hasattr(e, "entropy"))
+        type(cut.net.vision).image_features = counted
+        try:
+            got = next(e for e in cut.stream(inputs, drafts=True, seed=seed, max_new_tokens=8) if hasattr(e, "entropy"))
+        finally:
+            type(cut.net.vision).image_features = tower
+        assert got.canvas == want.canvas and got.accepted == want.accepted, (got, want)
+        torch.testing.assert_close(torch.tensor(got.entropy), torch.tensor(want.entropy), rtol=1e-3, atol=1e-3)
+    every = group.all_gather(torch.tensor([len(towers)]))  # (a collective: every rank has read the checkpoint)
+    if group.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    assert every[0].item() == 3 and every[1:].sum().item() == 0, every  # one tower run per image, on rank 0
