@@ -69,10 +69,16 @@ class ShardGroup:
             dist.barrier(group=self.group)
 
 
-def from_environment(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> ShardGroup:
+TIMEOUT_ENV = "DGEMMA_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for a rank (default 120)
+
+
+def from_environment(device: torch.device | str = "cpu", timeout_s: float | None = None) -> ShardGroup:
     """Join the process group torchrun (or dgemma's launcher) describes in the environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT); one process when WORLD_SIZE is unset or 1. gloo on a
-    CPU, NCCL on a GPU; collectives time out after `timeout_s`."""
+    CPU, NCCL on a GPU; a collective that waits longer than `timeout_s` (default: the
+    DGEMMA_COLLECTIVE_TIMEOUT variable, else 120 s) for a rank that hangs raises."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, "120"))
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return ShardGroup.single()

@@ -80,3 +80,33 @@ def test_serve_tensor_parallel_answers_like_one_process_and_ends_when_a_rank_die
         two.proc.wait(30)
         assert time.monotonic() - start < 15 and two.proc.returncode != 0
         assert "rank 1 of 2 ended with signal SIGKILL; stopped the other ranks" in two.output
+
+
+def test_serve_tensor_parallel_ends_when_a_rank_hangs():
+    """A worker rank that stops responding (SIGSTOP) makes the next step's collective time out
+    (DGEMMA_COLLECTIVE_TIMEOUT), and the server exits with a message instead of hanging."""
+    import os
+    import signal
+    import time
+
+    import httpx
+    from hostile.serve_process import ServeProcess
+
+    with ServeProcess(["--tensor-parallel-size", "2"], env={"DGEMMA_COLLECTIVE_TIMEOUT": "4"}) as two:
+        worker = _rank_pid(two.proc.pid, 1)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            try:
+                httpx.post(two.url + "/v1/completions", json={"model": "dgemma-tiny", "prompt": "hi", "max_tokens": 8},
+                           timeout=60)  # fmt: skip
+            except httpx.HTTPError:
+                pass  # the server went away mid-answer
+            two.proc.wait(60)
+            assert time.monotonic() - start < 40 and two.proc.returncode != 0
+            assert "a step across the tensor-parallel ranks failed" in two.output, two.output[-2000:]
+        finally:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
