@@ -611,7 +611,9 @@ def load(
     places whole experts per rank instead of splitting each): call it in every one of N processes
     started by `torchrun --nproc-per-node N` (or dgemma's launcher), each then running the same
     calls; a rank on a GPU takes cuda:LOCAL_RANK. Sizes that cannot be split are a one-line
-    `ShardError` before any weights are read. Each rank reads the checkpoint, then keeps its share."""
+    `ShardError` before any weights are read. Each rank reads only its share of each tensor; quantised
+    weights (`quantization`, or a pre-quantised checkpoint) are split in their own layout
+    (parallel/shard.py says where a split would cut a quantisation group)."""
     from functools import partial
 
     from .hub import FitRequest, resolve_checkpoint
@@ -631,19 +633,17 @@ def load(
     # cuda:N current on this thread for what runs outside the engine too (AR mode, canvas_logits:
     # quantised linears launch Triton kernels on the current device); the engine makes it current itself
     engine_core.make_current(dev)
-    group = None
+    shard = None
     if tensor_parallel_size != 1 or expert_parallel:
         from .parallel.group import join_ranks
         from .parallel.plan import ShardPlan
+        from .parallel.shard import RankLayout, ShardedLoad, scheme_groups
 
-        ShardPlan.build(config, tensor_parallel_size, expert_parallel)  # a size that cannot be split: one line, now
-        if quantization is not None or isinstance(config.raw.get("quantization_config"), dict):
-            raise ValueError("tensor parallelism with quantised weights is not supported yet: load the unquantised checkpoint")
+        plan = ShardPlan.build(config, tensor_parallel_size, expert_parallel)  # a size that cannot be split: one line, now
+        if quantization is not None:  # ... and quantisation groups a split would cut (a pre-quantised file's: at read)
+            RankLayout.build(plan, 0, scheme_groups(quantization, group_size))
         group, dev = join_ranks(tensor_parallel_size, dev)
-    net = weights.load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size)
-    if group is not None:
-        from .parallel.shard import shard_model
-
-        net = shard_model(net, group, expert_parallel)
+        shard = ShardedLoad(group, expert_parallel)  # each rank reads its share of each tensor, on the meta model's cut
+    net = weights.load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size, shard=shard)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Model(net, generation_config, tokenizer, path, checkpoint.name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -101,10 +102,16 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     quantization: str | None = None,
     group_size: int | None = None,
+    shard=None,
 ) -> DiffusionGemma:
     """Build the model and fill it from the checkpoint at `path`. With `quantization` (a scheme of
     quant/formats.py), each text layer is quantised as soon as its tensors are read, so the
-    full-precision model is never held in memory (one layer at most)."""
+    full-precision model is never held in memory (one layer at most).
+
+    `shard` (parallel/shard.py's `ShardedLoad`): load one rank's share of a tensor-parallel split.
+    The meta model is cut to the rank's shapes first, then each tensor's slice is read from its
+    file (`safe_open(...).get_slice(name)[...]`; a pre-quantised module is read and cut one at a
+    time), so no rank ever holds the whole model."""
     path = Path(path)
     files = weight_files(path)
     # A config.json may describe a vision tower the weights leave out (text-only checkpoints,
@@ -126,12 +133,18 @@ def load_weights(
 
         group_size = group_size or DEFAULT_GROUP_SIZE
         check_scheme(quantization, group_size if quantization == "int4" else None)
+    if shard is not None:  # (expected keeps the full model's names and shapes: what is on disk)
+        model = shard.cut(model, (quantization, group_size) if quantization is not None else None, stored)
     pending_layer = None  # the layer whose tensors are being read, quantised once the next starts
 
     def finish_layer(index: int | None) -> None:
         if quantization is not None and index is not None:
-            quantize_layer(model.layers[index], quantization, group_size)
+            if shard is not None:
+                shard.quantize_layer(model, index, quantization, group_size)
+            else:
+                quantize_layer(model.layers[index], quantization, group_size)
 
+    fetch = None if stored is None else stored.__getitem__ if shard is None else partial(shard.read_quantized, stored)
     handles: dict[Path, object] = {}
     try:
         for name, meta in expected.items():
@@ -139,8 +152,14 @@ def load_weights(
             if layer != pending_layer:
                 finish_layer(pending_layer)
                 pending_layer = layer
+            target, cut = name, None
+            if shard is not None:
+                held = shard.held(name)
+                if held is None:  # another rank holds all of it
+                    continue
+                target, cut = held
             if stored is not None and name in stored:
-                _install_quantized(model, name, stored, dtype, device)
+                _install_quantized(model, name, fetch, dtype, device, target)
                 continue
             disk = checkpoint_name(name)
             if disk not in files:
@@ -151,17 +170,17 @@ def load_weights(
                     handles[f] = safe_open(f, framework="pt", device="cpu")
                 except Exception as e:
                     raise WeightsError(f"cannot read {f}: {e}") from None
-            try:
-                tensor = handles[f].get_tensor(disk)
-            except Exception as e:
-                raise WeightsError(f"cannot read tensor {disk} from {f.name}: {e}") from None
-            if tuple(tensor.shape) != tuple(meta.shape):
-                raise WeightsError(
-                    f"tensor {disk} has shape {tuple(tensor.shape)}, expected {tuple(meta.shape)} from config.json"
-                )
+            if cut is not None and not cut.whole:
+                tensor = _read_cut(handles[f], disk, f, cut, tuple(meta.shape))
+            else:
+                try:
+                    tensor = handles[f].get_tensor(disk)
+                except Exception as e:
+                    raise WeightsError(f"cannot read tensor {disk} from {f.name}: {e}") from None
+                _check_shape(disk, tuple(tensor.shape), tuple(meta.shape))
             # Same dtype on CPU keeps the memory-mapped tensor as is, as transformers does: CPU
             # kernels choose code paths by alignment, so copying would change float32 rounding.
-            _set_tensor(model, name, tensor.to(device=device, dtype=dtype))
+            _set_tensor(model, target, tensor.to(device=device, dtype=dtype))
             del tensor
         finish_layer(pending_layer)
     finally:
@@ -182,24 +201,45 @@ def load_weights(
     return model
 
 
-def _install_quantized(model: DiffusionGemma, name: str, stored, dtype: torch.dtype, device) -> None:
-    """Put a stored quantised weight in place of the full-precision parameter `name`."""
+def _check_shape(disk: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise WeightsError(f"tensor {disk} has shape {shape}, expected {expected} from config.json")
+
+
+def _read_cut(handle, disk: str, file: Path, cut, expected: tuple[int, ...]) -> torch.Tensor:
+    """The spans of `cut` (parallel/shard.py's `Cut`) of tensor `disk`, read from its file alone and
+    concatenated: the rest of the tensor is never read."""
+    try:
+        part = handle.get_slice(disk)
+        _check_shape(disk, tuple(part.get_shape()), expected)
+        pieces = [part[cut.index(span)] for span in cut.spans]
+    except WeightsError:
+        raise
+    except Exception as e:
+        raise WeightsError(f"cannot read tensor {disk} from {file.name}: {e}") from None
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, cut.dim)
+
+
+def _install_quantized(model: DiffusionGemma, name: str, fetch, dtype: torch.dtype, device, target: str | None = None) -> None:
+    """Put a stored quantised weight (`fetch(name)`, a QTensor) in place of the full-precision
+    parameter `name` (at `target` in a model cut to one rank's share)."""
     from ..quant.formats import dequantize
     from ..quant.modules import QuantExperts, QuantLinear
 
-    module_name, _, attr = name.rpartition(".")
+    module_name, _, attr = (target or name).rpartition(".")
     module = model.get_submodule(module_name)
     if isinstance(module, QuantExperts):
         return  # both expert weights were installed with the first
     if attr in ("gate_up_proj", "down_proj") and module_name.endswith(".experts"):
         parent_name, _, child = module_name.rpartition(".")
-        gate_up, down = stored[f"{module_name}.gate_up_proj"], stored[f"{module_name}.down_proj"]
+        stored_module = name.rpartition(".")[0]
+        gate_up, down = fetch(f"{stored_module}.gate_up_proj"), fetch(f"{stored_module}.down_proj")
         model.get_submodule(parent_name)._modules[child] = QuantExperts(_on_device(gate_up, device), _on_device(down, device), module.approximate)
     elif isinstance(module, torch.nn.Linear) and attr == "weight" and name.startswith("layers."):
         parent_name, _, child = module_name.rpartition(".")
-        model.get_submodule(parent_name)._modules[child] = QuantLinear(_on_device(stored[name], device))
+        model.get_submodule(parent_name)._modules[child] = QuantLinear(_on_device(fetch(name), device))
     else:  # e.g. quantised embeddings: dgemma computes with them in the model dtype
-        _set_tensor(model, name, dequantize(stored[name], dtype).to(device))
+        _set_tensor(model, target or name, dequantize(fetch(name), dtype).to(device))
 
 
 def _on_device(q, device):

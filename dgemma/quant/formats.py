@@ -77,18 +77,36 @@ def _grouped_absmax(w: torch.Tensor, group: int) -> torch.Tensor:
     return w.float().unflatten(-1, (-1, group)).abs().amax(dim=-1)
 
 
+def scale_amax(w: torch.Tensor, scheme: str) -> torch.Tensor | None:
+    """The largest magnitudes `quantize` takes a weight's scales from, where they span more than
+    one group: each output channel's [..., out, 1] (fp8, int8), each 2D weight's [...] (nvfp4's
+    global scale); None for int4 (its groups' own). A slice of a weight (tensor parallelism)
+    quantises as the whole does given the whole's: the max of its slices' (parallel/shard.py)."""
+    if scheme in ("fp8", "int8"):
+        return w.float().abs().amax(dim=-1, keepdim=True)
+    if scheme == "nvfp4":
+        return w.float().abs().amax(dim=(-2, -1))
+    return None
+
+
 def quantize(
-    w: torch.Tensor, scheme: str, group_size: int | None = DEFAULT_GROUP_SIZE, scale_dtype: torch.dtype = torch.float32
+    w: torch.Tensor,
+    scheme: str,
+    group_size: int | None = DEFAULT_GROUP_SIZE,
+    scale_dtype: torch.dtype = torch.float32,
+    amax: torch.Tensor | None = None,
 ) -> QTensor:
     """Quantise a weight [..., out, in] (any float dtype; computed in float32). int4's group scales
     are stored in `scale_dtype` (the model's dtype, as compressed-tensors stores them: bf16 halves
-    their bytes) and the codes are computed against the stored scales."""
+    their bytes) and the codes are computed against the stored scales. `amax`: `scale_amax` of
+    the whole weight `w` is a slice of (None: `w`'s own)."""
     check_scheme(scheme, group_size if scheme == "int4" else None)
     shape, inputs = tuple(w.shape), w.shape[-1]
     wf = w.float()
     if scheme in ("fp8", "int8"):
         top = FP8_MAX if scheme == "fp8" else 127.0
-        scale = (wf.abs().amax(dim=-1, keepdim=True) / top).clamp(min=torch.finfo(torch.float32).tiny)
+        peak = wf.abs().amax(dim=-1, keepdim=True) if amax is None else amax.float()
+        scale = (peak / top).clamp(min=torch.finfo(torch.float32).tiny)
         scaled = wf / scale
         q = scaled.to(torch.float8_e4m3fn) if scheme == "fp8" else scaled.round().clamp(-128, 127).to(torch.int8)
         return QTensor(scheme, shape, {"weight": q, "weight_scale": scale})
@@ -102,7 +120,7 @@ def quantize(
         return QTensor(scheme, shape, parts, group)
     # nvfp4: a float32 global scale per 2D weight (per expert of a fused one) puts its largest
     # group scale at the top of fp8's range
-    amax = wf.abs().amax(dim=(-2, -1)).clamp(min=torch.finfo(torch.float32).tiny)
+    amax = (wf.abs().amax(dim=(-2, -1)) if amax is None else amax.float()).clamp(min=torch.finfo(torch.float32).tiny)
     global_scale = (FP8_MAX * E2M1_MAX / amax).reshape(*shape[:-2], 1)
     scale = (_grouped_absmax(wf, group) / E2M1_MAX * global_scale[..., None]).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
     step = (scale.float() / global_scale[..., None]).clamp(min=torch.finfo(torch.float32).tiny)

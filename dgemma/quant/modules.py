@@ -167,15 +167,25 @@ def weight_bytes(net: nn.Module) -> dict[str, int]:
 
 
 def quantize_stacked(
-    matrix, count: int, scheme: str, group_size: int | None, scale_dtype: torch.dtype = torch.float32
+    matrix,
+    count: int,
+    scheme: str,
+    group_size: int | None,
+    scale_dtype: torch.dtype = torch.float32,
+    amax: torch.Tensor | None = None,
 ) -> QTensor:
     """Quantise `count` matrices (`matrix(i)`, e.g. one expert each) into one QTensor with a leading
     dim, written into tensors allocated once: one full-precision matrix exists at a time, and no
-    list of parts is stacked (which would hold the quantised experts twice)."""
-    first = quantize(matrix(0), scheme, group_size, scale_dtype)
+    list of parts is stacked (which would hold the quantised experts twice). `amax` [count, ...]:
+    each matrix's `formats.scale_amax` where it is a slice of a larger one (tensor parallelism)."""
+
+    def one(i: int) -> QTensor:
+        return quantize(matrix(i), scheme, group_size, scale_dtype, None if amax is None else amax[i])
+
+    first = one(0)
     parts = {k: v.new_empty((count, *v.shape)) for k, v in first.parts.items() if k != "weight_shape"}
     for i in range(count):
-        q = first if i == 0 else quantize(matrix(i), scheme, group_size, scale_dtype)
+        q = first if i == 0 else one(i)
         for k, dest in parts.items():
             dest[i] = q.parts[k]
     if "weight_shape" in first.parts:

@@ -102,3 +102,41 @@ def stack_experts(qs: list[QTensor], what: str = "experts") -> QTensor:
     if "weight_shape" in first.parts:
         parts["weight_shape"] = torch.tensor(first.shape, dtype=torch.int32)
     return QTensor(first.scheme, (len(qs), *first.shape), parts, first.group_size)
+
+
+def cut_qtensor(q: QTensor, dim: int, spans: tuple[tuple[int, int], ...]) -> QTensor:
+    """The QTensor of the full-precision weight's spans [start, end) along `dim`, concatenated
+    (what one rank of a tensor-parallel split holds: parallel/shard.py): a leading (expert) dim
+    or the output rows cut every part with such a dim, the rows' scales with them; the input
+    columns cut the codes and, with group-wise scales, whole groups of scales (a span that cuts
+    a group is refused). Per-channel and global scales stay whole where they do not have the dim."""
+    rank = len(q.shape)
+    dim = dim % rank
+    if dim == rank - 1 and q.scheme in ("int4", "nvfp4"):
+        unit = q.group_size
+        if any(s % unit or (e % unit and e != q.shape[-1]) for s, e in spans):
+            raise QuantError(f"columns {list(spans)} of a {q.scheme} weight cut its groups of {unit} inputs")
+    per = {"int4": 8, "nvfp4": 2}.get(q.scheme, 1)  # codes a stored element holds, along the input dim
+
+    def cut(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name == "weight_global_scale" and dim >= rank - 2:
+            return t
+        if dim == rank - 1:
+            if name == "weight_scale":
+                if q.group_size is None:
+                    return t
+                pieces = [t.narrow(dim, s // q.group_size, -(-e // q.group_size) - s // q.group_size) for s, e in spans]
+            elif name == "weight_packed":
+                pieces = [t.narrow(dim, s // per, (e - s) // per) for s, e in spans]
+            else:
+                pieces = [t.narrow(dim, s, e - s) for s, e in spans]
+        else:
+            pieces = [t.narrow(dim, s, e - s) for s, e in spans]
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)).clone()
+
+    shape = list(q.shape)
+    shape[dim] = sum(e - s for s, e in spans)
+    parts = {k: cut(k, v) for k, v in q.parts.items() if k != "weight_shape"}
+    if "weight_shape" in q.parts:
+        parts["weight_shape"] = torch.tensor(shape[-2:], dtype=torch.int32)
+    return QTensor(q.scheme, tuple(shape), parts, q.group_size)

@@ -18,7 +18,7 @@ import torch
 
 from ..model.layout import DECODER, natural_key
 from .formats import NVFP4_GROUP, QTensor
-from .pack import QuantPartsError, concat_rows, stack_experts, unpack_int8
+from .pack import QuantPartsError, concat_rows, cut_qtensor, stack_experts, unpack_int8
 from .quant_config import QUANT_METHOD, QuantGroup, QuantInfo, load_quantization_config, parse_quantization_config
 from .tensor_sources import TensorReader
 
@@ -199,15 +199,20 @@ class QuantizedWeights(Mapping):
     def _read(self, entry: Entry) -> QTensor:
         return to_qtensor({part: self.reader.get(disk) for part, disk in entry.parts.items()}, entry.group, entry.module)
 
-    def _fuse(self, layer: int, which: str) -> QTensor:
-        """One layer's per-expert projections as the fused [E, 2I, H] gate_up or [E, H, I] down."""
+    def _fuse(self, layer: int, which: str, dim: int | None = None, spans: tuple[tuple[int, int], ...] = ()) -> QTensor:
+        """One layer's per-expert projections as the fused [E, 2I, H] gate_up or [E, H, I] down;
+        with `dim`, only the `spans` along it of the fused weight (`read`): the experts in them
+        (dim 0), or each expert's rows or columns, cut as it is read."""
         per_expert = []
         for e, projs in sorted(self.experts[layer].items()):
+            if dim == 0 and not any(s <= e < end for s, end in spans):
+                continue
             if which == "down_proj":
-                per_expert.append(self._read(projs["down"]))
+                q = self._read(projs["down"])
             else:
                 gate, up = self._read(projs["gate"]), self._read(projs["up"])
-                per_expert.append(concat_rows([gate, up], f"layers.{layer}.experts.{e}"))
+                q = concat_rows([gate, up], f"layers.{layer}.experts.{e}")
+            per_expert.append(q if dim in (None, 0) else cut_qtensor(q, dim - 1, spans))
         fused = stack_experts(per_expert, f"layers.{layer}.experts")
         # The fused copy is what stays; unmap the files so the per-expert pages just read leave
         # the resident set now, not at the end of the load (the released model's experts would
@@ -229,6 +234,30 @@ class QuantizedWeights(Mapping):
         if fused and int(fused.group(1)) in self.experts:
             return self._fuse(int(fused.group(1)), fused.group(2))
         raise KeyError(name)
+
+    def read(self, name: str, dim: int, spans: tuple[tuple[int, int], ...]) -> QTensor:
+        """What one rank of a tensor-parallel split holds of `self[name]` (parallel/shard.py): the
+        spans [start, end) along `dim` of its full-precision weight ([out, in], or [E, out, in]
+        for experts), concatenated. Read module by module (per-expert files: expert by expert) and
+        cut at once, so no more than one of them is held whole."""
+        fused = FUSED_EXPERT.fullmatch(name)
+        if name not in self.single and fused and int(fused.group(1)) in self.experts:
+            return self._fuse(int(fused.group(1)), fused.group(2), dim, spans)
+        if name not in self.single:
+            raise KeyError(name)
+        q = cut_qtensor(self._read(self.single[name]), dim, spans)
+        self.reader.close()
+        return q
+
+    def group(self, name: str) -> QuantGroup:
+        """The config group `self[name]` is stored under (per-expert files: expert 0's projection)."""
+        if name in self.single:
+            return self.single[name].group
+        fused = FUSED_EXPERT.fullmatch(name)
+        projs = self.experts[int(fused.group(1))][0] if fused and int(fused.group(1)) in self.experts else None
+        if projs is None:
+            raise KeyError(name)
+        return projs["down" if fused.group(2) == "down_proj" else "gate"].group
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

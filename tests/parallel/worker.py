@@ -10,6 +10,7 @@ JSON file named by argv[1]; a check that fails on any rank fails (the ranks' res
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -26,10 +27,11 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
     group = from_environment(timeout_s=120)
-    results = {}
+    results, seconds = {}, {}
     for name, check in all_checks():
         if only and name not in only:
             continue
+        start = time.perf_counter()
         try:
             check(group)
             mine = "ok"
@@ -39,8 +41,9 @@ if __name__ == "__main__":
         dist.all_gather_object(every, mine)
         bad = [f"rank {r}: {m}" for r, m in enumerate(every) if m != "ok"]
         results[name] = "ok" if not bad else "\n".join(bad)
+        seconds[name] = round(time.perf_counter() - start, 2)
     if group.rank == 0:
-        Path(sys.argv[1]).write_text(json.dumps(results))
+        Path(sys.argv[1]).write_text(json.dumps({**results, "seconds": seconds}))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
