@@ -48,22 +48,23 @@ def _sharded(group: ShardGroup, expert_parallel: bool = False) -> Model:
 
 
 @lru_cache(maxsize=None)
-def _whole_generate(seed, knobs: tuple) -> tuple:
-    """The whole model's `generate` of PROMPTS (48 tokens) and the margins of its decisions
-    (cached: expert parallelism compares with the same run as default mode)."""
+def _whole_generate(seed, knobs: tuple, tokens: int = 48) -> tuple:
+    """The whole model's `generate` of PROMPTS (`tokens` new: 48 is two canvases) and the margins
+    of its decisions (cached: expert parallelism and the load check compare with default mode's run)."""
     whole = _tiny()
     ids = [whole.tokenizer.encode(p) for p in PROMPTS]
     with measured() as margins:
-        out = whole.generate(ids, max_new_tokens=48, seed=list(seed) if isinstance(seed, tuple) else seed, **dict(knobs))
+        out = whole.generate(ids, max_new_tokens=tokens, seed=list(seed) if isinstance(seed, tuple) else seed, **dict(knobs))
     return out, margins
 
 
-def _same_tokens(group: ShardGroup, expert_parallel: bool = False, seed=(3, 4, 5), kinds=EXACT, **knobs) -> None:
-    whole, cut = _tiny(), _sharded(group, expert_parallel)
-    want, margins = _whole_generate(seed, tuple(sorted(knobs.items())))
+def _same_tokens(group: ShardGroup, expert_parallel: bool = False, seed=(3, 4, 5), kinds=EXACT, tokens: int = 48,
+                 cut: Model | None = None, **knobs) -> None:  # fmt: skip
+    whole, cut = _tiny(), cut or _sharded(group, expert_parallel)
+    want, margins = _whole_generate(seed, tuple(sorted(knobs.items())), tokens)
     margins.assert_above(FLOOR, kinds, what=f"whole model, seed {seed}, {knobs}")
     ids = [whole.tokenizer.encode(p) for p in PROMPTS]
-    got = cut.generate(ids, max_new_tokens=48, seed=list(seed) if isinstance(seed, tuple) else seed, **knobs)
+    got = cut.generate(ids, max_new_tokens=tokens, seed=list(seed) if isinstance(seed, tuple) else seed, **knobs)
     assert got.sequences == want.sequences, (got.sequences, want.sequences)
     assert got.decoder_passes == want.decoder_passes
     every = group.all_gather(torch.tensor([sum(map(len, got.sequences)), sum(got.decoder_passes)]))
@@ -79,7 +80,7 @@ def check_generate_expert_parallel(group: ShardGroup) -> None:
 
 
 def check_generate_turbo(group: ShardGroup) -> None:
-    _same_tokens(group, kinds=TURBO, turbo=True)
+    _same_tokens(group, kinds=TURBO, tokens=32, turbo=True)
 
 
 def _logprobs(model: Model, prompt: list[int], seed: int) -> list:
@@ -107,7 +108,7 @@ def check_engine_logprobs(group: ShardGroup) -> None:
 def check_generate_reference_mode(group: ShardGroup) -> None:
     """The reference sampler reads whole logits rows (gathered from the ranks) and draws from
     torch's global stream, seeded the same on every rank."""
-    _same_tokens(group, seed=11, kinds=REFERENCE, sampling="reference")
+    _same_tokens(group, seed=11, kinds=REFERENCE, tokens=32, sampling="reference")
 
 
 def check_canvas_logits_and_ar_mode(group: ShardGroup) -> None:
@@ -124,12 +125,10 @@ def check_canvas_logits_and_ar_mode(group: ShardGroup) -> None:
 def check_load_tensor_parallel(group: ShardGroup) -> None:
     """`dgemma.load(tensor_parallel_size=2)` on each rank: the same tokens as the whole model at a
     given seed; with no seed, rank 0's random seeds reach every rank (their answers agree)."""
-    whole = _tiny()
     cut = dgemma.load(dtype="float32", tensor_parallel_size=2)
     assert cut.net.shards.size == 2 and cut.net.embed_tokens.weight.shape[0] == 2048
-    ids = [whole.tokenizer.encode(p) for p in PROMPTS[:2]]
-    assert cut.generate(ids, max_new_tokens=24, seed=[1, 2]).sequences == whole.generate(ids, max_new_tokens=24, seed=[1, 2]).sequences
-    mine = cut.generate(ids, max_new_tokens=24).sequences
+    _same_tokens(group, cut=cut)  # default mode's check, on the loaded model
+    mine = cut.generate([cut.tokenizer.encode(PROMPTS[0])], max_new_tokens=16).sequences
     every = [None] * group.size
     torch.distributed.all_gather_object(every, mine)
     assert every[0] == every[1]

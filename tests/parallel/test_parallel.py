@@ -57,56 +57,29 @@ def test_serve_tensor_parallel_answers_like_one_process_and_ends_when_a_rank_die
     """`dgemma serve --tensor-parallel-size 2`: the official openai client gets the answers one
     process gives (plain and streamed, same seeds); killing the worker rank ends the server
     with a line naming it, within seconds."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    import dgemma
     from hostile.serve_process import ServeProcess
     from servers import openai_client
 
-    def answers(url: str) -> tuple[str, str]:
-        client = openai_client(url)
-        plain = client.completions.create(model="dgemma-tiny", prompt="def add(a, b):", max_tokens=24, seed=1)
-        stream = client.chat.completions.create(model="dgemma-tiny", messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=24, seed=2, stream=True)  # fmt: skip
-        return plain.choices[0].text, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-
-    with ServeProcess([]) as one:
-        want = answers(one.url)
+    one = dgemma.load()  # what one process answers: the shipped model as the server loads it
+    torch.set_num_threads(1)  # as the server's --threads 1
+    prompts = {1: "def add(a, b):", 2: "import os\n\n"}
+    want = {seed: one.tokenizer.decode(one.generate([one.tokenizer.encode(p)], max_new_tokens=24, seed=seed).sequences[0])
+            for seed, p in prompts.items()}  # fmt: skip
     with ServeProcess(["--tensor-parallel-size", "2"]) as two:
-        assert answers(two.url) == want and all(want)
-        import os
-        import signal
-        import time
+        client = openai_client(two.url)
+        plain = client.completions.create(model="dgemma-tiny", prompt=prompts[1], max_tokens=24, seed=1)
+        stream = client.completions.create(model="dgemma-tiny", prompt=prompts[2], max_tokens=24, seed=2, stream=True)
+        assert plain.choices[0].text == want[1] and "".join(c.choices[0].text for c in stream) == want[2]
 
         os.kill(_rank_pid(two.proc.pid, 1), signal.SIGKILL)
         start = time.monotonic()
         two.proc.wait(30)
         assert time.monotonic() - start < 15 and two.proc.returncode != 0
         assert "rank 1 of 2 ended with signal SIGKILL; stopped the other ranks" in two.output
-
-
-def test_serve_tensor_parallel_ends_when_a_rank_hangs():
-    """A worker rank that stops responding (SIGSTOP) makes the next step's collective time out
-    (DGEMMA_COLLECTIVE_TIMEOUT), and the server exits with a message instead of hanging."""
-    import os
-    import signal
-    import time
-
-    import httpx
-    from hostile.serve_process import ServeProcess
-
-    with ServeProcess(["--tensor-parallel-size", "2"], env={"DGEMMA_COLLECTIVE_TIMEOUT": "4"}) as two:
-        worker = _rank_pid(two.proc.pid, 1)
-        os.kill(worker, signal.SIGSTOP)
-        try:
-            start = time.monotonic()
-            try:
-                httpx.post(two.url + "/v1/completions", json={"model": "dgemma-tiny", "prompt": "hi", "max_tokens": 8},
-                           timeout=60)  # fmt: skip
-            except httpx.HTTPError:
-                pass  # the server went away mid-answer
-            two.proc.wait(60)
-            assert time.monotonic() - start < 40 and two.proc.returncode != 0
-            assert "a step across the tensor-parallel ranks failed" in two.output, two.output[-2000:]
-        finally:
-            try:
-                os.kill(worker, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
