@@ -81,15 +81,17 @@ def test_four_ranks_replicate_the_global_layers_kv_heads(real):
 
 def test_expert_parallelism_counts_whole_experts(real):
     full = weight_bytes(real, "int4", None, BF16)["experts"]
-    split = rank_plans(real, BF16, "int4", None, 8, 8192, tensor_parallel_size=2)[0]
+    with pytest.raises(ShardError, match=r"^layers\.0\.experts: the 352 of each expert's intermediate .* groups of 64: "
+                                         r"use expert parallelism, or a group size that divides 352$"):  # fmt: skip
+        rank_plans(real, BF16, "int4", None, 8, 8192, tensor_parallel_size=2)  # the loader refuses that split: so does the plan
+    split = rank_plans(real, BF16, "int4", 32, 8, 8192, tensor_parallel_size=2)[0]  # groups of 32 divide 352 and 1056
     whole = rank_plans(real, BF16, "int4", None, 8, 8192, tensor_parallel_size=2, expert_parallel=True)[0]
     matrices = real.num_layers * 2  # gate_up_proj and down_proj: each stores its int4 weight_shape (8 bytes) once
     assert 2 * whole.weights["experts"] == full + 8 * matrices  # 64 whole experts a rank: their groups whole
-    assert 2 * split.weights["experts"] > full  # 352 of 704 columns: a group of 64 cut in two on every row
-    assert any("experts down_proj (352 of 704 columns)" in note for note in split.notes)
-    assert "--group-size 32" in split.notes[0] and not any("experts" in note for note in whole.notes)
-    for shards, plan in ((ShardPlan.build(real, 2), split), (ShardPlan.build(real, 2, True), whole)):
-        assert plan.weights == rank_weight_bytes(shards, 0, "int4", None, BF16)  # parallel/plan.py's own count
+    assert not split.notes and any("dense down_proj (1056 of 2112 columns)" in note for note in whole.notes)
+    assert "places each layer's whole dense MLP on one rank" in whole.notes[0] and "--group-size 32" in whole.notes[0]
+    for shards, plan, group in ((ShardPlan.build(real, 2), split, 32), (ShardPlan.build(real, 2, True), whole, None)):
+        assert plan.weights == rank_weight_bytes(shards, 0, "int4", group, BF16)  # parallel/plan.py's own count
     assert whole.step_buffers > split.step_buffers  # a rank may run every routed slot of a token at full width
     assert "expert parallel" in whole.describe()
 
@@ -115,7 +117,8 @@ def test_unsplittable_sizes_are_one_line(real, capsys):
 
 def memory_command(capsys, *args: str) -> tuple[int, str]:
     code = main(["memory", "--size", "real", *args])
-    return code, capsys.readouterr().out
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
 
 
 def total_line(out: str) -> list[float]:
@@ -124,7 +127,10 @@ def total_line(out: str) -> list[float]:
 
 def test_memory_command_two_24_gb_cards(capsys):
     code, out = memory_command(capsys, "--card", "24GB", "--tensor-parallel-size", "2", "--quantization", "int4")
-    assert code == 0 and "per rank (2 ranks, tensor parallel)" in out and "ranks 0-1" in out
+    assert code == 2 and "use expert parallelism, or a group size that divides 352" in out  # the loader's refusal
+    code, out = memory_command(capsys, "--card", "24GB", "--tensor-parallel-size", "2", "--quantization", "int4",
+                               "--expert-parallel")  # fmt: skip
+    assert code == 0 and "per rank (2 ranks, expert parallel)" in out and "ranks 0-1" in out
     assert "note: int4's groups of 64 do not divide" in out and out.strip().splitlines()[-1].startswith("fits: rank 0")
     (int4,) = total_line(out)
     assert 12 < int4 < 14  # 6.8 GiB of weights, a 131072-position KV pool, 8 canvases' buffers
@@ -153,7 +159,7 @@ def test_fit_refuses_per_rank_before_loading(real, tmp_path):
     with pytest.raises(FitError, match=r"\(--card, tensor-parallel size 2\): per rank \(2 ranks\): weights 23\.5 GiB .* "
                                        r"--tensor-parallel-size 4 \(.* GiB per rank\)"):  # fmt: skip
         resolve_checkpoint(tmp_path, fit=request(24 * 10**9, 2))
-    checkpoint = resolve_checkpoint(tmp_path, fit=request(24 * 10**9, 2, "int4"))
+    checkpoint = resolve_checkpoint(tmp_path, fit=request(24 * 10**9, 2, "int4", expert_parallel=True))
     assert checkpoint.fit.fits and checkpoint.fit.plan.ranks == 2 and checkpoint.quantization == "int4"
     api = request(24 * 10**9, 2, flags=())  # dgemma.load's words
     with pytest.raises(FitError, match=r"quantization='fp8' .* or tensor_parallel_size=4 .*; force=True loads it anyway"):
@@ -175,7 +181,7 @@ def test_a_prequantised_checkpoint_is_cut_by_each_ranks_share(real):
     stored = 14 * GIB
     quant = types.SimpleNamespace(scheme="int4", group_size=64)
     facts = CheckpointFacts("real-int4", None, real, quant, {"all": ("U8", (stored,))})
-    plans = rank_plans_for(facts, BF16, None, request(24 * 10**9, 2))
-    share = sum(rank_plans(real, BF16, "int4", 64, 8, 8192, tensor_parallel_size=2)[0].weights.values())
+    plans = rank_plans_for(facts, BF16, None, request(24 * 10**9, 2, expert_parallel=True))
+    share = sum(rank_plans(real, BF16, "int4", 64, 8, 8192, tensor_parallel_size=2, expert_parallel=True)[0].weights.values())
     whole = sum(weight_bytes(real, "int4", 64, BF16).values())
     assert [p.weights for p in plans] == [{"stored": stored * share // whole}] * 2 and plans[0].scheme == "int4"

@@ -213,8 +213,8 @@ def split_note(full: dict, ranks: list[dict], scheme: str | None, group_size: in
     group = (group_size or DEFAULT_GROUP_SIZE) if scheme == "int4" else NVFP4_GROUP
     smaller = [g for g in (32, 16, 8) if scheme == "int4" and g < group and not split_groups(full, ranks, scheme, g)]
     fix = f"; --group-size {smaller[0]} keeps them whole" if smaller else ""
-    return (f"{scheme}'s groups of {group} do not divide what each rank holds of {', '.join(broken)}: counted split "
-            f"here, though the loader may replicate such a matrix or refuse the split{fix}",)  # fmt: skip
+    return (f"{scheme}'s groups of {group} do not divide what each rank holds of {', '.join(broken)}: the loader "
+            f"places each layer's whole dense MLP on one rank (layer i on rank i mod N; counted split evenly here){fix}",)  # fmt: skip
 
 
 def rank_plans(
@@ -239,6 +239,10 @@ def rank_plans(
     from ..parallel.plan import ShardPlan
 
     shards = ShardPlan.build(config, tensor_parallel_size, expert_parallel)
+    if scheme is not None and tensor_parallel_size > 1:  # a split the loader refuses (groups cut): its one line, here
+        from ..parallel.shard import RankLayout, scheme_groups
+
+        RankLayout.build(shards, 0, scheme_groups(scheme, group_size))
     context = context or config.max_position_embeddings
     counts = [rank_parameter_counts(shards, rank) for rank in range(tensor_parallel_size)]
     notes = split_note(parameter_counts(config), counts, scheme, group_size) if tensor_parallel_size > 1 else ()
