@@ -11,18 +11,39 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import dgemma
 from dgemma.api import Model
+from dgemma.inputs.model_inputs import ImagePatches, ModelInputs
 from dgemma.parallel.group import ShardGroup
 from dgemma.parallel.shard import shard_model
 
-sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/: the checkpoint writers
+sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/: the checkpoint writers (imported when run)
+
+
+def _image(width: int, height: int, seed: int) -> ImagePatches:
+    """Random patches of a width x height image (a multiple of 9 patches: one soft token per 3 x 3)."""
+    n, budget = width * height, 70 * 9
+    pixels = np.zeros((budget, 768), np.float32)
+    pixels[:n] = torch.rand(n, 768, generator=torch.Generator().manual_seed(seed)).numpy()
+    positions = -np.ones((budget, 2), np.int64)
+    positions[:n] = np.stack(np.meshgrid(np.arange(width), np.arange(height), indexing="xy"), -1).reshape(n, 2)
+    return ImagePatches(pixels, positions, n // 9)
+
+
+def _prompt(images: list[ImagePatches], text=(20, 21)) -> ModelInputs:
+    from vision_checkpoint import TOKEN_IDS
+
+    boi, eoi, image = TOKEN_IDS["boi_token_id"], TOKEN_IDS["eoi_token_id"], TOKEN_IDS["image_token_id"]
+    ids = [2, *text]
+    for im in images:
+        ids += [boi, *[image] * im.num_soft_tokens, eoi, 30]
+    return ModelInputs(ids + [40], list(images), image)
 
 
 def check_images_generate_like_one_process(group: ShardGroup) -> None:
-    from test_vision import IMAGES, prompt_with  # noqa: PLC0415 - tests/ helpers, loaded on demand
     from vision_checkpoint import write_vision_checkpoint
 
     path = Path(tempfile.gettempdir()) / f"dgemma-parallel-vision-{os.environ['MASTER_PORT']}"
@@ -38,7 +59,7 @@ def check_images_generate_like_one_process(group: ShardGroup) -> None:
         return tower(self, *args)
     # a random checkpoint: self-conditioning amplifies float rounding (x40 a pass here), so whole runs
     # part after a few passes; the first pass after a prompt with images is compared, value by value
-    for inputs, seed in ((prompt_with(IMAGES[:2]), 2), (prompt_with(IMAGES[2:3], text=(22,)), 3)):
+    for inputs, seed in ((_prompt([_image(9, 6, 0), _image(6, 12, 1)]), 2), (_prompt([_image(3, 3, 2)], text=(22,)), 3)):
         want = next(e for e in whole.stream(inputs, drafts=True, seed=seed, max_new_tokens=8) if hasattr(e, "entropy"))
         type(cut.net.vision).image_features = counted
         try:
