@@ -644,6 +644,7 @@ def load(
             RankLayout.build(plan, 0, scheme_groups(quantization, group_size))
         group, dev = join_ranks(tensor_parallel_size, dev)
         shard = ShardedLoad(group, expert_parallel)  # each rank reads its share of each tensor, on the meta model's cut
-    net = weights.load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size, shard=shard)
+    split = {} if shard is None else {"shard": shard}  # one process: load_weights as ever
+    net = weights.load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size, **split)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Model(net, generation_config, tokenizer, path, checkpoint.name)

@@ -78,8 +78,9 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
 
 
 def parallel_load_args(args) -> dict:
-    """dgemma.load's tensor_parallel_size / expert_parallel from the flags."""
-    return {"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1), "expert_parallel": getattr(args, "expert_parallel", False)}
+    """dgemma.load's tensor_parallel_size / expert_parallel from the flags (none for one process)."""
+    size, experts = getattr(args, "tensor_parallel_size", 1), getattr(args, "expert_parallel", False)
+    return {"tensor_parallel_size": size, "expert_parallel": experts} if size != 1 or experts else {}
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
