@@ -51,7 +51,7 @@ class Engine:
             options = dataclasses.replace(options, triton=False)
         self.options = options.resolve(net.config, net.device, net.dtype)
         o = self.options
-        num_blocks = plan_blocks(runtime.kv_config(net), net.dtype, o.block_size, o.kv_cache_memory, o.max_span(net.config), o.max_active)
+        num_blocks = plan_blocks(net.kv_config, net.dtype, o.block_size, o.kv_cache_memory, o.max_span(net.config), o.max_active)
         num_blocks = runtime.agreed_blocks(net, num_blocks)  # tensor parallel: every rank's scheduler the same
         blocks = BlockManager(
             num_blocks, self.options.block_size, net.config.sliding_window, self.options.max_span(net.config),

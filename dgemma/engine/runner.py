@@ -71,7 +71,7 @@ class Runner:
         self.stats = stats if stats is not None else EngineStats()
         self.vision_cache = VisionCache()
         # tensor parallelism (dgemma/parallel): this rank's KV heads, its vocabulary shard's sampler
-        self.kv_config = runtime.kv_config(net)
+        self.kv_config = net.kv_config
         self.sharded = runtime.ShardedSampler.of(net) if self.kernels.statistics == "sharded" else None
         self.cache = PagedKVCache(self.kv_config, num_blocks, options.block_size, net.device, net.dtype)
         self.pass_tokens = options.block_size if options.batch_invariant else None

@@ -130,7 +130,7 @@ def follow(engine: Engine, model, poll_s: float = 30.0) -> None:
                 store.wait([key], timedelta(seconds=poll_s))
                 break
             except RuntimeError as e:  # a wait that timed out: poll again; anything else ends the loop
-                if "timeout" not in str(e).lower() and "wait timeout" not in str(e).lower():
+                if "timeout" not in str(e).lower():
                     raise
         what = pickle.loads(store.get(key))
         if what == STOP:

@@ -1,7 +1,5 @@
 """What the engine asks of a model cut across ranks (parallel/shard.py), in one place.
 
-- `kv_config`: the config whose KV shapes this rank's pool holds (its own KV heads per layer,
-  replicas included), with the true vocabulary (noise tokens are drawn over all of it).
 - `agreed_blocks`: the KV pool's block counts, the same on every rank (each rank's scheduler
   replica must make the same decisions): the smallest any rank can hold.
 - `ShardedSampler`: the runner's sampler calls over this rank's vocabulary shard (statistics,
@@ -12,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
 from ..engine import sampler
 from ..engine.constraints.grammar import PassRows
 from ..engine.events import TokenLogprob
@@ -23,11 +20,6 @@ from .group import ShardGroup
 def sharded(net) -> bool:
     """Whether `net` is cut across more than one rank."""
     return getattr(net, "shards", None) is not None and net.shards.size > 1
-
-
-def kv_config(net) -> ModelConfig:
-    """The config of the keys and values this rank holds (the full one when not sharded)."""
-    return net.kv_config
 
 
 def agreed_blocks(net, num_blocks: dict[str, int]) -> dict[str, int]:

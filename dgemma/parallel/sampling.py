@@ -14,8 +14,7 @@ and exchanges only per-row scalars or each shard's top-k, never a [R, V] tensor:
   top-k, gathered once.
 - `sharded_best_allowed_at`: a grammar walk's fallback (the most likely allowed token of a whole
   row), called by every rank at the same position of its own (identical) walk; `sharded_pass_rows`
-  gives a walk both reads (`grammar.PassRows`). `sharded_best_allowed`: the same, driven by one
-  rank that walks alone.
+  gives a walk both reads (`grammar.PassRows`).
 
 Pure functions of the tensors and the `ShardGroup`: every rank calls them in the same order with
 rows of the same shape (the collectives pair up). With `ShardGroup.single()` and vocab_start 0
@@ -203,39 +202,6 @@ def sharded_top_candidates(
     shard's top-k gathered once; the same on every rank."""
     values, ids = sharded_topk_weights(weights_local.float(), k, group, vocab_start)
     return list(zip(values.tolist(), ids.tolist()))
-
-
-def sharded_best_allowed(
-    weights_local: torch.Tensor,
-    group: ShardGroup,
-    vocab_start: int,
-    words: int,
-    request: tuple[int, torch.Tensor] | None = None,
-    src: int = 0,
-) -> tuple[bool, int | None]:
-    """One round of `grammar.best_allowed` over the full rows of this rank's weights [C, Vs]: the
-    allowed token of highest weight (the lowest id among equals) at one position, or None when
-    every allowed token weighs 0.
-
-    A grammar walk is a host loop on one rank (`src`), and which positions need the whole row
-    (the candidates did not settle them) is known there only, so `src` drives the rounds: it
-    passes request = (position, packed mask int32 [words]) for each such position and then None
-    to end them; the other ranks pass no request and call this until it returns (False, None).
-    Each round is one broadcast (the request) and one all_gather of each shard's (best weight,
-    global id); every rank gets (True, the token) for a request.
-    """
-    device = weights_local.device
-    message = torch.zeros(2 + words, dtype=torch.int32, device=device)
-    if group.rank == src and request is not None:
-        message[0], message[1] = 1, request[0]
-        message[2:] = request[1].to(device)
-    group.broadcast(message, src)
-    head = message[:2].tolist()
-    if head[0] == 0:
-        return False, None
-    every = group.all_gather(_best_allowed_local(weights_local, vocab_start, head[1], message[2:]))  # [size, 2]
-    value, token = _best_lowest(every[:, 0], every[:, 1])
-    return True, (int(token) if float(value) > 0 else None)
 
 
 class WalkDivergedError(RuntimeError):

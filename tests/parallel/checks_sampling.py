@@ -222,7 +222,6 @@ def check_refine_candidates(group):
     if got[2][1][0] != 40 or got[3][1][0] != first_end + 2:
         raise AssertionError(f"ties: candidates start {got[2][1][:2]}, {got[3][1][:2]}")
     g = torch.Generator().manual_seed(3)
-    words = -(-vocab // 32)
     requests = []
     for r in range(full.shape[0]):
         allowed = torch.rand(vocab, generator=g) < 0.01
@@ -243,20 +242,7 @@ def check_refine_candidates(group):
         settled = best_allowed_candidate(mask, *got[r])
         if settled != best_allowed_candidate(mask, *want[r]):
             raise AssertionError(f"row {r}: the candidates settle differently")
-    answers = []
-    if group.rank == 0:
-        for r, mask in requests:
-            answers.append(sampling.sharded_best_allowed(local, group, start, words, (r, mask)))
-        if sampling.sharded_best_allowed(local, group, start, words, None) != (False, None):
-            raise AssertionError("the end of the rounds was not reported")
-    else:
-        while True:
-            more, token = sampling.sharded_best_allowed(local, group, start, words)
-            if not more:
-                break
-            answers.append((more, token))
-    if len(answers) != len(requests):
-        raise AssertionError(f"{len(answers)} rounds for {len(requests)} requests")
+    answers = [(True, sampling.sharded_best_allowed_at(local, group, start, r, mask)) for r, mask in requests]
     for (r, mask), (_, token) in zip(requests, answers):
         expect = best_allowed(mask, full[r])
         if token != expect:
@@ -286,10 +272,5 @@ def check_tiny_vocabulary(group):
     for r, (x, y) in enumerate(zip(a, b)):
         assert x.token == y.token and abs(x.logprob - y.logprob) <= 1e-6, f"row {r}: picked"
         _same_top(x.top, y.top, want.weights[r], f"row {r}")
-    if group.rank == 0:
-        answer = sampling.sharded_best_allowed(got.weights, group, start, 1, (1, allowed[1]))[1]
-        sampling.sharded_best_allowed(got.weights, group, start, 1, None)
-        assert answer == best_allowed(allowed[1], want.weights[1]), f"best allowed {answer}"
-    else:
-        while sampling.sharded_best_allowed(got.weights, group, start, 1)[0]:
-            pass
+    answer = sampling.sharded_best_allowed_at(got.weights, group, start, 1, allowed[1])
+    assert answer == best_allowed(allowed[1], want.weights[1]), f"best allowed {answer}"
