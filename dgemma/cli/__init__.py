@@ -31,6 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_ranks_fit_this_host(size: int, device: str) -> None:
+    """One rank per GPU (NCCL refuses two on one) or per CPU core at most: a larger size is refused
+    before any process starts (several hosts: torchrun, docs/parallel.md)."""
+    import torch
+
+    gpu = str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    have, what = (torch.cuda.device_count(), "GPUs") if gpu else (os.cpu_count() or 1, "CPU cores")
+    if size > have:
+        raise CliError(f"--tensor-parallel-size {size}: this host has {have} {what}, one rank each at most "
+                       "(ranks on several hosts: torchrun, docs/parallel.md)")
+
+
 def _launch_ranks(args, argv: list[str] | None) -> int | None:
     """--tensor-parallel-size N > 1 outside a group: start N ranks of this very command
     (parallel/launch.py) and return their status; inside a rank (WORLD_SIZE set): None."""
@@ -43,6 +55,7 @@ def _launch_ranks(args, argv: list[str] | None) -> int | None:
         raise CliError("--expert-parallel needs --tensor-parallel-size 2 or more")
     if size == 1 or "WORLD_SIZE" in os.environ:
         return None
+    _check_ranks_fit_this_host(size, getattr(args, "device", "cpu"))
     from ..parallel.launch import launch
 
     return launch(list(sys.argv[1:] if argv is None else argv), size)

@@ -83,3 +83,18 @@ def test_serve_tensor_parallel_answers_like_one_process_and_ends_when_a_rank_die
         two.proc.wait(30)
         assert time.monotonic() - start < 15 and two.proc.returncode != 0
         assert "rank 1 of 2 ended with signal SIGKILL; stopped the other ranks" in two.output
+
+
+def test_sizes_the_host_cannot_run_are_refused_before_any_rank_starts(capsys):
+    """A bad --tensor-parallel-size is one line and starts nothing: below 1, more ranks than this
+    host's CPU cores (or GPUs), --expert-parallel alone."""
+    import os
+
+    from dgemma.cli import main
+
+    for flags, said in ((["-tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),
+                        (["-tp", "100000"], f"--tensor-parallel-size 100000: this host has {os.cpu_count()} CPU cores"),
+                        (["--expert-parallel"], "--expert-parallel needs --tensor-parallel-size 2 or more")):  # fmt: skip
+        assert main(["run", "hello", *flags]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
