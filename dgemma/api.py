@@ -408,6 +408,7 @@ class Model:
         turbo_freeze_passes: int | None = None,
         turbo_freeze_entropy: float | None = None,
         turbo_refresh_every: int | None = None,
+        turbo_dormant_entropy: float | None = None,
     ) -> GenerationOutput:
         """Generate for a batch of prompts (token-id lists of any lengths, or strings).
 
@@ -421,8 +422,8 @@ class Model:
         canvas_length token ids per prompt, where its first canvas starts instead of random
         tokens (a warm start: transformers' `decoder_input_ids`, with either sampling).
         `turbo=True` stops recomputing converged canvas positions (engine/turbo.py: approximate,
-        opt-in; the `turbo_*` knobs set when a position freezes and how often frozen keys are
-        refreshed); `sampling="reference"` refuses it.
+        opt-in; the `turbo_*` knobs set when a position freezes, how often frozen keys are
+        refreshed and which noise positions rest every other pass); `sampling="reference"` refuses it.
         """
         prompt_ids, images = self._split_prompts(prompts)
         constraints = self._grammar_constraints(grammar, len(prompt_ids), constraints)
@@ -456,6 +457,7 @@ class Model:
             turbo_freeze_passes=turbo_freeze_passes,
             turbo_freeze_entropy=turbo_freeze_entropy,
             turbo_refresh_every=turbo_refresh_every,
+            turbo_dormant_entropy=turbo_dormant_entropy,
         )
         return collect(
             self._events(

@@ -131,6 +131,7 @@ class TurboSettings:
     freeze_passes: int = 2  # passes in a row a position's argmax must be accepted unchanged
     freeze_entropy: float = 0.02  # nats at the pass's temperature, at most
     refresh_every: int = 0  # recompute every position's keys/values each this many passes (0: never)
+    dormant_entropy: float = 1.5  # a noise position above this entropy is computed every other pass (0: every pass)
 
     def check(self) -> "TurboSettings":
         """The settings, or a ValueError naming the knob."""
@@ -142,6 +143,9 @@ class TurboSettings:
         r = self.refresh_every
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"turbo_refresh_every must be an integer >= 0, 0 for never (got {r!r})")
+        d = self.dormant_entropy
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < math.inf:
+            raise ValueError(f"turbo_dormant_entropy must be a finite number >= 0, 0 for never (got {d!r})")
         return self
 
 
@@ -163,10 +167,12 @@ class GenerationConfig:
     turbo_freeze_passes: int = 2
     turbo_freeze_entropy: float = 0.02
     turbo_refresh_every: int = 0
+    turbo_dormant_entropy: float = 1.5
 
     @property
     def turbo_settings(self) -> "TurboSettings":
-        return TurboSettings(self.turbo_freeze_passes, self.turbo_freeze_entropy, self.turbo_refresh_every)
+        return TurboSettings(self.turbo_freeze_passes, self.turbo_freeze_entropy, self.turbo_refresh_every,
+                             self.turbo_dormant_entropy)  # fmt: skip
 
     def with_overrides(self, **overrides: Any) -> "GenerationConfig":
         """Apply the non-None overrides and validate the result."""

@@ -21,10 +21,10 @@ An example, not a test: it reports what it measures, whatever that is.
 - Scores: the share of blank cells equal to the solution, and of grids that are valid Sudoku
   grids (with unique solutions, the same as solved). A uniform random digit per blank gets
   25% of cells.
-- `--turbo` (and `--turbo-freeze-passes/--turbo-freeze-entropy/--turbo-refresh-every`) solves
+- `--turbo` (and `--turbo-freeze-passes/--turbo-freeze-entropy/--turbo-refresh-every/--turbo-dormant-entropy`) solves
   with turbo denoising (engine/turbo.py). `--compare-turbo`, after fine-tuning once, solves the
   held-out puzzles (both variants) with the fine-tuned model exact, exact with other seeds (the
-  noise floor), turbo at its default, aggressive (freeze after 1 pass at entropy <= 0.05) and the
+  noise floor), turbo at its default, aggressive (noise positions rest above entropy 1.0) and the
   --turbo flags' own if given, `--compare-seeds` seeds each (puzzle i, repeat r: seed + i +
   10**6 r, + 500000 on the noise row), interleaved per repeat: cells and grids with bootstrap 95%
   intervals over puzzles (scripts/turbo_quality.py), the share of grids equal to exact's at the

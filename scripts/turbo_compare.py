@@ -10,21 +10,22 @@ import numpy as np
 
 PRESETS = {
     "default": {},
-    "aggressive": {"turbo_freeze_passes": 1, "turbo_freeze_entropy": 0.05},
+    "aggressive": {"turbo_dormant_entropy": 1.0},
     "refresh4": {"turbo_refresh_every": 4},
 }
-KNOBS = (("turbo_freeze_passes", int), ("turbo_freeze_entropy", float), ("turbo_refresh_every", int))
+KNOBS = (("turbo_freeze_passes", int), ("turbo_freeze_entropy", float), ("turbo_refresh_every", int),
+         ("turbo_dormant_entropy", float))  # fmt: skip
 NOISE = "exact, other seed"
 
 
 def setting(text: str) -> tuple[str, dict]:
-    """A --settings entry: a preset's name or NAME=K,E,R -> (name, generate's turbo knobs)."""
+    """A --settings entry: a preset's name or NAME=K,E,R[,D] -> (name, generate's turbo knobs)."""
     if text in PRESETS:
         return text, {"turbo": True, **PRESETS[text]}
     name, sep, spec = text.partition("=")
     values = spec.split(",")
-    if not sep or not name or name in ("exact", NOISE) or len(values) != 3:
-        raise argparse.ArgumentTypeError(f"{text!r}: a setting is one of {', '.join(PRESETS)} or NAME=K,E,R (e.g. f3=3,0.1,0)")
+    if not sep or not name or name in ("exact", NOISE) or len(values) not in (3, 4):
+        raise argparse.ArgumentTypeError(f"{text!r}: a setting is one of {', '.join(PRESETS)} or NAME=K,E,R[,D] (e.g. f3=3,0.1,0)")
     knobs: dict = {"turbo": True}
     for (key, kind), value in zip(KNOBS, values):
         if value:
@@ -41,6 +42,7 @@ def add_turbo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turbo-freeze-passes", type=int, help="with --turbo (default: the engine's)")
     p.add_argument("--turbo-freeze-entropy", type=float, help="with --turbo (default: the engine's)")
     p.add_argument("--turbo-refresh-every", type=int, help="with --turbo, 0 for never (default: the engine's)")
+    p.add_argument("--turbo-dormant-entropy", type=float, help="with --turbo, 0 for never (default: the engine's)")
     p.add_argument("--compare-turbo", action="store_true", help="exact vs turbo (default, aggressive), side by side")
     p.add_argument("--compare-seeds", type=int, default=5, help="with --compare-turbo: seeds per case")
 

@@ -14,9 +14,9 @@ An example, not a test: it reports what it measures, whatever that is.
   prompt, once every file gave one, is its next such chunk, from the start of the next line.
   Blank chunks are skipped, and so is a line too long to fit alone.
 - Settings: "exact" (turbo off) always runs; `--settings` names the turbo ones: "default" (turbo
-  with the engine's defaults), "aggressive" (turbo_freeze_passes=1, turbo_freeze_entropy=0.05),
-  "refresh4" (the defaults and turbo_refresh_every=4), or NAME=K,E,R (freeze passes, freeze
-  entropy, refresh every; an empty field keeps the engine's default, e.g. `f3=3,,`).
+  with the engine's defaults), "aggressive" (turbo_dormant_entropy=1.0), "refresh4" (the defaults
+  and turbo_refresh_every=4), or NAME=K,E,R[,D] (freeze passes, freeze entropy, refresh every,
+  dormant entropy; an empty field keeps the engine's default, e.g. `f3=3,,`).
 - Runs: for each seed s in range(`--seeds`), one `generate` call over all prompts per setting,
   every prompt with seed s, float32, interleaved so the timing is fair: exact, then exact with
   seed s + 1000 (the noise floor), then each turbo setting. One untimed warm-up call of each
@@ -188,7 +188,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--settings", nargs="+", type=setting, default=[setting("default"), setting("aggressive")],
-                   help=f"turbo settings: {', '.join(PRESETS)} or NAME=K,E,R (exact always runs)")  # fmt: skip
+                   help=f"turbo settings: {', '.join(PRESETS)} or NAME=K,E,R[,D] (exact always runs)")  # fmt: skip
     p.add_argument("--prompt-tokens", type=int, default=128, help="a prompt is at most about this many tokens")
     p.add_argument("--eval-fraction", type=float, default=0.02, help="the training run's held-out fraction")
     p.add_argument("--threads", type=int, default=1, help="torch threads")

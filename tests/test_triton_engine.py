@@ -161,7 +161,7 @@ def test_turbo_on_the_triton_path(model):
     model.configure_engine(triton=True, block_size=8)
     knobs = dict(max_new_tokens=c, max_denoising_steps=3, eos_token_ids=[])
     exact = model.generate(PROMPTS[:2], seed=7, **knobs)
-    same = model.generate(PROMPTS[:2], seed=7, turbo=True, turbo_freeze_entropy=0.0, **knobs)
+    same = model.generate(PROMPTS[:2], seed=7, turbo=True, turbo_freeze_entropy=0.0, turbo_dormant_entropy=0.0, **knobs)
     assert same.sequences == exact.sequences
     frozen = model.generate(PROMPTS[:2], seed=7, turbo=True, turbo_freeze_passes=1, turbo_freeze_entropy=100.0, **knobs)
     assert sum(frozen.decoder_positions) < sum(frozen.decoder_passes) * c

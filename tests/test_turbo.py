@@ -18,7 +18,8 @@ from dgemma.engine.engine import Engine, EngineOptions, Request
 from dgemma.engine.events import Block, Draft
 from dgemma.engine.paged_cache import PagedKVCache, SequenceBlocks
 from dgemma.engine.prefill import prefill
-from dgemma.engine.turbo import TurboPass, TurboState, canvas_kv_bytes, freeze
+from dgemma.engine import turbo_step as turbo_step_module
+from dgemma.engine.turbo import TurboPass, TurboState, canvas_kv_bytes, dormant, freeze
 
 PROMPTS = ["def fib(n):\n", "import os\n", "class Stack:\n    def push(self, x):\n"]
 
@@ -51,11 +52,12 @@ def test_turbo_computes_fewer_positions_and_answers_alike(tiny):
 
 
 def test_nothing_frozen_is_token_for_token_the_exact_pass(tiny):
-    """With a freeze entropy of 0 nothing here freezes (no position reaches entropy 0): every pass
-    computes every row through the turbo pass (keys from the buffer), and the answer is the exact
-    one, draw for draw."""
+    """With a freeze entropy of 0 nothing here freezes (no position reaches entropy 0) and with a
+    dormant entropy of 0 nothing rests: every pass computes every row through the turbo pass (keys
+    from the buffer), and the answer is the exact one, draw for draw."""
     exact = tiny.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6])
-    turbo = tiny.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0)
+    turbo = tiny.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0,
+                          turbo_dormant_entropy=0.0)  # fmt: skip
     assert turbo.sequences == exact.sequences and turbo.decoder_passes == exact.decoder_passes
 
 
@@ -145,7 +147,8 @@ def test_batched_turbo_runs_one_pass_a_step_and_with_nothing_frozen_is_the_batch
     model = dgemma.load(default_model_dir(), dtype="float32")
     model.configure_engine(batch_invariant=False, prefix_cache=False)
     exact = model.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6])
-    same = model.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0)
+    same = model.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0,
+                          turbo_dormant_entropy=0.0)  # fmt: skip
     assert same.sequences == exact.sequences and same.decoder_passes == exact.decoder_passes
     net, calls = model.engine_net, []
     decode = net.decode
@@ -167,7 +170,8 @@ def test_reference_sampling_refuses_turbo(tiny):
 
 
 @pytest.mark.parametrize("knob,value", [("turbo_freeze_passes", 0), ("turbo_freeze_entropy", -1.0),
-                                        ("turbo_refresh_every", -2), ("turbo", "yes")])  # fmt: skip
+                                        ("turbo_refresh_every", -2), ("turbo", "yes"), ("turbo_dormant_entropy", -0.5),
+                                        ("turbo_dormant_entropy", float("nan")), ("turbo_dormant_entropy", float("inf"))])  # fmt: skip
 def test_bad_knobs_are_refused_by_name(tiny, knob, value):
     with pytest.raises(ConfigError, match=knob):
         tiny.generate(["import os\n"], max_new_tokens=8, seed=1, **{knob: value})
@@ -199,6 +203,65 @@ def test_freeze_prefix_only_and_after_an_end_of_answer():
     eos_first = (args[0], args[1], torch.tensor([1, 7, 7, 7]), torch.tensor([1, 7, 7, 7]),
                  torch.tensor([True, False, False, False]), args[5])  # fmt: skip
     assert freeze(*eos_first, s, eos_ids=(1,))[0].tolist() == [True, True, True, True]
+
+
+def test_dormant_rule():
+    frozen = torch.tensor([False, False, False, True, False])
+    streak = torch.tensor([0, 1, 0, 3, 0])
+    entropy = torch.tensor([2.0, 2.0, 0.5, 2.0, 3.0])
+    rested = torch.tensor([False, False, False, False, True])
+    # noise above the threshold rests; accepted last pass, below it, frozen, or rested last pass: computed
+    assert dormant(frozen, streak, entropy, rested, 1.5).tolist() == [True, False, False, False, False]
+    assert dormant(frozen, streak, entropy, None, 1.5).tolist() == [True, False, False, False, True]
+    assert not dormant(frozen, streak, entropy, None, 0.0).any()  # 0: none rests
+    alone = torch.tensor([False, True, True, True, True])  # the only position left would rest: it is computed
+    assert not dormant(alone, torch.zeros(5, dtype=torch.long), entropy, None, 1.0).any()
+
+
+def _recorded_decisions(monkeypatch):
+    """Every turbo decision as (request, resting [C], result, (frozen before, a full pass, the block's
+    last allowed pass))."""
+    seen, decide = [], turbo_step_module._decide
+
+    def spy(runner, r, live, resting, *args):
+        before = (r.turbo.frozen.clone(), r.turbo.passes == 0, r.block_ends(False))
+        res = decide(runner, r, live, resting, *args)
+        seen.append((r, resting.clone(), res, before))
+        return res
+
+    monkeypatch.setattr(turbo_step_module, "_decide", spy)
+    return seen
+
+
+def test_resting_positions_are_not_computed_nor_accepted_and_a_block_ends_on_a_full_pass(tiny, monkeypatch):
+    seen = _recorded_decisions(monkeypatch)
+    rested = tiny.generate(PROMPTS, max_new_tokens=64, seed=[1, 2, 3], turbo=True, turbo_dormant_entropy=1.0)
+    decisions = list(seen)
+    seen.clear()
+    awake = tiny.generate(PROMPTS, max_new_tokens=64, seed=[1, 2, 3], turbo=True, turbo_dormant_entropy=0.0)
+    assert not any(bool(d.any()) for _, d, _, _ in seen)
+    assert sum(rested.decoder_positions) < sum(awake.decoder_positions)
+    assert any(bool(d.any()) for _, d, _, _ in decisions)
+    eos, last = set(tiny.generation_config.eos_token_ids), {}
+    for r, resting, res, (frozen, full_pass, last_pass) in decisions:
+        assert not bool((resting & res.accepted).any())  # no fresh sample: never accepted
+        ends = [q for q, t in enumerate(res.argmax.tolist()) if res.turbo.frozen[q] and t in eos]
+        for p in (resting & res.turbo.frozen).nonzero().flatten().tolist():
+            assert ends and ends[0] < p  # frozen only behind a frozen end of answer
+        c = resting.numel()
+        assert res.positions == (c if full_pass else int((~frozen & ~resting).sum()))  # the pass skipped them
+        if not full_pass:
+            assert not bool((resting & last[id(r)]).any())  # none rests twice in a row
+        if res.stop or last_pass:
+            assert not resting.any()  # what commits was computed
+        last[id(r)] = resting
+
+
+def test_with_a_grammar_nothing_rests(tiny, monkeypatch):
+    seen = _recorded_decisions(monkeypatch)
+    grammar = tiny.compile_grammar("regex", "[a-z ]{3,60}")
+    tiny.generate(["import os\n"], max_new_tokens=32, seed=1, grammar=grammar, turbo=True, turbo_dormant_entropy=0.1)
+    assert seen and not any(bool(d.any()) for _, d, _, _ in seen)
 
 
 def test_the_active_rows_pass_is_the_full_pass_restricted_to_them(tiny):
@@ -246,7 +309,7 @@ def test_images_with_turbo(vision_checkpoint):
         max_soft_tokens=70,
     )  # fmt: skip
     exact = model.generate([inputs], max_new_tokens=24, seed=2)
-    same = model.generate([inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_entropy=0.0)
+    same = model.generate([inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_entropy=0.0, turbo_dormant_entropy=0.0)
     assert same.sequences == exact.sequences
     frozen = model.generate([inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_passes=1, turbo_freeze_entropy=100.0)
     assert frozen.decoder_positions[0] < frozen.decoder_passes[0] * model.config.canvas_length

@@ -99,7 +99,8 @@ def test_turbo_goes_with_insert_mode_logprobs_and_structured_output(model, serve
 BAD_FIELDS = [
     ("turbo", "yes"), ("turbo", 1), ("turbo_freeze_passes", 0), ("turbo_freeze_passes", 1.5),
     ("turbo_freeze_passes", True), ("turbo_freeze_entropy", -0.5), ("turbo_freeze_entropy", "low"),
-    ("turbo_refresh_every", -1), ("turbo_refresh_every", 5000),
+    ("turbo_refresh_every", -1), ("turbo_refresh_every", 5000), ("turbo_dormant_entropy", -0.5),
+    ("turbo_dormant_entropy", "high"), ("turbo_dormant_entropy", 1e7),
 ]  # fmt: skip
 
 
@@ -120,7 +121,8 @@ def test_ollama_options_take_turbo(server):
     r = post(server.url, "/api/generate", body)
     assert r.status_code == 200 and r.json()["done"] is True, r.text
     for option, value, words in (("turbo", "yes", 'option "turbo" must be of type boolean'),
-                                 ("turbo_freeze_passes", 0, "options.turbo_freeze_passes")):  # fmt: skip
+                                 ("turbo_freeze_passes", 0, "options.turbo_freeze_passes"),
+                                 ("turbo_dormant_entropy", -1.0, "options.turbo_dormant_entropy")):  # fmt: skip
         r = post(server.url, "/api/generate", {**body, "options": {option: value}})
         assert r.status_code == 400 and words in r.json()["error"], r.text
 
@@ -159,8 +161,9 @@ def test_the_turbo_flags_parse_on_run_chat_serve_and_bench():
     for argv in (["run", "x"], ["chat"], ["serve"]):
         assert parser.parse_args(argv).turbo is None  # absent: the checkpoint's default
         args = parser.parse_args([*argv, "--turbo", "--turbo-freeze-passes", "3", "--turbo-freeze-entropy", "0.1",
-                                  "--turbo-refresh-every", "4"])  # fmt: skip
-        assert (args.turbo, args.turbo_freeze_passes, args.turbo_freeze_entropy, args.turbo_refresh_every) == (True, 3, 0.1, 4)
+                                  "--turbo-refresh-every", "4", "--turbo-dormant-entropy", "2.5"])  # fmt: skip
+        assert (args.turbo, args.turbo_freeze_passes, args.turbo_freeze_entropy, args.turbo_refresh_every,
+                args.turbo_dormant_entropy) == (True, 3, 0.1, 4, 2.5)  # fmt: skip
     from dgemma.cli.bench import resolve_settings
     from dgemma.cli.common import fit_request
 
@@ -214,7 +217,7 @@ def test_run_turbo_on_dgemma_tiny(capsys):
     out, err = capsys.readouterr()
     assert out.strip() and "decoder positions (" in err.splitlines()[-1]
     assert main(["run", "import os\n", "--turbo-freeze-passes", "3", "--max-new-tokens", "1", "-q"]) == 2
-    assert "--turbo-freeze-passes sets when turbo denoising freezes a position: it needs --turbo" in capsys.readouterr().err
+    assert "--turbo-freeze-passes is a knob of turbo denoising: it needs --turbo" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ the bench's row

@@ -38,6 +38,8 @@ TURBO_FLAGS = (
                                                               "at most to freeze"),
     ("--turbo-refresh-every", "turbo_refresh_every", int, "with turbo: recompute every position's keys and values "
                                                           "each N passes (0: never)"),
+    ("--turbo-dormant-entropy", "turbo_dormant_entropy", float, "with turbo: a position still noise whose entropy "
+                                                                "(nats) is above this is computed every other pass (0: every pass)"),
 )  # fmt: skip
 SAMPLER_FLAGS = SAMPLER_FLAGS + TURBO_FLAGS
 
@@ -237,7 +239,7 @@ def check_turbo_knobs(args, config) -> None:
     they would change nothing."""
     given = [flag for flag, dest, _, _ in TURBO_FLAGS[1:] if getattr(args, dest, None) is not None]
     if given and not config.turbo:
-        raise CliError(f"{given[0]} sets when turbo denoising freezes a position: it needs --turbo")
+        raise CliError(f"{given[0]} is a knob of turbo denoising: it needs --turbo")
 
 
 def flag_names(message: str, args) -> str:

@@ -8,14 +8,23 @@ a pass over every position each `refresh_every` passes, or never). Positions aft
 of answer freeze with it (they are cut from the answer anyway). With a grammar only a contiguous
 prefix from the left may freeze: a grammar walks the canvas from the left.
 
+A position still noise (re-noised last pass) whose entropy is above `dormant_entropy` *rests*
+every other pass: it is not computed, keys and values of its last computation (of an earlier
+noise token) stand in for the fresh noise token an exact pass would feed, and it cannot be
+accepted that pass. Such a position is far from being accepted (acceptance takes the lowest
+entropies first), so on dgemma-tiny this is where the work past the freeze rule's ceiling is.
+None rests on a canvas's first pass, on refresh passes, on a block's last allowed pass, with a
+grammar (its walk reads every row), or when every position not frozen would; a block does not
+stop on a pass where one rests (docs/performance.md, "Turbo denoising", has the measurements).
+
 What is kept from an exact pass: frozen positions keep their last entropy in the acceptance rule
 and the stopping rule; every pass draws the same random numbers (C uniforms, C noise tokens), so
 turbo and exact runs differ only by the approximation; a frozen position's log probabilities are
 those of the pass that froze it. The block commits when every position is frozen or the usual
 stopping rule holds. Turbo off changes nothing (the runner's exact path is untouched).
 
-The freeze rule is a pure function (`freeze`); the state one canvas carries is `TurboState`;
-`TurboPass` is the cache pass of a decoder pass over the active rows.
+The freeze and rest rules are pure functions (`freeze`, `dormant`); the state one canvas carries
+is `TurboState`; `TurboPass` is the cache pass of a decoder pass over the active rows.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ class TurboState:
     [C] the last argmax (a frozen position's token); `entropy` [C] the last entropy (kept for
     frozen positions); `keys` / `values` per layer [C, Hkv, D] of each position's last
     computation; `passes` since the last pass over every position; `logprobs` of frozen
-    positions, stored when they froze."""
+    positions, stored when they froze; `rested` [C] the positions that rested last pass."""
 
     frozen: torch.Tensor
     streak: torch.Tensor
@@ -47,6 +56,7 @@ class TurboState:
     values: list[torch.Tensor] = field(default_factory=list)
     passes: int = 0
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    rested: torch.Tensor | None = None
 
     @classmethod
     def fresh(cls, canvas_length: int, device: torch.device, buffers: "TurboState | None" = None) -> "TurboState":
@@ -64,13 +74,16 @@ class TurboState:
     def all_frozen(self) -> bool:
         return bool(self.frozen.all())
 
-    def query_rows(self, settings: TurboSettings) -> torch.Tensor:
-        """Canvas positions this pass computes (long [A]): every position on a canvas's first pass
-        and on refresh passes, else the positions not frozen."""
+    def query_rows(self, settings: TurboSettings, may_rest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(canvas positions this pass computes, long [A]; positions resting, bool [C]): every
+        position on a canvas's first pass and on refresh passes, else those neither frozen nor
+        resting (`may_rest`: False where none may rest, e.g. a grammar's canvas)."""
         everything = not self.keys or self.passes == 0 or (settings.refresh_every and self.passes % settings.refresh_every == 0)
         if everything:
-            return torch.arange(self.frozen.numel(), device=self.frozen.device)
-        return (~self.frozen).nonzero().squeeze(-1)
+            return torch.arange(self.frozen.numel(), device=self.frozen.device), torch.zeros_like(self.frozen)
+        threshold = settings.dormant_entropy if may_rest else 0.0
+        resting = dormant(self.frozen, self.streak, self.entropy, self.rested, threshold)
+        return (~self.frozen & ~resting).nonzero().squeeze(-1), resting
 
     def ensure_buffers(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         """The canvas K/V buffer: per layer [C, Hkv, D] keys and values (allocated once per request)."""
@@ -119,6 +132,21 @@ def freeze(
             ready = ready.clone()
             ready[first:] = True
     return ready, streak
+
+
+def dormant(
+    frozen: torch.Tensor, streak: torch.Tensor, entropy: torch.Tensor, rested: torch.Tensor | None, threshold: float
+) -> torch.Tensor:
+    """The positions that rest this pass ([C] bool; pure): still noise (neither frozen nor
+    accepted last pass: streak 0) at a last entropy above `threshold` (0: none rests), and not
+    resting last pass (none rests twice in a row). None rests when every position not frozen
+    would: a pass computes something."""
+    resting = ~frozen & (streak == 0) & (entropy > threshold) if threshold > 0 else torch.zeros_like(frozen)
+    if rested is not None:
+        resting &= ~rested
+    if not bool((~frozen & ~resting).any()):
+        return torch.zeros_like(frozen)
+    return resting
 
 
 class TurboPass:

@@ -2,10 +2,11 @@
 whole canvas with frozen positions held (engine/turbo.py says what freezes and why).
 
 The pass computes the positions `TurboState.query_rows` names (every position on a canvas's first
-pass and on refresh passes, else those not frozen); statistics, masks and sampling run over the
-positions not frozen and are scattered back into [C] vectors, where frozen positions keep their
-token and last entropy. The random draws are an exact pass's (C uniforms, C noise tokens from the
-request's stream), so a turbo run differs from an exact one only by the approximation.
+pass and on refresh passes, else those neither frozen nor resting); statistics, masks and sampling
+run over the positions computed and not frozen, and are scattered back into [C] vectors, where
+frozen and resting positions keep their token and last entropy (a resting one is not accepted).
+The random draws are an exact pass's (C uniforms, C noise tokens from the request's stream), so a
+turbo run differs from an exact one only by the approximation.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
     states = [r.turbo for r in group]
     for state in states:
         state.ensure_buffers(runner.kv_config, runner.net.dtype, device)  # this rank's KV heads when sharded
-    queries = [s.query_rows(r.config.turbo_settings) for r, s in zip(group, states)]
-    lives = [(~s.frozen).nonzero().squeeze(-1) for s in states]  # the rows the sampler decides
+    planned = [s.query_rows(r.config.turbo_settings, _may_rest(r)) for r, s in zip(group, states)]
+    queries, resting = [q for q, _ in planned], [d for _, d in planned]
+    lives = [(~s.frozen & ~d).nonzero().squeeze(-1) for s, d in zip(states, resting)]  # the rows the sampler decides
     width = max(q.numel() for q in queries)
     padded = torch.stack([torch.cat([q, q[-1:].expand(width - q.numel())]) for q in queries])  # [n, A]
     kvs = [r.kv for r in group]
@@ -66,7 +68,7 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
         zeros = torch.zeros(c, config.hidden_size, dtype=runner.net.dtype, device=device)
         soft_in = torch.stack([(zeros if r.soft is None else r.soft)[rows] for r, rows in zip(group, padded)])
     hidden = runner.net.decode(canvas_in, TurboPass(plan, padded, states), soft_in)
-    # each live row's place among its request's computed rows: all of them, or (refresh) the live ones
+    # each live row's place among its request's computed rows: all of them, or (everything passes) the live ones
     picks = [live if q.numel() != live.numel() else torch.arange(live.numel(), device=device) for q, live in zip(queries, lives)]
     hidden = torch.cat([hidden[i, pick] for i, pick in enumerate(picks)])[None]
     flat = torch.cat([i * c + live for i, live in enumerate(lives)])  # the live rows among the group's n * C
@@ -75,19 +77,26 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
     allowed = None if allowed is None else allowed[flat]
     argmax_l, entropy_l, weights, total, soft_l = runner.statistics(hidden, temps, allowed)
     results, start = [], 0
-    for r, live, rows in zip(group, lives, queries):
+    for r, live, rows, rest in zip(group, lives, queries, resting):
         end = start + live.numel()  # its own rows count as its positions; the padding is the batch's
-        results.append(_decide(runner, r, live, rows.numel(), argmax_l[0, start:end], entropy_l[0, start:end],
+        results.append(_decide(runner, r, live, rest, rows.numel(), argmax_l[0, start:end], entropy_l[0, start:end],
                                weights[start:end], total[start:end], soft_l[0, start:end]))  # fmt: skip
         start = end
     return results
 
 
-def _decide(runner: Runner, r: Request, live: torch.Tensor, positions: int, argmax_l: torch.Tensor, entropy_l: torch.Tensor,
-            weights: torch.Tensor, total: torch.Tensor, soft_l: torch.Tensor) -> DecodeResult:  # fmt: skip
+def _may_rest(r: Request) -> bool:
+    """Whether positions of `r`'s canvas may rest this pass: not with a grammar (its walk reads
+    every row) nor on the block's last allowed pass (what commits is computed)."""
+    return not hasattr(r.constraints, "refine") and not r.block_ends(False)
+
+
+def _decide(runner: Runner, r: Request, live: torch.Tensor, resting: torch.Tensor, positions: int, argmax_l: torch.Tensor,
+            entropy_l: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, soft_l: torch.Tensor) -> DecodeResult:  # fmt: skip
     """One request's sampler decisions over its whole canvas, from its live rows' statistics
     (argmax, entropy [R], weights [R, V], totals [R], self-conditioning inputs [R, H]);
-    `positions`: the canvas positions its pass computed."""
+    `resting` [C]: positions not computed (never accepted); `positions`: the canvas positions its
+    pass computed."""
     state, settings, config = r.turbo, r.config.turbo_settings, runner.config
     c, device = config.canvas_length, runner.net.device
     fixed = runner._fixed([r])
@@ -98,7 +107,8 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, positions: int, argm
     entropy[live] = entropy_l
     weighed = entropy if free is None else entropy * free
     bound = torch.tensor([[r.config.entropy_bound]], dtype=torch.float32, device=device)
-    accepted = sampler.entropy_bound_accept(weighed[None], bound)[0]
+    # a resting position has no fresh sample: it ranks last (inf) and is never accepted
+    accepted = sampler.entropy_bound_accept(torch.where(resting, torch.inf, weighed)[None], bound)[0] & ~resting
     if free is not None:
         accepted &= free
 
@@ -127,7 +137,7 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, positions: int, argm
         prefix_only=grammar, eos_ids=tuple(r.config.eos_token_ids),
     )  # fmt: skip
     canvas = torch.where(frozen, argmax, canvas)  # a frozen position holds its token (read again on refresh passes)
-    stop = bool(stop[0]) or bool(frozen.all())
+    stop = (bool(stop[0]) and not bool(resting.any())) or bool(frozen.all())  # what commits was computed
 
     logprobs = dict(state.logprobs)
     if r.top_logprobs is not None:
@@ -141,7 +151,7 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, positions: int, argm
 
     soft = torch.zeros(c, config.hidden_size, dtype=soft_l.dtype, device=device) if r.soft is None else r.soft.clone()
     soft[live] = soft_l.to(soft.dtype)
-    new_state = TurboState(frozen, streak, argmax, entropy, state.keys, state.values, state.passes + 1, logprobs)
+    new_state = TurboState(frozen, streak, argmax, entropy, state.keys, state.values, state.passes + 1, logprobs, resting)
     shown = entropy if free is None else entropy * free
     return DecodeResult(r, canvas, argmax, soft, history, stop, block_logprobs, kept | state.frozen, shown,
                         positions=positions, turbo=new_state)  # fmt: skip

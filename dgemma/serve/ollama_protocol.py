@@ -115,11 +115,13 @@ OPTION_TYPES = {
     # dgemma's own (docs/server.md, "Request fields"), by their OpenAI-route names
     **dict.fromkeys(("max_denoising_steps", "stability_threshold", "max_soft_tokens", "turbo_freeze_passes",
                      "turbo_refresh_every"), INT),
-    **dict.fromkeys(("entropy_bound", "t_min", "t_max", "confidence_threshold", "turbo_freeze_entropy"), FLOAT),
+    **dict.fromkeys(("entropy_bound", "t_min", "t_max", "confidence_threshold", "turbo_freeze_entropy",
+                     "turbo_dormant_entropy"), FLOAT),
     **dict.fromkeys(("ignore_eos", "turbo"), BOOL),
 }  # fmt: skip
 KNOBS = ("max_denoising_steps", "stability_threshold", "entropy_bound", "t_min", "t_max", "confidence_threshold",
-         "ignore_eos", "turbo", "turbo_freeze_passes", "turbo_freeze_entropy", "turbo_refresh_every")
+         "ignore_eos", "turbo", "turbo_freeze_passes", "turbo_freeze_entropy", "turbo_refresh_every",
+         "turbo_dormant_entropy")
 
 
 def _typed(name: str, value: Any, kind: str) -> Any:

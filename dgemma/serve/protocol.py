@@ -128,6 +128,7 @@ class RequestParams(_Strict):
     turbo_freeze_passes: int | None = Field(None, ge=1, le=4096)
     turbo_freeze_entropy: float | None = _num(0, 1e6)
     turbo_refresh_every: int | None = Field(None, ge=0, le=4096)
+    turbo_dormant_entropy: float | None = _num(0, 1e6)
     # structured output (structured.py): OpenAI's response_format, vLLM's guided_* fields
     response_format: Any = None
     guided_json: Any = None

@@ -205,6 +205,7 @@ class Service:
                 turbo_freeze_passes=params.turbo_freeze_passes,
                 turbo_freeze_entropy=params.turbo_freeze_entropy,
                 turbo_refresh_every=params.turbo_refresh_every,
+                turbo_dormant_entropy=params.turbo_dormant_entropy,
             )
         except ConfigError as e:
             raise ApiError(400, str(e), None, "invalid_value") from None

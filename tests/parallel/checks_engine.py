@@ -26,7 +26,7 @@ PROMPTS = ["def add(a, b):\n    return", "import os\n\n\ndef main():\n", "class 
 # what each mode's whole-model run must have measured (reference mode's multinomial draws cannot be)
 EXACT = ("argmax", "argmax_logit", "sample", "accept", "accept_order", "confidence")
 REFERENCE = ("argmax", "argmax_logit", "accept", "accept_order", "confidence")
-TURBO = (*EXACT, "freeze")
+TURBO = (*EXACT, "freeze", "dormant")
 
 
 @lru_cache(maxsize=1)

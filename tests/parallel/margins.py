@@ -21,6 +21,8 @@ changed) and collects, per kind of decision, the smallest margin over the run:
 - "confidence": |mean entropy - confidence_threshold| at every stopping-rule test.
 - "freeze" (turbo): |entropy - freeze_entropy| at the positions whose streak reached
   freeze_passes this pass (the positions whose freezing the entropy test decides).
+- "dormant" (turbo): |entropy - dormant_entropy| at the positions whose resting the entropy test
+  decides (neither frozen nor accepted last pass, nor resting last pass).
 
 Reference mode (dense/reference.py) draws its tokens with torch.multinomial on the
 probabilities: where in the CDF its u fell cannot be read from torch's kernel, so "sample" is
@@ -37,7 +39,7 @@ from typing import Iterator
 import torch
 
 from dgemma.engine import runner as runner_module
-from dgemma.engine import sampler, turbo_step
+from dgemma.engine import sampler, turbo, turbo_step
 
 FLOOR = 1e-4
 
@@ -131,6 +133,7 @@ def measured() -> Iterator[Margins]:
     saved = [
         (runner_module.Runner, "statistics"), (runner_module.Runner, "sample_rows"), (sampler, "entropy_bound_accept"),
         (sampler, "stable_and_confident"), (sampler, "temperature"), (sampler, "reference_entropy"), (turbo_step, "freeze"),
+        (turbo, "dormant"),
     ]  # fmt: skip
     originals = {(owner, name): getattr(owner, name) for owner, name in saved}
     temperature_now = [None]
@@ -183,9 +186,15 @@ def measured() -> Iterator[Margins]:
         m.add("freeze", (entropy[deciding].double() - settings.freeze_entropy).abs())
         return out
 
+    def dormant(frozen, streak, entropy, rested, threshold):
+        if threshold > 0:
+            deciding = ~frozen & (streak == 0) & (torch.ones_like(frozen) if rested is None else ~rested)
+            m.add("dormant", (entropy[deciding].double() - threshold).abs())
+        return originals[(turbo, "dormant")](frozen, streak, entropy, rested, threshold)
+
     hooks = dict(statistics=statistics, sample_rows=sample_rows, entropy_bound_accept=entropy_bound_accept,
                  stable_and_confident=stable_and_confident, temperature=temperature,
-                 reference_entropy=reference_entropy, freeze=freeze)  # fmt: skip
+                 reference_entropy=reference_entropy, freeze=freeze, dormant=dormant)  # fmt: skip
     for owner, name in saved:
         setattr(owner, name, hooks[name])
     try:
