@@ -67,12 +67,15 @@ def test_serve_tensor_parallel_answers_like_one_process_and_ends_when_a_rank_die
     from hostile.serve_process import ServeProcess
     from servers import openai_client
 
-    one = dgemma.load()  # what one process answers: the shipped model as the server loads it
+    # float32 on both sides: in bf16 the two ranks' partial sums round differently from one
+    # process's on some CPUs (an AMX Xeon), enough to flip a token (the worker's checks measure
+    # their decisions' margins; this end-to-end check compares text)
+    one = dgemma.load(dtype="float32")
     torch.set_num_threads(1)  # as the server's --threads 1
     prompts = {1: "def add(a, b):", 2: "import os\n\n"}
     want = {seed: one.tokenizer.decode(one.generate([one.tokenizer.encode(p)], max_new_tokens=24, seed=seed).sequences[0])
             for seed, p in prompts.items()}  # fmt: skip
-    with ServeProcess(["--tensor-parallel-size", "2"]) as two:
+    with ServeProcess(["--tensor-parallel-size", "2", "--dtype", "float32"]) as two:
         client = openai_client(two.url)
         plain = client.completions.create(model="dgemma-tiny", prompt=prompts[1], max_tokens=24, seed=1)
         stream = client.completions.create(model="dgemma-tiny", prompt=prompts[2], max_tokens=24, seed=2, stream=True)
