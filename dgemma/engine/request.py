@@ -110,6 +110,11 @@ class Request:
         return max_sequence_length(len(self.prompt), self.config.max_new_tokens, canvas_length, self.partial_commits)
 
     @property
+    def refines(self) -> bool:
+        """Its constraints correct each pass's argmax canvas (a grammar's left-to-right walk)."""
+        return hasattr(self.constraints, "refine")
+
+    @property
     def partial_commits(self) -> bool:
         """Blocks may commit fewer than canvas_length tokens (the constraints judge them)."""
         return hasattr(self.constraints, "commit")

@@ -389,12 +389,12 @@ class Runner:
         (`refine(argmax [C], weights [C, V]) -> [C]`: a grammar's left-to-right walk, which
         replaces each rejected token by the most likely allowed one; its weights are `full_rows`
         of the request's C rows)."""
-        if not any(hasattr(r.constraints, "refine") for r in group):
+        if not any(r.refines for r in group):
             return argmax
         c = self.config.canvas_length
         refined = [
             self._to_device(r.constraints.refine(argmax[i].cpu(), self.full_rows(weights[i * c : (i + 1) * c])))
-            if hasattr(r.constraints, "refine") else argmax[i]
+            if r.refines else argmax[i]
             for i, r in enumerate(group)
         ]  # fmt: skip
         return torch.stack(refined)

@@ -88,7 +88,7 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
 def _may_rest(r: Request) -> bool:
     """Whether positions of `r`'s canvas may rest this pass: not with a grammar (its walk reads
     every row) nor on the block's last allowed pass (what commits is computed)."""
-    return not hasattr(r.constraints, "refine") and not r.block_ends(False)
+    return not r.refines and not r.block_ends(False)
 
 
 def _decide(runner: Runner, r: Request, live: torch.Tensor, resting: torch.Tensor, positions: int, argmax_l: torch.Tensor,
@@ -122,7 +122,7 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, resting: torch.Tenso
     if fixed is not None:
         canvas = torch.where(free, canvas, fixed[0])
         argmax = torch.where(free, argmax, fixed[0])
-    grammar = hasattr(r.constraints, "refine")
+    grammar = r.refines
     if grammar:
         argmax = r.constraints.refine(argmax.cpu(), _full_weights(runner.full_rows(weights), live, state, c)).to(device)
     argmax = torch.where(state.frozen, state.tokens, argmax)  # a frozen position never changes
