@@ -113,7 +113,10 @@ def test_n_too_large_is_a_400_naming_n(client):
 @pytest.mark.slow
 def test_client_gone_cancels_every_choice(model, server):
     engine_thread = server.app.state.service.engine_thread
-    body = {"model": MODEL, "prompt": "long", "max_tokens": 2000, "n": 3, "stream": True, **LENGTH}
+    # every block runs all 48 passes (never confident): a fast CPU (an AMX Xeon) finished the three
+    # choices at 4 passes a block before this thread read the first line
+    never_stops = {"max_denoising_steps": 48, "confidence_threshold": 1e-12, "stability_threshold": 4096}
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 2000, "n": 3, "stream": True, **LENGTH, **never_stops}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         next(r.iter_lines())
         assert engine_thread.in_flight == 3
