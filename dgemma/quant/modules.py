@@ -184,7 +184,8 @@ def quantize_stacked(
 
     first = one(0)
     parts = {k: v.new_empty((count, *v.shape)) for k, v in first.parts.items() if k != "weight_shape"}
-    for i in range(count):
+    meta = next(iter(parts.values())).device.type == "meta"  # no values to write: one quantisation gives every shape
+    for i in range(0 if meta else count):
         q = first if i == 0 else one(i)
         for k, dest in parts.items():
             dest[i] = q.parts[k]
@@ -200,10 +201,12 @@ def random_quantized_model(
     """A DiffusionGemma with random weights built directly quantised: each matrix (each expert) is
     drawn, quantised and dropped before the next, so memory holds the quantised model plus one
     matrix; the parts that stay unquantised are drawn in `dtype` (benchmarks of the real size).
-    Built on `device` (a GPU draws and quantises the released size in seconds)."""
+    Built on `device` (a GPU draws and quantises the released size in seconds; the meta device,
+    which holds no values, takes no generator)."""
     from ..model.diffusion_gemma import DiffusionGemma
 
-    gen = torch.Generator(device=device).manual_seed(seed)
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed) if device.type != "meta" else None
 
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device) * std

@@ -1,0 +1,248 @@
+"""Counting the GPU kernel launches of one engine step on a CPU: the released model's shapes on
+torch's "meta" device (no data, no GPU), every operation that would launch a kernel counted where
+it runs (per layer, or outside the layers).
+
+Why count: on a GPU a step's time is bounded below by its launches (eager: ~5-15 us each; under a
+CUDA graph still ~1-3 us each plus the gaps between dependent kernels), so the number of launches
+is the first thing a fused path must lower, and it can be proved without a GPU.
+
+What counts as a launch:
+- an ATen operation that is not a view or an allocation (`NO_KERNEL`), at its CUDA kernel count:
+  one for most; `MULTI_KERNEL` for those torch's CUDA build implements in several (sort, topk,
+  nonzero, ...), with the count written beside each and why;
+- a copy between the host and the device (cudaMemcpyAsync: not a kernel, but a launch's cost);
+- every Triton kernel launch (stubbed: meta tensors hold no data; `host_sync.stub_triton_launches`
+  checks their arguments);
+- a path the meta device cannot see (torch.compile, a library kernel without a meta
+  implementation) raises `Uncounted` rather than counting nothing.
+
+Regions: `layer` (inside `net.layers[i]`, by a forward pre/post hook on each layer of the network
+the runner runs) and `outside` (everything else of the step: preparation, embeddings,
+self-conditioning, LM head, statistics, sampler, the host reads). `captured` is what a CUDA graph
+holds (the decoder step the graphs capture), `eager` the rest of the step.
+
+The GPU paths are taken on meta tensors as on an H100 / H200: Triton kernels (the interpreter's
+`available` answers yes for meta), quantised weights on the GPU kernels, and `SM90` makes the fp8
+dispatchers see compute capability 9.0 (torch._scaled_mm / _scaled_grouped_mm, whose meta
+kernels check their arguments).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# ATen operations that launch nothing on a GPU: allocations and metadata.
+NO_KERNEL = {
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
+    "_unsafe_view", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_local_scalar_dense",
+    "is_same_size", "_has_compatible_shallow_copy_type", "record_stream", "_nested_tensor_from_mask",
+}  # fmt: skip
+
+# CUDA kernels per call of operations torch implements in several, as torch 2.11's CUDA build
+# launches them for the sizes a step uses (counted from torch's sources; kept on the high side):
+MULTI_KERNEL = {
+    "sort": 3,  # <= 4096 keys a row: copy values, fill indices, one bitonic sort; more keys: cub radix (below)
+    "topk": 2,  # the radix-select top-k kernel, then the sort of the k results (sorted=True)
+    "nonzero": 3,  # count, cub select, copy (and a host sync to size the output)
+    "histc": 2,  # zero the bins, then the atomic histogram
+    "bincount": 3,  # max/min reductions, zero, histogram (and a host sync)
+    "unique": 4,
+    "_unique2": 4,
+    "index_put_": 2,  # with accumulate: a sort of the indices first
+    "index_put": 2,
+    "_index_put_impl_": 2,
+    "repeat_interleave": 2,  # cumsum of the repeats, then the expansion
+    "masked_select": 3,
+}
+RADIX_SORT_PASSES = 12  # cub's onesweep radix sort of int64 keys: histogram, scan, 8 passes, 2 copies
+
+
+class Uncounted(AssertionError):
+    """A launch the meta device cannot see, so it would be left out of the count."""
+
+
+@dataclass
+class Launches:
+    """Counts by region ("layer 0".., "outside") and, within each, by kernel name."""
+
+    by_region: dict[str, Counter] = field(default_factory=dict)
+    captured: int = 0
+    eager: int = 0
+
+    def add(self, region: str, name: str, count: int, captured: bool) -> None:
+        self.by_region.setdefault(region, Counter())[name] += count
+        if captured:
+            self.captured += count
+        else:
+            self.eager += count
+
+    @property
+    def total(self) -> int:
+        return sum(sum(c.values()) for c in self.by_region.values())
+
+    def layer(self, index: int) -> int:
+        return sum(self.by_region.get(f"layer {index}", Counter()).values())
+
+    @property
+    def layers(self) -> list[int]:
+        found = sorted(int(r.split()[1]) for r in self.by_region if r.startswith("layer "))
+        return [self.layer(i) for i in range(found[-1] + 1)] if found else []
+
+    @property
+    def outside(self) -> int:
+        return sum(self.by_region.get("outside", Counter()).values())
+
+    def kernels(self, region: str) -> Counter:
+        return self.by_region.get(region, Counter())
+
+    def summary(self) -> str:
+        layers = self.layers
+        per = f"{min(layers)}-{max(layers)} per layer ({sum(layers)} in {len(layers)})" if layers else "no layers"
+        return f"{self.total} launches: {per}, {self.outside} outside; captured {self.captured}, eager {self.eager}"
+
+    def detail(self, region: str) -> str:
+        return ", ".join(f"{name} x{n}" for name, n in sorted(self.kernels(region).items(), key=lambda kv: -kv[1]))
+
+
+def _kernels(func, args, kwargs) -> int:
+    name = func._schema.name.split("::")[-1]
+    if name == "sort" or name == "sort.stable":
+        t = args[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else -1)
+        keys = t.shape[dim] if t.dim() else 1
+        return MULTI_KERNEL["sort"] if keys <= 4096 else RADIX_SORT_PASSES
+    return MULTI_KERNEL.get(name, 1)
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, launches: Launches):
+        super().__init__()
+        self.launches = launches
+        self.region = "outside"
+        self.captured = False
+        self.paused = 0
+
+    def note(self, name: str, count: int = 1) -> None:
+        if not self.paused:
+            self.launches.add(self.region, name, count, self.captured)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if func.is_view or name in NO_KERNEL or func._schema.name.startswith("prim::"):
+            return func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        out = func(*args, **kwargs)
+        results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        devices |= {t.device.type for t in results}
+        if "meta" in devices:  # work on the device (host-only ops, e.g. building a plan, launch nothing)
+            self.note(name, _kernels(func, args, kwargs))
+        return out
+
+
+_ACTIVE: list[_Counter] = []
+
+
+@contextlib.contextmanager
+def count_launches(net=None):
+    """Inside, every launch of device work counts (see the module); `net`'s layers get regions of
+    their own. Triton launches are stubbed and counted by kernel name."""
+    from host_sync import stub_triton_launches
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches = Launches()
+    counter = _Counter(launches)
+    hooks = []
+    if net is not None:
+        for i, layer in enumerate(net.layers):
+            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "region", f"layer {i}")))
+            hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "region", "outside")))
+    with stub_triton_launches():
+        stubbed = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+        def counted(run):
+            def launch(self, *args, **kwargs):
+                counter.note(f"triton:{getattr(self, '__name__', None) or self.fn.__name__}")
+                return run(self, *args, **kwargs)
+
+            return launch
+
+        for cls, run in stubbed.items():
+            cls.run = counted(run)
+        _ACTIVE.append(counter)
+        try:
+            with counter:
+                yield launches
+        finally:
+            _ACTIVE.pop()
+            for cls, run in stubbed.items():
+                cls.run = run
+            for h in hooks:
+                h.remove()
+
+
+@contextlib.contextmanager
+def captured_region():
+    """Launches inside count as a CUDA graph's (the decoder step a graph replays)."""
+    if not _ACTIVE:
+        yield
+        return
+    counter = _ACTIVE[-1]
+    saved, counter.captured = counter.captured, True
+    try:
+        yield
+    finally:
+        counter.captured = saved
+
+
+@contextlib.contextmanager
+def not_counted():
+    """Work the count leaves out on purpose (e.g. a graph's capture, done once, not per step)."""
+    if not _ACTIVE:
+        yield
+        return
+    counter = _ACTIVE[-1]
+    counter.paused += 1
+    try:
+        yield
+    finally:
+        counter.paused -= 1
+
+
+def counting_capture(step, graphs=None):
+    """A `DecoderGraphs` capture for counting: the capture runs `step()` uncounted (it happens
+    once); each replay runs it again as the captured region (a graph replays exactly the captured
+    kernels), its outputs copied into the first run's tensors uncounted (a replay writes them in
+    place)."""
+    with not_counted():
+        outputs = step()
+
+    def replay():
+        with captured_region():
+            fresh = step()
+        with not_counted():
+            for dest, src in zip(outputs, fresh):
+                dest.copy_(src)
+
+    return replay, outputs
+
+
+@contextlib.contextmanager
+def sm90():
+    """The fp8 dispatchers see an H100 / H200 (compute capability 9.0) for meta tensors."""
+    from dgemma.kernels import triton_quant
+
+    saved = triton_quant._cuda_capability
+    triton_quant._cuda_capability = lambda device: (9, 0) if device.type in ("cuda", "meta") else saved(device)
+    try:
+        yield
+    finally:
+        triton_quant._cuda_capability = saved
