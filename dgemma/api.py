@@ -192,8 +192,9 @@ class Model:
         self._client = None
 
     def _engine_client(self) -> EngineClient:
-        if self._client is None:
-            self._client = EngineClient(Engine(self.engine_net, self.engine_options))
+        if self._client is None:  # the Triton path makes its own copy of the network (kernels/gpu.py)
+            net = self.net if self.engine_options.triton else self.engine_net
+            self._client = EngineClient(Engine(net, self.engine_options))
         return self._client
 
     @property

@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -147,6 +148,29 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+class _Reads(TorchFunctionMode):
+    """A read of a device value by the host (`tolist`, `item`, ...) is a device-to-host copy: a
+    launch (and a sync). Counted here, answered by whatever runs inside (host_sync.count_host_reads
+    gives zeros for meta tensors)."""
+
+    READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, counter: _Counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+            self.counter.note(f"d2h:{name}")
+            self.counter.paused += 1  # the read's own ops (a copy) are this one launch
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.counter.paused -= 1
+        return func(*args, **(kwargs or {}))
+
+
 _ACTIVE: list[_Counter] = []
 
 
@@ -161,8 +185,8 @@ def count_launches(net=None):
     launches = Launches()
     counter = _Counter(launches)
     hooks = []
-    if net is not None:
-        for i, layer in enumerate(net.layers):
+    if net is not None:  # the fused network's layers (kernels/gpu.py) or the torch ones
+        for i, layer in enumerate(getattr(net, "fused_layers", None) or net.layers):
             hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "region", f"layer {i}")))
             hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "region", "outside")))
     with stub_triton_launches():
@@ -179,7 +203,7 @@ def count_launches(net=None):
             cls.run = counted(run)
         _ACTIVE.append(counter)
         try:
-            with counter:
+            with counter, _Reads(counter):
                 yield launches
         finally:
             _ACTIVE.pop()
@@ -235,14 +259,28 @@ def counting_capture(step, graphs=None):
     return replay, outputs
 
 
-@contextlib.contextmanager
-def sm90():
-    """The fp8 dispatchers see an H100 / H200 (compute capability 9.0) for meta tensors."""
-    from dgemma.kernels import triton_quant
+H200_SMS = 132
 
-    saved = triton_quant._cuda_capability
-    triton_quant._cuda_capability = lambda device: (9, 0) if device.type in ("cuda", "meta") else saved(device)
+
+@contextlib.contextmanager
+def h200():
+    """Meta tensors take the choices an H200 gets: the fp8 dispatchers see compute capability 9.0
+    (torch._scaled_mm / _scaled_grouped_mm), the attention's split count sees 132 SMs."""
+    from dgemma.kernels import triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
+
+    saved = triton_quant._cuda_capability, triton_attention._sm_count, triton_attention.pick_splits
+    pick_splits = saved[2]
+    modules = (triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step)
+    interpreted = [(m.INTERPRETED, m.available) for m in modules]
+    triton_quant._cuda_capability = lambda device: (9, 0) if device.type in ("cuda", "meta") else saved[0](device)
+    triton_attention._sm_count = lambda index: H200_SMS
+    triton_attention.pick_splits = lambda device, *a: pick_splits(torch.device("cuda", 0), *a)
+    for m in modules:  # block sizes, split counts and grids as compiled for a GPU (the launches are stubbed)
+        m.INTERPRETED = False
+        m.available = lambda device: True
     try:
         yield
     finally:
-        triton_quant._cuda_capability = saved
+        triton_quant._cuda_capability, triton_attention._sm_count, triton_attention.pick_splits = saved
+        for m, (was, available) in zip(modules, interpreted):
+            m.INTERPRETED, m.available = was, available

@@ -193,13 +193,27 @@ def engine():
         engine.release_prefix(kv)
 
 
-def inputs(engine, group, seed):
+def requests(engine, kvs, seed: int, allowed: torch.Tensor | None = None) -> list:
+    """Requests mid-canvas as the device step reads them (engine/step_inputs.py, device_step.py):
+    a random canvas and self-conditioning input, their own seeds, steps and stop histories."""
+    from dgemma.config import GenerationConfig
+
     cfg = engine.runner.config
     c, g = cfg.canvas_length, torch.Generator().manual_seed(seed)
-    canvas = torch.randint(0, cfg.vocab_size, (len(group), c), generator=g)
-    soft = (torch.randn(len(group), c, cfg.hidden_size, generator=g) * 0.1).to(engine.runner.net.dtype)
-    temps = torch.rand(len(group) * c, 1, generator=g) + 0.2
-    return canvas, soft, temps
+    out = []
+    for i, kv in enumerate(kvs):
+        gen = GenerationConfig(max_denoising_steps=8, entropy_bound=0.3 + 0.1 * i, stability_threshold=1 + i % 2)
+        fixed = torch.full((c,), -1, dtype=torch.long)
+        fixed[i] = 7 + i  # one fixed position a request
+        constraints = SimpleNamespace(fixed=fixed, allowed=None if allowed is None else allowed[i * c : (i + 1) * c])
+        out.append(SimpleNamespace(
+            kv=kv, config=gen, step=i + 1, seed=seed * 10 + i, passes=3 * i, block_passes=i,
+            canvas=torch.randint(0, cfg.vocab_size, (c,), generator=g),
+            soft=(torch.randn(c, cfg.hidden_size, generator=g) * 0.1).to(engine.runner.net.dtype) if i != 1 else None,
+            history=None if i % 2 else torch.randint(0, cfg.vocab_size, (4, c), generator=g),
+            active_constraints=constraints,
+        ))  # fmt: skip
+    return out
 
 
 def random_masks(engine, rows: int, seed: int) -> torch.Tensor:
@@ -213,26 +227,31 @@ def random_masks(engine, rows: int, seed: int) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def assert_same(replayed, eager):
+def assert_same(replayed, eager, n: int):
+    """A replay's outputs (the bucket's rows) against the eager step's (the group's own)."""
+    c = eager[0].shape[1]
     for a, b in zip(replayed, eager, strict=True):
+        a = a[: n * c] if a.dim() == 2 and a.shape[0] != b.shape[0] and b.shape[0] == n * c else a[: b.shape[0]]
         assert a.shape == b.shape
-        if a.dtype == torch.long:
+        if a.dtype in (torch.long, torch.bool):
             assert torch.equal(a, b)
         else:  # padded rows change a matmul's blocking, hence its float32 rounding (relative to the scale:
             # the self-conditioning input sums embeddings, its small entries carry the large ones' error)
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+            assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
 
 
-def eager_step(engine, group, canvas, soft, temps, allowed=None):
-    runner = engine.runner
-    return runner.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(runner.config.canvas_length, group), allowed)
+def eager_step(engine, group, allowed=None):
+    from dgemma.engine.device_step import eager_step as step
+
+    return step(engine.runner, group, allowed)
 
 
 @pytest.mark.slow
 @torch.no_grad()
 def test_a_failed_bucket_runs_eagerly_and_the_others_keep_replaying(engine, caplog):
     """A capture that fails for the 2-row bucket only: that bucket returns None (eager) for good,
-    logged once with the reason and recorded in `failures`; bucket 1 keeps replaying."""
+    logged once with the reason and recorded in `failures`; bucket 1 keeps replaying, and its
+    replay is the eager device step (decisions and histories included)."""
     runner, rows = engine.runner, engine.rows
     attempts = []
 
@@ -243,13 +262,12 @@ def test_a_failed_bucket_runs_eagerly_and_the_others_keep_replaying(engine, capl
         return eager_capture(step, graphs)
 
     graphs = DecoderGraphs(buckets=(1, 2), capture=flaky)
-    requests = [SimpleNamespace(kv=kv) for kv in rows]
     with caplog.at_level(logging.WARNING, logger="dgemma"):
-        assert graphs.run(runner, requests[:1], *inputs(engine, rows[:1], 0)) is not None
-        assert graphs.run(runner, requests[:2], *inputs(engine, rows[:2], 1)) is None
-        assert graphs.run(runner, requests[1:3], *inputs(engine, rows[1:3], 2)) is None  # not captured again
-        canvas, soft, temps = inputs(engine, rows[1:2], 3)
-        assert_same(graphs.run(runner, requests[1:2], canvas, soft, temps), eager_step(engine, rows[1:2], canvas, soft, temps))
+        assert graphs.run(runner, requests(engine, rows[:1], 0)) is not None
+        assert graphs.run(runner, requests(engine, rows[:2], 1)) is None
+        assert graphs.run(runner, requests(engine, rows[1:3], 2)) is None  # not captured again
+        group = requests(engine, rows[1:2], 3)
+        assert_same(graphs.run(runner, group), eager_step(engine, group), 1)
     assert len(attempts) == 2 and list(graphs.captured) == [1]
     assert graphs.failures == {(2, False): "RuntimeError: operation not permitted when stream is capturing"}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -262,22 +280,21 @@ def test_a_failed_bucket_runs_eagerly_and_the_others_keep_replaying(engine, capl
 def test_masked_and_unmasked_steps_replay_in_their_own_graphs(engine):
     """A request with allowed-token masks replays a masked graph (its padded row allows every
     token) and equals the eager masked step; an unmasked group in the same bucket afterwards gets
-    its own graph and equals the eager unmasked step."""
+    its own graph and equals the eager unmasked step (padding rows: other groups' sizes)."""
     runner, rows = engine.runner, engine.rows
     graphs = DecoderGraphs(buckets=(2,), capture=eager_capture)
     c = runner.config.canvas_length
-    canvas, soft, temps = inputs(engine, rows[2:3], 5)
     allowed = random_masks(engine, c, 5)
-    replayed = graphs.run(runner, [SimpleNamespace(kv=rows[2])], canvas, soft, temps, allowed)
-    assert_same(replayed, eager_step(engine, rows[2:3], canvas, soft, temps, allowed))
-    picked = replayed[0].reshape(-1)
-    assert bool(((allowed[torch.arange(c), picked // 32] >> (picked % 32)) & 1).all())  # every argmax allowed
+    group = requests(engine, rows[2:3], 5, allowed)
+    replayed = graphs.run(runner, group, allowed)
+    assert_same(replayed, eager_step(engine, group, allowed), 1)
+    picked = replayed[1][0]  # the argmax canvas
+    assert int(picked[0]) == 7  # the fixed token
+    assert bool(((allowed[torch.arange(c), picked // 32] >> (picked % 32)) & 1)[1:].all())  # every free argmax allowed
     assert bool((graphs.steps[(2, True)].allowed[c:] == -1).all())  # the padded row allows everything
 
-    group = [rows[0], rows[1]]
-    canvas, soft, temps = inputs(engine, group, 6)
-    replayed = graphs.run(runner, [SimpleNamespace(kv=kv) for kv in group], canvas, soft, temps)
-    assert_same(replayed, eager_step(engine, group, canvas, soft, temps))
+    group = requests(engine, rows[:2], 6)
+    assert_same(graphs.run(runner, group), eager_step(engine, group), 2)
     assert set(graphs.steps) == {(2, True), (2, False)} and list(graphs.captured) == [2] and not graphs.failures
 
 
@@ -285,7 +302,7 @@ def test_groups_larger_than_the_largest_bucket_are_the_callers_to_split():
     graphs = DecoderGraphs(buckets=(2, 1), capture=eager_capture)
     assert graphs.buckets == (1, 2) and graphs.largest == 2
     assert [graphs.bucket(n) for n in (1, 2, 3)] == [1, 2, None]
-    assert graphs.run(None, [SimpleNamespace(kv=None)] * 3, None, None, None) is None and not graphs.steps
+    assert graphs.run(None, [SimpleNamespace(kv=None)] * 3) is None and not graphs.steps
     assert DecoderGraphs().largest == 8
 
 

@@ -1,45 +1,38 @@
-"""CUDA graphs of the runner's decoder step: one per batch-size bucket (and per mask: with or
-without allowed-token masks), captured once and replayed for any group of up to its size at any
-prefix lengths (the paged attention reads the block tables on the device)."""
+"""CUDA graphs of the device step (engine/device_step.py: the pass, statistics, sampling and the
+sampler's decisions): one per batch-size bucket (and per mask: with or without allowed-token
+masks), captured once and replayed for any group of up to its size at any prefix lengths (the
+paged attention reads the block tables on the device)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
+from .device_step import DeviceStep, run_step, stack_state
+from .step_inputs import StepLayout, StepTensors, fill, host_buffer
+
 if TYPE_CHECKING:
-    from ..config import ModelConfig
-    from ..model.diffusion_gemma import DiffusionGemma
-    from .paged_cache import PagedKVCache, PagedPass
     from .request import Request
-
-
-class StepRunner(Protocol):
-    """What the graphs use of the runner (engine/runner.py): the network, its config, the KV pool
-    and the decoder step they capture."""
-
-    net: DiffusionGemma
-    config: ModelConfig
-    cache: PagedKVCache
-
-    def decoder_step(self, canvas, soft, temps, plan: PagedPass, allowed=None) -> tuple[torch.Tensor, ...]: ...
+    from .runner import Runner
 
 log = logging.getLogger("dgemma")
 
 
 class DecoderGraphs:
-    """CUDA graphs of `Runner.decoder_step`, one per batch-size bucket (1, 2, 4, 8) and mask kind,
+    """CUDA graphs of `device_step.run_step`, one per batch-size bucket (1, 2, 4, 8) and mask kind,
     each captured once, the first time a group needs it.
 
-    A captured step reads static inputs: canvases, self-conditioning inputs, temperatures, a
-    `plan_canvas` pass whose block tables, key ranges and positions are device tensors (the Triton
-    attention reads the pool through them) and, in the masked variant, the packed allowed-token
-    masks. Before each replay they are overwritten with the group's values; rows past the group
-    get an empty prefix, token 0, temperature 1 and a mask allowing everything, and their outputs
-    are dropped. So one graph serves every group of up to its size at any prefix lengths.
+    A captured step reads static inputs: the packed step inputs (engine/step_inputs.py: block
+    tables, key ranges, positions, temperatures, seeds, pass counts, the sampler's knobs, fixed
+    tokens) as one device buffer, the canvases, self-conditioning inputs and stop histories, and,
+    in the masked variant, the packed allowed-token masks. Before each replay they are
+    overwritten with the group's values (one host-to-device copy, one stack each); rows past the
+    group get an empty prefix, token 0, temperature 1, no history and a mask allowing everything,
+    and their outputs are dropped. So one graph serves every group of up to its size at any
+    prefix lengths.
 
     `steps` holds the captured steps by (bucket, masked); `captured` the unmasked ones by bucket.
     A capture that fails is recorded in `failures` (same keys: "ExceptionType: message"), logged
@@ -47,8 +40,9 @@ class DecoderGraphs:
     replaying. Groups larger than `largest` get None too: the caller splits them (or runs them
     eagerly). The graphs share one memory pool (a failed capture's pool is left to the graphs
     already in it; later captures take a fresh one): only one replays at a time, and its outputs
-    are read before the next replay. `capture` is how a step is captured (default: a CUDA graph;
-    `eager_capture` replays it eagerly, which the tests use to check the static inputs on a CPU).
+    are read (or copied out) before the next replay. `capture` is how a step is captured (default:
+    a CUDA graph; `eager_capture` replays it eagerly, which the tests use to check the static
+    inputs on a CPU).
     """
 
     BUCKETS = (1, 2, 4, 8)
@@ -81,10 +75,10 @@ class DecoderGraphs:
         """The bucket a group of `rows` requests replays in (None: larger than `largest`)."""
         return next((b for b in self.buckets if b >= rows), None)
 
-    def run(self, runner: StepRunner, group: list[Request], canvas, soft, temps, allowed=None):
-        """`runner.decoder_step(canvas, soft, temps, <the group's plan_canvas>, allowed)` by a graph
-        replay: its outputs (views of the graph's output tensors, valid until the next replay), or
-        None where the group must run eagerly (larger than `largest`, or the capture failed)."""
+    def run(self, runner: "Runner", group: list["Request"], allowed: torch.Tensor | None = None):
+        """`device_step.run_step` of the group by a graph replay: its outputs (views of the graph's
+        output tensors, valid until the next replay), or None where the group must run eagerly
+        (larger than `largest`, or the capture failed)."""
         size = self.bucket(len(group))
         if size is None:
             return None
@@ -103,47 +97,50 @@ class DecoderGraphs:
                 )  # fmt: skip
                 return None
             self.steps[key] = entry
-        return entry.replay(runner, group, canvas, soft, temps, allowed)
+        return entry.replay(runner, group, allowed)
 
 
 class _CapturedStep:
-    """One bucket's captured decoder step: its static inputs and outputs."""
+    """One bucket's captured device step: its static inputs and outputs."""
 
-    def __init__(self, runner: StepRunner, size: int, graphs: DecoderGraphs, masked: bool = False):
+    def __init__(self, runner: "Runner", size: int, graphs: DecoderGraphs, masked: bool = False):
         cfg, device = runner.config, runner.net.device
         c = cfg.canvas_length
         self.size, self.masked = size, masked
-        self.canvas = torch.zeros(size, c, dtype=torch.long, device=device)
-        self.soft = torch.zeros(size, c, cfg.hidden_size, dtype=runner.net.dtype, device=device)
-        self.temps = torch.ones(size * c, 1, dtype=torch.float32, device=device)
-        words = -(-cfg.vocab_size // 32)
-        self.allowed = torch.full((size * c, words), -1, dtype=torch.int32, device=device) if masked else None
         width = -(-cfg.max_position_embeddings // runner.cache.block_size)  # any sequence's table fits
-        self.plan = runner.cache.canvas_buffers(size, c, width)
-        self._replay, self.outputs = graphs.capture(
-            lambda: runner.decoder_step(self.canvas, self.soft, self.temps, self.plan, self.allowed), graphs
+        self.layout = StepLayout(size, c, width)
+        self.host = host_buffer(self.layout, device)
+        fill(self.layout, self.host, runner.cache, [])  # every row padding
+        self.buffer = self.host.to(device)
+        blank = runner.blank_state()
+        words = -(-cfg.vocab_size // 32)
+        self.static = DeviceStep(
+            StepTensors.of(self.layout, self.buffer, runner.cache, []),
+            canvas=blank["canvas"].repeat(size, 1),
+            soft=blank["soft"].repeat(size, 1, 1),
+            history=blank["history"].repeat(size, 1, 1),
+            allowed=torch.full((size * c, words), -1, dtype=torch.int32, device=device) if masked else None,
         )
+        self._replay, self.outputs = graphs.capture(lambda: run_step(runner, self.static), graphs)
 
-    def replay(self, runner: StepRunner, group: list[Request], canvas, soft, temps, allowed=None):
+    @property
+    def allowed(self) -> torch.Tensor | None:
+        return self.static.allowed
+
+    def replay(self, runner: "Runner", group: list["Request"], allowed: torch.Tensor | None = None):
         if (allowed is not None) != self.masked:
             raise ValueError(f"a {'masked' if self.masked else 'mask-free'} graph needs {'' if self.masked else 'no '}allowed masks")
-        n, c = canvas.shape
-        self.canvas[:n].copy_(canvas)
-        self.canvas[n:].zero_()
-        if soft is None:
-            self.soft.zero_()  # exactly "no self-conditioning"
-        else:
-            self.soft[:n].copy_(soft)
-            self.soft[n:].zero_()
-        self.temps[: n * c].copy_(temps)
-        self.temps[n * c :].fill_(1.0)
+        n, c = len(group), runner.config.canvas_length
+        fill(self.layout, self.host, runner.cache, group)
+        self.buffer.copy_(self.host, non_blocking=True)
+        self.static.inputs.plan.rows = [r.kv for r in group]
+        stack_state(runner, group, self.size, out=self.static)
         if allowed is not None:
-            self.allowed[: n * c].copy_(allowed)
-            self.allowed[n * c :].fill_(-1)  # padded rows allow every token
-        runner.cache.plan_canvas(c, [r.kv for r in group], out=self.plan)
+            self.static.allowed[: n * c].copy_(allowed)
+            if n < self.size:
+                self.static.allowed[n * c :].fill_(-1)  # padded rows allow every token
         self._replay()
-        argmax, entropy, weights, total, soft_next = self.outputs
-        return argmax[:n], entropy[:n], weights[: n * c], total[: n * c], soft_next[:n]
+        return self.outputs
 
 
 def cuda_capture(step, graphs: DecoderGraphs):

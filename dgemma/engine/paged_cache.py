@@ -203,18 +203,7 @@ class PagedKVCache:
         else:
             width = out.tables[GLOBAL][0].shape[1]
         positions = torch.tensor(starts)[:, None] + torch.arange(canvas_length)
-        tables = {}
-        for kind in KINDS:
-            table = torch.full((n, width), -1, dtype=torch.int32)
-            lo = torch.tensor([self._lo(kind, start) for start in starts], dtype=torch.int32)
-            for i, r in enumerate(rows):
-                ids = r.tables[kind]
-                if len(ids) > width:
-                    raise RuntimeError(f"{kind} block table of {len(ids)} blocks is wider than the planned {width}")
-                if any(ids[j] < 0 for j in range(lo[i] // self.block_size, -(-starts[i] // self.block_size))):
-                    raise RuntimeError(f"{kind} block released while still in view (positions {int(lo[i])}..{starts[i]})")
-                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-            tables[kind] = (table, lo, torch.tensor(starts, dtype=torch.int32))
+        tables = {kind: self.canvas_tables(kind, rows, starts, width) for kind in KINDS}
         if out is None:
             moved = {kind: tuple(self._to_device(t) for t in parts) for kind, parts in tables.items()}
             return PagedPass(self, list(rows), [canvas_length] * n, self._to_device(positions), False, {}, {}, {}, moved)
@@ -224,6 +213,22 @@ class PagedKVCache:
         out.positions.copy_(positions, non_blocking=True)
         out.rows = list(rows)
         return out
+
+    def canvas_tables(self, kind: str, rows: list[SequenceBlocks], starts: list[int], width: int):
+        """A canvas pass's (block tables int32 [n, width], lo int32 [n], start int32 [n]) of one
+        layer kind, on the host: rows past `rows` (n = len(starts)) have an empty prefix.
+        RuntimeError if a table is wider than `width` or a block in view was released."""
+        n = len(starts)
+        table = torch.full((n, width), -1, dtype=torch.int32)
+        lo = torch.tensor([self._lo(kind, start) for start in starts], dtype=torch.int32)
+        for i, r in enumerate(rows):
+            ids = r.tables[kind]
+            if len(ids) > width:
+                raise RuntimeError(f"{kind} block table of {len(ids)} blocks is wider than the planned {width}")
+            if any(ids[j] < 0 for j in range(int(lo[i]) // self.block_size, -(-starts[i] // self.block_size))):
+                raise RuntimeError(f"{kind} block released while still in view (positions {int(lo[i])}..{starts[i]})")
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return table, lo, torch.tensor(starts, dtype=torch.int32)
 
     def canvas_buffers(self, rows: int, canvas_length: int, width: int) -> PagedPass:
         """A `plan_canvas` pass of `rows` empty rows with block tables `width` blocks wide: the

@@ -32,6 +32,7 @@ from ..model.diffusion_gemma import DiffusionGemma
 from ..parallel import runtime
 from . import sampler
 from .constraints.grammar import PassRows
+from .device_step import decides_on_device, device_group
 from .graphs import DecoderGraphs
 from .options import EngineOptions
 from .paged_cache import PagedKVCache, PagedPass
@@ -81,14 +82,35 @@ class Runner:
         # GPU: sample every position (no host sync); CPU: only the accepted ones. Same tokens either way.
         self.sample_all_positions = self.kernels.sample_all_positions
         self._buffers: dict[str, torch.Tensor] = {}
+        self._blank: dict[str, torch.Tensor] | None = None
+        # the self-conditioning GEMM's addend (beta = 0: never read), for engine/device_step.py
+        self.zero = torch.zeros(1, dtype=net.dtype, device=net.device)
+
+    def blank_state(self) -> dict[str, torch.Tensor]:
+        """A padding row's device state (made once): canvas [C] of token 0, no self-conditioning
+        [C, H] (zeros: exactly none), a stop history [MAX_STABILITY, C] of -1 (none yet)."""
+        if self._blank is None:
+            c, device = self.config.canvas_length, self.net.device
+            self._blank = {
+                "canvas": torch.zeros(c, dtype=torch.long, device=device),
+                "soft": torch.zeros(c, self.config.hidden_size, dtype=self.net.dtype, device=device),
+                "history": torch.full((triton_step.MAX_STABILITY, c), -1, dtype=torch.long, device=device),
+            }
+        return self._blank
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> list[DecodeResult]:
         self._encode(plan.encode)
         results = []
-        for group in self._groups(plan.decode):
+        groups = list(self._groups(plan.decode))
+        on_device = [g for g in groups if decides_on_device(self, g[0])]
+        graph_keys = [self._graph_key(g) for g in on_device]
+        for group in groups:
             if group[0].turbo is not None:
                 results += turbo_step(self, group)
+                continue
+            if decides_on_device(self, group[0]):  # the whole step on the device (a graph replay)
+                results += device_group(self, group, copy_out=graph_keys.count(self._graph_key(group)) > 1)
                 continue
             decisions = self._decide(group, *self._denoise(group))
             results += self._results(group, decisions)
@@ -152,18 +174,30 @@ class Runner:
         features = torch.empty(image.num_soft_tokens, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
         return self.net.shards.broadcast(features)
 
+    def _graph_key(self, group: list[Request]) -> tuple | None:
+        """Which captured graph a device group replays (None: it runs eagerly)."""
+        if self.graphs is None:
+            return None
+        masked = any(r.active_constraints is not None and r.active_constraints.allowed is not None for r in group)
+        return self.graphs.bucket(len(group)), masked
+
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
         """Batch-invariant: one request per pass. Otherwise one batched pass, or with CUDA graphs
         chunks of at most the largest captured bucket (each chunk replays a graph; a larger group
-        would run eagerly). Turbo requests run in a group of their own (batched: all of them, each
-        one's active rows padded to the group's most; batch-invariant: one each), eagerly: their
-        active rows change in number from pass to pass, so no captured graph fits (engine/turbo.py)."""
+        would run eagerly); requests whose whole step runs on the device (engine/device_step.py)
+        apart from those that decide on the host. Turbo requests run in a group of their own
+        (batched: all of them, each one's active rows padded to the group's most; batch-invariant:
+        one each), eagerly: their active rows change in number from pass to pass, so no captured
+        graph fits (engine/turbo.py)."""
         turbo = [r for r in requests if r.turbo is not None]  # passes of their own: their active rows
-        requests = [r for r in requests if r.turbo is None]
         if self.options.batch_invariant:
-            return [[r] for r in requests] + [[r] for r in turbo]
-        size = self.graphs.largest if self.graphs is not None else max(1, len(requests))
-        return [requests[i : i + size] for i in range(0, len(requests), size)] + ([turbo] if turbo else [])
+            return [[r] for r in requests if r.turbo is None] + [[r] for r in turbo]
+        device = [r for r in requests if decides_on_device(self, r)]  # steps whole on the device
+        requests = [r for r in requests if r.turbo is None and not decides_on_device(self, r)]
+        size = self.graphs.largest if self.graphs is not None else max(1, len(requests), len(device))
+        chunks = [requests[i : i + size] for i in range(0, len(requests), size)]
+        chunks += [device[i : i + size] for i in range(0, len(device), size)]
+        return chunks + ([turbo] if turbo else [])
 
     # ---------------------------------------------------------------- the decoder pass
     def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:
@@ -227,17 +261,22 @@ class Runner:
 
     def statistics(self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """What the sampler needs from a decoder pass's final hidden states [n, c, H] (c: the
-        canvas, or a turbo pass's active rows): argmax [n, c], entropy [n, c], weights [n*c, V],
-        totals [n*c] and the next self-conditioning input [n, c, H]."""
+        canvas, or a turbo pass's active rows): argmax [n, c], entropy [n, c], weights [n*c, V]
+        (unnormalised; with Triton, softmax's probabilities), totals [n*c] and the next
+        self-conditioning input [n, c, H]."""
         n, c = hidden.shape[:2]
-        if self.triton:  # one kernel for the statistics, one writing the probabilities in the model's dtype
+        if self.triton:  # one kernel for the statistics, one writing softmax's probabilities in the model's
+            # dtype, one GEMM for the next self-conditioning input (its scale in the epilogue): 4 launches
             raw = self.net.lm_head(hidden.view(n * c, -1))
             low = self.net.dtype in (torch.bfloat16, torch.float16)
             argmax, entropy, total, probs = triton_step.step_statistics(
-                raw, temps, self.config.final_logit_softcapping or 0.0, allowed, self.net.dtype if low else torch.float32
-            )
-            stats, soft_input = sampler.StepStatistics(argmax, entropy, probs, total), probs
-        elif self.native is not None:
+                raw, temps, self.config.final_logit_softcapping or 0.0, allowed, self.net.dtype if low else torch.float32,
+                normalize=True,
+            )  # fmt: skip
+            scale = float(torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.net.dtype))
+            soft_next = torch.addmm(self.zero, probs, self.net.embed_tokens.weight, beta=0, alpha=scale).view(n, c, -1)
+            return argmax.view(n, c), entropy.view(n, c), probs, total, soft_next
+        if self.native is not None:
             stats, soft_input = self._native_statistics(hidden.view(n * c, -1), temps, allowed)
         elif self.sharded is not None:  # this rank's vocabulary columns; the reductions span the ranks
             stats = self.sharded.statistics(self.net.logits(hidden).view(n * c, -1), temps, allowed)

@@ -1,28 +1,47 @@
-"""The engine's copy of the model for the Triton path (`EngineOptions.triton`, chosen by the runner):
-every tensor shared with the original, two kinds of module swapped for ones that call the Triton
-kernels of kernels/triton_layer.py:
+"""The engine's copy of the model for the Triton path (`EngineOptions.triton`, chosen by the runner).
 
-- `TritonAttention`: q, k and v's RMSNorm and RoPE in one pass each (`norm_rope`) instead of the
-  norm, the cast and the rotate-half chain; attention itself is the cache pass's (the paged canvas
-  kernel for decoder passes). The K/V write into the pool stays the cache's `index_copy_`.
-- `TritonExperts`: the MoE block with device-side offsets, the fused gelu * up and the weighted
-  top-k sum (`moe_experts`). Quantised experts keep their own module (quant/modules.py, whose GPU
-  path is kernels/triton_quant.py).
+A decoder layer of the torch model launches ~110 GPU kernels (the norms alone ~70); the copy made
+here runs each layer in 14 launches (15 where the attention splits its keys), the same
+arithmetic rounded at the same points:
 
-The reference-exact paths never see this copy.
+    launch                                  kernel
+    x @ [Wq | Wk | Wv]                      one GEMM (cuBLAS for bf16 weights, else triton_quant.gemm)
+    q, k, v norms and RoPE                  triton_layer.qkv_norm_rope (V = K's projection on global layers)
+    attention (+ its split combine)         the cache pass's: the paged canvas kernel, or gathered SDPA
+    o_proj                                  one GEMM
+    residual + 4 norms                      triton_norms.post_attention -> h, dense, MoE and router inputs
+    dense [Wgate | Wup], gelu * up, down    two GEMMs and triton_layer.gelu_mul
+    router logits, softmax, top-k           triton_moe.router_topk
+    experts: align, gate|up (gelu * up), down   triton_moe.moe: 3 launches, rows gathered and scattered in place
+    MoE sum + 3 norms + residual + scalar   triton_norms.combine, with the next layer's input norm
+                                            (the final norm after the last layer)
+
+Outside the layers: the embedding (+ self-conditioning's pre-norm, gate|up, gelu * up, down on a
+decoder pass) and layer 0's input norm in `triton_norms.embed_norm`, and the RoPE tables of every
+layer kind once per pass (`triton_layer.rope_tables`, 3 launches).
+
+Weights: q|k|v, the dense MLP's and self-conditioning's gate|up become one tensor each, and the
+modules' own weights views of it (`fuse_rows`: no copy stays behind; the model's other paths
+read the same values); quantised weights are read in their stored layout (triton_quant.gemm_weight).
+A network with modules that carry hooks (LoRA adapters) keeps the torch layers with two Triton
+swaps (`TritonAttention`, `TritonExperts`). The reference-exact paths never see this copy.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..model.diffusion_gemma import Attention, DiffusionGemma, Experts
-from . import triton_layer
-from .cpu import _swap_in, _tree_copy
+from ..model.diffusion_gemma import Attention, DiffusionGemma, Experts, Layer
+from . import triton_layer, triton_moe, triton_norms, triton_quant
+from .cpu import _has_hooks, _swap_in, _tree_copy
 
 
+# ------------------------------------------------------------------- the unfused swaps (LoRA)
 class TritonAttention(nn.Module):
+    """Attention with q, k and v's RMSNorm and RoPE in one pass each (`norm_rope`)."""
+
     def __init__(self, attn: Attention):
         super().__init__()
         self.attn = attn
@@ -64,10 +83,210 @@ def _triton_module(module: nn.Module) -> nn.Module | None:
     return None
 
 
+# ------------------------------------------------------------------------- fused weights
+def _same_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor these are consecutive row blocks of (a fusion done before), or None."""
+    base = tensors[0]._base
+    if base is None or any(t._base is not base for t in tensors):
+        return None
+    offset = 0
+    for t in tensors:
+        if t.storage_offset() - base.storage_offset() != offset or not t.is_contiguous():
+            return None
+        offset += t.numel()
+    return base if offset == base.numel() else None
+
+
+def fuse_rows(owners: list[tuple[nn.Module, str]]) -> torch.Tensor:
+    """One tensor of the row blocks `getattr(module, name)` (weights [N_i, K], or their quantised
+    parts), each module's own then a view of its block: no copy outlives the call (and a second
+    call finds the fusion already made)."""
+    tensors = [getattr(m, name) for m, name in owners]
+    fused = _same_base(tensors)
+    if fused is not None:
+        return fused
+    fused = torch.cat([t.detach() for t in tensors])
+    start = 0
+    for (module, name), t in zip(owners, tensors):
+        view = fused[start : start + t.shape[0]]
+        start += t.shape[0]
+        if isinstance(t, nn.Parameter):
+            module._parameters[name] = nn.Parameter(view, requires_grad=t.requires_grad)
+        else:
+            module._buffers[name] = view
+    return fused
+
+
+def fused_linear(modules: list[nn.Module]) -> "torch.Tensor | triton_quant.GemmWeight":
+    """The weight of `modules` (nn.Linear, or quant.modules.QuantLinear, one kind) stacked along
+    the output dim: a tensor [N, K] (a cuBLAS GEMM) or the GEMM kernel's view of quantised rows."""
+    if all(type(m) is nn.Linear for m in modules):
+        return fuse_rows([(m, "weight") for m in modules]) if len(modules) > 1 else modules[0].weight
+    from ..quant.modules import QuantLinear
+
+    if not all(type(m) is QuantLinear for m in modules) or len({m.scheme for m in modules}) > 1:
+        raise TypeError("fused_linear takes nn.Linear or QuantLinear modules of one scheme")
+    if len(modules) == 1:
+        return triton_quant.gemm_weight(modules[0].qtensor)
+    first = modules[0].qtensor
+    parts = {name: fuse_rows([(m, name) for m in modules]) for name in first.parts if name in ("weight", "weight_packed", "weight_scale")}
+    if "weight_global_scale" in first.parts:  # nvfp4: a global scale per module, one per output channel when fused
+        weights = [triton_quant.gemm_weight(m.qtensor) for m in modules]
+        fused = triton_quant.gemm_weight(type(first)(first.scheme, (sum(m.shape[0] for m in modules), first.shape[1]),
+                                                   dict(parts, weight_global_scale=first.parts["weight_global_scale"]),
+                                                   first.group_size))  # fmt: skip
+        fused.channel = torch.cat([w.channel for w in weights])
+        return fused
+    return triton_quant.gemm_weight(type(first)(first.scheme, (sum(m.shape[0] for m in modules), first.shape[1]), parts,
+                                              first.group_size))  # fmt: skip
+
+
+def _experts(module: nn.Module) -> tuple[triton_quant.GemmWeight, triton_quant.GemmWeight]:
+    if type(module) is Experts:
+        return triton_quant.gemm_weight(module.gate_up_proj), triton_quant.gemm_weight(module.down_proj)
+    return triton_quant.gemm_weight(module.gate_up_proj.qtensor), triton_quant.gemm_weight(module.down_proj.qtensor)
+
+
+def linear(x: torch.Tensor, weight: "torch.Tensor | triton_quant.GemmWeight") -> torch.Tensor:
+    """x [T, K] @ W.T: cuBLAS for a full-precision weight, else the GEMM kernel."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight)
+    return triton_quant.gemm(x, weight)
+
+
+def fusable(net: DiffusionGemma) -> bool:
+    """Whether every layer can run fused: plain or quantised linears and experts, no hooks."""
+    from ..model.diffusion_gemma import DenseMLP, SelfConditioning
+    from ..quant.modules import QuantExperts, QuantLinear
+
+    kinds = (nn.Linear, QuantLinear)
+    for layer in net.layers:
+        if type(layer) is not Layer or any(_has_hooks(m) for m in layer.modules()):
+            return False
+        a, mlp = layer.self_attn, layer.mlp
+        if type(a) is not Attention or type(mlp) is not DenseMLP or type(layer.experts) not in (Experts, QuantExperts):
+            return False  # e.g. a CPU copy's packed modules
+        linears = [a.q_proj, a.k_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj] + ([a.v_proj] if a.v_proj is not None else [])
+        if not all(type(m) in kinds for m in linears):
+            return False
+    sc = net.self_conditioning
+    return (not _has_hooks(net) and type(sc) is SelfConditioning
+            and all(type(m) is nn.Linear for m in (sc.gate_proj, sc.up_proj, sc.down_proj)))  # fmt: skip
+
+
+# ------------------------------------------------------------------------- the fused network
+class FusedLayer(nn.Module):
+    """One layer of the fused network (see the module): (h, x) -> (h', x'), x = the layer's input
+    norm of h, x' the next one's (`next_norm`)."""
+
+    def __init__(self, layer: Layer, next_norm: torch.Tensor):
+        super().__init__()
+        self.layer = layer
+        a, mlp = layer.self_attn, layer.mlp
+        self.spec = a.spec
+        self.qkv = fused_linear([a.q_proj, a.k_proj] + ([a.v_proj] if a.v_proj is not None else []))
+        self.o = fused_linear([a.o_proj])
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj])
+        self.down = fused_linear([mlp.down_proj])
+        self.experts_gate_up, self.experts_down = _experts(layer.experts)
+        self.next_norm = next_norm
+        self.heads = (a.num_heads, a.spec.num_kv_heads)
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor, tables, cache_pass, index: int, encoder: bool, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, a = self.layer, self.layer.self_attn
+        spec, eps = self.spec, layer.input_layernorm.eps
+        cos, sin, rope_col = tables
+        q, k, v = triton_layer.qkv_norm_rope(linear(x, self.qkv), self.heads, spec.head_dim, a.v_proj is not None,
+                                             a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, rope_col[spec.kind])  # fmt: skip
+        b, t = shape
+
+        def heads(y: torch.Tensor) -> torch.Tensor:  # [B*T, heads, D] -> [B, heads, T, D]
+            return y.view(b, t, -1, spec.head_dim).transpose(1, 2)
+
+        attn = cache_pass.attention(index, spec.is_sliding, heads(q), heads(k), heads(v)).reshape(b * t, -1)
+        router = layer.router
+        h, dense_in, moe_in, router_in = triton_norms.post_attention(
+            h, linear(attn, self.o), layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+            layer.pre_feedforward_layernorm_2.weight, router.scale, router.root_size, eps,
+        )  # fmt: skip
+        dense = linear(triton_layer.gelu_mul(linear(dense_in, self.gate_up), layer.mlp.approximate), self.down)
+        top_w, top_i = triton_moe.router_topk(router_in, router.proj.weight, router.per_expert_scale, router.top_k)
+        y = triton_moe.moe(moe_in, top_i, self.experts_gate_up, self.experts_down, layer.experts.approximate)
+        scalar = layer.encoder_layer_scalar if encoder else layer.layer_scalar
+        return triton_norms.combine(
+            h, dense, y, top_w, layer.post_feedforward_layernorm_1.weight, layer.post_feedforward_layernorm_2.weight,
+            layer.post_feedforward_layernorm.weight, scalar, self.next_norm, eps,
+        )  # fmt: skip
+
+
+class FusedGemma(DiffusionGemma):
+    """The fused network: `fused_network`'s copy of a DiffusionGemma (every tensor shared) whose
+    encode / decode run `FusedLayer`s; lm_head, logits and soft_embed are the model's own."""
+
+    def _passes(self, h: torch.Tensor, x: torch.Tensor, cache_pass, encoder: bool, shape) -> torch.Tensor:
+        freqs, cols = self._rope(h.device)
+        cos, sin = triton_layer.rope_tables(cache_pass.positions, freqs, h.dtype)
+        for i, layer in enumerate(self.fused_layers):
+            h, x = layer(h, x, (cos, sin, cols), cache_pass, i, encoder, shape)
+        return x.view(*shape, -1)
+
+    def _rope(self, device: torch.device) -> tuple[torch.Tensor, dict[str, int]]:
+        """Every layer kind's RoPE frequencies side by side on `device` (made once) and each
+        kind's first column in them."""
+        found = self._rope_side_by_side.get(device)
+        if found is None:
+            freqs = self.rope_frequencies(device)
+            cols, col = {}, 0
+            for kind, f in freqs.items():
+                cols[kind] = col
+                col += f.numel()
+            found = self._rope_side_by_side[device] = (torch.cat(list(freqs.values())), cols)
+        return found
+
+    def _scale(self) -> float:
+        """The embedding scale as the model's dtype holds it (embed's multiplier)."""
+        return float(torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype))
+
+    def encode(self, ids: torch.Tensor, cache_pass, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        first = self.layers[0].input_layernorm
+        if embeds is None:
+            h, x = triton_norms.embed_norm(self.embed_tokens.weight, self._scale(), first.weight, first.eps, ids=ids)
+        else:
+            h, x = triton_norms.embed_norm(self.embed_tokens.weight, self._scale(), first.weight, first.eps, embeds=embeds)
+        return self._passes(h, x, cache_pass, True, tuple(ids.shape))
+
+    def decode(self, canvas: torch.Tensor, cache_pass, soft_embeds: torch.Tensor | None) -> torch.Tensor:
+        sc_out = None
+        if soft_embeds is not None:
+            sc = self.self_conditioning
+            pre = triton_norms.rms_norm(soft_embeds, sc.pre_norm.weight, sc.pre_norm.eps).reshape(-1, soft_embeds.shape[-1])
+            sc_out = F.linear(triton_layer.gelu_mul(F.linear(pre, self.sc_gate_up), sc.approximate), sc.down_proj.weight)
+        first = self.layers[0].input_layernorm
+        h, x = triton_norms.embed_norm(self.embed_tokens.weight, self._scale(), first.weight, first.eps, ids=canvas,
+                                       decoder=True, self_conditioning=sc_out)  # fmt: skip
+        return self._passes(h, x, cache_pass, False, tuple(canvas.shape))
+
+
+@torch.no_grad()
+def fused_network(net: DiffusionGemma) -> FusedGemma:
+    """The fused copy of `net` (sharing every tensor; q|k|v and gate|up fused in place)."""
+    fast = _tree_copy(net)
+    fast.__class__ = FusedGemma  # the same module tree, the fused encode / decode
+    fast._rope_side_by_side = {}
+    norms = [layer.input_layernorm.weight for layer in net.layers[1:]] + [net.norm.weight]
+    fast.fused_layers = [FusedLayer(layer, norm) for layer, norm in zip(net.layers, norms)]
+    sc = net.self_conditioning
+    fast.sc_gate_up = fuse_rows([(sc.gate_proj, "weight"), (sc.up_proj, "weight")])
+    return fast
+
+
 @torch.no_grad()
 def triton_modules(net: DiffusionGemma) -> DiffusionGemma:
-    """A copy of `net` (sharing every tensor) whose attention and experts run the Triton kernels;
+    """The engine's network on the Triton path: the fused network where every layer can run it,
+    else a copy (sharing every tensor) whose attention and experts run the Triton kernels;
     modules with hooks (LoRA adapters) stay as they are."""
+    if fusable(net):
+        return fused_network(net)
     fast = _tree_copy(net)
     for layer in fast.layers:
         _swap_in(layer, _triton_module)

@@ -161,6 +161,67 @@ if HAVE_TRITON:
             acc = _round_bf16(acc)
         tl.store(out_ptr + toks[:, None] * stride_on + cols[None, :] * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _qkv_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, out_ptr, kpool_ptr, vpool_ptr, slots_ptr,
+        ROWS, HQ, HKV, V_COL, ROPE_COL, eps,
+        stride_qkv, stride_ct, stride_st, stride_ot, stride_oh,
+        stride_kpn, stride_kph, stride_vpn, stride_vph,
+        HAS_POOL: tl.constexpr, ROUND: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        """Head rows r = t * (HQ + 2 HKV) + hh of one token's fused q|k|v projection: q heads
+        (q_norm, RoPE), k heads (k_norm, RoPE), v heads (scale-free norm; read from V_COL, which is
+        the k columns where a layer has no v_proj), each rounded where the torch chain rounds;
+        stored to out [T, HQ + 2 HKV, 2 HALF] and, HAS_POOL, k and v to the pools at slots[t]."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < ROWS
+        heads = HQ + 2 * HKV
+        t = (rows // heads).to(tl.int64)
+        hh = rows % heads
+        is_q = hh < HQ
+        is_k = (hh >= HQ) & (hh < HQ + HKV)
+        is_v = hh >= HQ + HKV
+        src = tl.where(is_v, V_COL + (hh - HQ - HKV) * (2 * HALF), hh * (2 * HALF)).to(tl.int64)
+        d = tl.arange(0, HALF)
+        mask = row_ok[:, None]
+        x_row = qkv_ptr + (t * stride_qkv + src)[:, None]
+        x1 = tl.load(x_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + (d + HALF)[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.where(is_q[:, None], tl.load(qw_ptr + d)[None, :].to(tl.float32), tl.load(kw_ptr + d)[None, :].to(tl.float32))
+        w2 = tl.where(is_q[:, None], tl.load(qw_ptr + HALF + d)[None, :].to(tl.float32),
+                      tl.load(kw_ptr + HALF + d)[None, :].to(tl.float32))  # fmt: skip
+        w1 = tl.where(is_v[:, None], 1.0, w1)
+        w2 = tl.where(is_v[:, None], 1.0, w2)
+        n1 = _rnd(x1 * r[:, None] * w1, ROUND)
+        n2 = _rnd(x2 * r[:, None] * w2, ROUND)
+        rope = (~is_v)[:, None] & mask
+        c = tl.load(cos_ptr + (t * stride_ct + ROPE_COL)[:, None] + d[None, :], mask=rope, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + (t * stride_st + ROPE_COL)[:, None] + d[None, :], mask=rope, other=0.0).to(tl.float32)
+        y1 = _rnd(_rnd(n1 * c, ROUND) - _rnd(n2 * s, ROUND), ROUND)  # x c + rotate_half(x) s, as torch rounds it
+        y2 = _rnd(_rnd(n2 * c, ROUND) + _rnd(n1 * s, ROUND), ROUND)
+        o_row = out_ptr + (t * stride_ot + hh.to(tl.int64) * stride_oh)[:, None]
+        tl.store(o_row + d[None, :], y1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_row + (d + HALF)[None, :], y2.to(out_ptr.dtype.element_ty), mask=mask)
+        if HAS_POOL:  # an encoder pass: its keys and values into the pool (slot < 0: padding)
+            slot = tl.load(slots_ptr + t, mask=row_ok, other=-1).to(tl.int64)
+            kmask = (row_ok & is_k & (slot >= 0))[:, None]
+            vmask = (row_ok & is_v & (slot >= 0))[:, None]
+            kh = (hh - HQ).to(tl.int64)
+            vh = (hh - HQ - HKV).to(tl.int64)
+            k_row = kpool_ptr + (slot * stride_kpn + kh * stride_kph)[:, None]
+            v_row = vpool_ptr + (slot * stride_vpn + vh * stride_vph)[:, None]
+            tl.store(k_row + d[None, :], y1.to(kpool_ptr.dtype.element_ty), mask=kmask)
+            tl.store(k_row + (d + HALF)[None, :], y2.to(kpool_ptr.dtype.element_ty), mask=kmask)
+            tl.store(v_row + d[None, :], y1.to(vpool_ptr.dtype.element_ty), mask=vmask)
+            tl.store(v_row + (d + HALF)[None, :], y2.to(vpool_ptr.dtype.element_ty), mask=vmask)
+
+    @triton.jit
+    def _rnd(v, ROUND: tl.constexpr):
+        if ROUND:
+            v = _round_bf16(v)
+        return v
+
     INTERPRETED = interpreted(_norm_rope_kernel)
 else:  # pragma: no cover
     INTERPRETED = False
@@ -253,6 +314,71 @@ def norm_rope(
         enable_fp_fusion=True,  # triton's default until 3.10 (3.9 warns when it is left unsaid)
     )  # fmt: skip
     return out
+
+
+# ----------------------------------------------------------------------- q, k, v in one launch
+def rope_tables(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, F] for float32 frequencies [F] (every layer kind's side by side:
+    `qkv_norm_rope` reads a kind's columns from its offset): rope.cos_sin's values (angles in
+    float32, cast to `dtype`), one half of each kind's table (its other half repeats it), in 3
+    launches per pass."""
+    angles = positions.reshape(-1)[:, None] * freqs[None, :]
+    cos = torch.empty(angles.shape, dtype=dtype, device=angles.device)
+    sin = torch.empty_like(cos)
+    torch.cos(angles, out=cos)
+    torch.sin(angles, out=sin)
+    return cos, sin
+
+
+def qkv_norm_rope(
+    qkv: torch.Tensor,
+    heads: tuple[int, int],
+    head_dim: int,
+    has_v: bool,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope_col: int,
+    pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention.project after the projection, in one launch: qkv [T, (HQ + HKV (+ HKV)) * D], one
+    token's q, k (and v) projections side by side (V = K's projection where `has_v` is False) ->
+    q [T, HQ, D], k and v [T, HKV, D] (views of one buffer): q and k RMS-normed with their weights
+    and rotated by the tables' columns from `rope_col` (`rope_tables`), v normed without a scale,
+    rounded as torch's bf16 chain rounds. `pools` (keys, values [slots, HKV, D], slots [T], < 0
+    skipped): an encoder pass's keys and values are written there too (slots not range-checked)."""
+    hq, hkv = heads
+    d = head_dim
+    if d < 2 or d > MAX_HEAD_DIM or d & (d - 1):
+        raise ValueError(f"qkv_norm_rope needs a head dim that is a power of two in [2, {MAX_HEAD_DIM}], got {d}")
+    width = (hq + (2 if has_v else 1) * hkv) * d
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qkv_norm_rope needs qkv [T, {width}] with contiguous rows, got {tuple(qkv.shape)}")
+    _float("qkv", qkv)
+    t = qkv.shape[0]
+    if cos.shape[0] != t or sin.shape != cos.shape or rope_col + d // 2 > cos.shape[1]:
+        raise ValueError(f"qkv_norm_rope tables must be [{t}, >= {rope_col + d // 2}], got {tuple(cos.shape)}")
+    _require(qkv.device)
+    out = torch.empty(t, hq + 2 * hkv, d, dtype=qkv.dtype, device=qkv.device)
+    rows = t * (hq + 2 * hkv)
+    if rows:
+        if pools is not None:
+            keys, values, slots = pools
+            kp, vp = keys.view(-1, *keys.shape[-2:]), values.view(-1, *values.shape[-2:])
+        else:
+            kp = vp = slots = out
+        block_r = _pow2_at_most(rows, max(1, 4096 // d))
+        _qkv_kernel[(triton.cdiv(rows, block_r),)](
+            qkv, cos, sin, q_weight, k_weight, out, kp, vp, slots,
+            rows, hq, hkv, (hq + hkv) * d if has_v else hq * d, rope_col, float(eps),
+            qkv.stride(0), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
+            kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
+            HAS_POOL=pools is not None, ROUND=qkv.dtype == torch.bfloat16, HALF=d // 2, BLOCK_R=block_r,
+            num_warps=4, enable_fp_fusion=False,  # products rounded one by one, as torch's ops
+        )  # fmt: skip
+    return out[:, :hq], out[:, hq : hq + hkv], out[:, hq + hkv :]
 
 
 # ------------------------------------------------------------------------------------- MoE

@@ -1,62 +1,64 @@
-"""GPU matmuls with quantised weights: y = x @ dequantize(W).T without a full-precision W.
+"""GPU matmuls with weights in any stored format: y = x @ W.T, the weight dequantised a K-tile at a
+time in registers (no full-precision copy of a quantised weight is ever made).
 
-`modules.py` dequantises a tile of W with torch and calls F.linear: on a GPU that writes and
-reads the tile back in full precision, so a memory-bound matmul (decoding, the MoE experts)
-moves 2-4x the weight's quantised bytes. Here a Triton kernel reads the quantised parts
-(`formats.py`, laid out as compressed-tensors stores them) and dequantises each K-tile in
-registers, accumulating in float32:
+One kernel (`_gemm_kernel`) for every format the model stores, read as compressed-tensors lays
+it out (quant/formats.py):
 
-    scheme  read per K-tile                                      dequantised as
-    int4    weight_packed int32 [N, K/8], weight_scale [N, K/g]  (nibble - 8) * scale  (g: group)
-    int8    weight int8 [N, K]                                   q, times weight_scale [N, 1] at the end
-    fp8     weight float8_e4m3fn [N, K] (decoded by bits)        q, times weight_scale [N, 1] at the end
-    nvfp4   weight_packed uint8 [N, K/2], weight_scale e4m3 [N, K/16]
-                                                                 e2m1(code) * (scale / weight_global_scale)
+    scheme  read per K-tile of a row                     dequantised as
+    plain   the bf16 / fp16 / fp32 weight                as it is
+    fp8     e4m3 bytes (decoded by bits)                 q, times the per-channel scale on the accumulator
+    int8    int8                                         likewise
+    int4    BLOCK_K / 2 bytes (two codes a byte, the     (code - 8) * scale, a bf16 scale per group
+            first in the low nibble: the little-endian
+            int32 words' order), its group scales
+    nvfp4   BLOCK_K / 2 bytes, its e4m3 scales (one      e2m1(code) * scale; 1 / the global scale per
+            per 16 inputs)                               channel on the accumulator
 
-float8 parts are passed as uint8 views and decoded by bit manipulation: the same code runs in
-Triton's interpreter (TRITON_INTERPRET=1, numpy has no float8) and on any GPU, including those
-without float8 support. Per-channel scales (int8, fp8) are applied to the accumulator, not to
-each weight: the codes are exact in bf16 / fp16, so this is the same product with fewer
-multiplies.
+4-bit K-tiles are 256 inputs: each row's 128 packed bytes and its scales (8 bytes for int4's
+default group of 64, 16 for nvfp4's) are read as whole vectors, every byte once; for that a
+weight's scale rows are padded once to whole tiles (zeros: `gemm_weight`). float8 parts are read
+as bytes and decoded by bit manipulation: the same code runs in Triton's interpreter (numpy has no
+float8) and on any GPU.
 
-The grouped variant runs the MoE experts in one launch: rows sorted by expert, `offsets` the
-cumulative row counts, a grid of (row tiles, N tiles) where each row tile belongs to one expert
-(a tile -> expert map built on the device, so no host synchronisation: CUDA-graph friendly).
+Grids. A linear: row tiles of up to 256 rows (a 256-position canvas is one tile, so each weight
+tile is decoded once a pass) by column tiles. Stacked expert weights [E, N, K]: one program column
+per expert (`grid[0]` = E) walking its own rows (`ends`: the cumulative row counts), in tiles of
+BLOCK_M sized for twice the average rows per expert (one tile per expert at batch 1), with the
+rows gathered from the tokens in the A-load (`gather`), stored back in (token, slot) order
+(`scatter`), or gate and up computed side by side with gelu(gate) * up in the epilogue (`dual`):
+the MoE block's two GEMMs (kernels/triton_moe.py) need no copy of the routed rows.
 
-On GPUs with FP8 tensor cores (compute capability >= 8.9) fp8 weights instead go to
-torch._scaled_mm (tensor-core FP8, activations quantised per token) and, where torch has a
-grouped kernel for the device (sm90 / sm100), experts to torch._scaled_grouped_mm.
-
-Public: `available`, `quant_linear`, `quant_grouped_linear` (dispatchers), the kernels' wrappers
-`triton_quant_linear`, `triton_quant_grouped_linear`, and the FP8 tensor-core paths
-`fp8_scaled_mm_linear`, `fp8_scaled_grouped_mm`, `quantize_activations_fp8`. The CPU path stays
-in `dgemma/quant/modules.py`; the dispatchers raise on a device they cannot serve.
-
-Block sizes are heuristics, not tuned on hardware: the interpreter tests check numerics, and a
-test compiles the kernel for sm90 without running it. Two interpreter quirks are worked around:
-it multiplies bf16 tiles' raw bits in tl.dot (so there the bf16 dot runs in float32, the same
-products) and casts int8 -> bf16 wrongly (so int8 goes through float32 everywhere).
+Rounding: float32 accumulation; the output is rounded to the activations' dtype where torch rounds
+a matmul's output; gelu(gate) * up is computed from the rounded gate and up and rounded once.
+Under the interpreter, bf16 tiles are multiplied in float32 (it multiplies bf16's raw bits in
+tl.dot; the products are the same) and int8 goes through float32 (it casts int8 -> bf16 wrongly).
+Block sizes are chosen from sm90 compiles (tests/test_triton_compile.py), not timed on hardware.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from ..quant.formats import QTensor
 from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
 
-from ..quant.formats import FP8_MAX, NVFP4_GROUP, QTensor
-
-SCHEME_IDS = {"int4": 0, "int8": 1, "fp8": 2, "nvfp4": 3}
+SCHEMES = {"int4": 0, "int8": 1, "fp8": 2, "nvfp4": 3, "plain": 4}
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _decode_e4m3(b):
-        """float8_e4m3fn bytes (int32 0..255) -> float32, exactly: normals by building the
-        float32 bits, subnormals as man * 2^-9, 0x7F / 0xFF as NaN."""
+    def _rnd(v, ROUND: tl.constexpr):
+        """float32 -> the nearest bf16 value (ties to even), still float32, when ROUND."""
+        if ROUND:
+            bits = v.to(tl.int32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+        return v
+
+    @triton.jit
+    def _e4m3(b):
+        """float8_e4m3fn bytes (int32 0..255) -> float32, exactly (0x7F / 0xFF: NaN)."""
         exp = (b >> 3) & 0xF
         man = b & 7
         normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
@@ -65,333 +67,292 @@ if HAVE_TRITON:
         return tl.where((b & 0x7F) == 0x7F, float("nan"), val)
 
     @triton.jit
-    def _decode_e2m1(c):
-        """e2m1 codes (int32 0..15: bit 3 sign, bits 0-2 the index of 0, .5, 1, 1.5, 2, 3, 4, 6)
-        -> float32: exponent idx >> 1 (bias 1), mantissa idx & 1, subnormal 0 / 0.5."""
+    def _e2m1(c):
+        """e2m1 codes (int32 0..15) -> float32: 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 the sign."""
         idx = c & 7
         exp = idx >> 1
-        man = idx & 1
-        normal = (((exp + 126) << 23) | (man << 22)).to(tl.float32, bitcast=True)
-        val = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
+        normal = (((exp + 126) << 23) | ((idx & 1) << 22)).to(tl.float32, bitcast=True)
+        val = tl.where(exp == 0, (idx & 1).to(tl.float32) * 0.5, normal)
         return tl.where((c & 8) != 0, -val, val)
 
     @triton.jit
-    def _quant_matmul_kernel(
-        x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr,
-        M, N, K,
-        stride_xm, stride_xk,
-        stride_we, stride_wn, stride_wk,
-        stride_se, stride_sn, stride_sk,
-        stride_ge,
-        stride_ym, stride_yn,
-        SCHEME: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        UPCAST_DOT: tl.constexpr,
+    def _gelu(g, TANH: tl.constexpr):
+        if TANH:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2z)
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            return g / (1.0 + tl.exp(-2.0 * z))
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+
+    @triton.jit
+    def _weight_tile(w_base, s_base, ns, n_ok, k0, K, KB, stride_wn, stride_sn,
+                     SCHEME: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
+        """Rows `ns` [BN] of a weight at inputs k0 .. k0 + BLOCK_K, dequantised -> [BN, BLOCK_K] in
+        OUT (the activations' dtype); int8 / fp8 without their per-channel scale (the caller's
+        epilogue), nvfp4 without its global scale."""
+        rows = ns.to(tl.int64)[:, None]
+        if SCHEME == 0 or SCHEME == 3:  # 4-bit: BLOCK_K / 2 bytes of a row, two codes a byte (the first low)
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(w_base + rows * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < KB)[None, :], other=0)
+            b = b.to(tl.int32) & 0xFF
+            codes = tl.reshape(tl.join(b & 0xF, b >> 4), (b.shape[0], BLOCK_K))
+            SCALES: tl.constexpr = BLOCK_K // GROUP
+            s_off = tl.multiple_of(ns.to(tl.int64) * stride_sn + k0 // GROUP, SCALES)  # rows padded to whole tiles
+            s = tl.load(s_base + s_off[:, None] + tl.arange(0, SCALES)[None, :], mask=n_ok[:, None], other=0)
+            if SCHEME == 0:
+                q = (codes - 8).to(tl.float32)
+                sf = s.to(tl.float32)
+            else:
+                q = _e2m1(codes)
+                sf = _e4m3(s.to(tl.int32) & 0xFF)
+            w = tl.reshape(tl.reshape(q, (b.shape[0], SCALES, GROUP)) * sf[:, :, None], (b.shape[0], BLOCK_K))
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            raw = tl.load(w_base + rows * stride_wn + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0)
+            if SCHEME == 2:
+                w = _e4m3(raw.to(tl.int32) & 0xFF)
+            elif SCHEME == 1:  # via float32: the interpreter casts int8 -> bf16 wrongly
+                w = raw.to(tl.float32)
+            else:
+                w = raw
+        return w.to(OUT)
+
+    @triton.jit
+    def _gemm_kernel(
+        x_ptr, pairs_ptr, w_ptr, s_ptr, cs_ptr, ends_ptr, y_ptr,
+        M, N, K, KB,
+        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ce, stride_cn, stride_ym,
+        GROUPED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, TOP_K: tl.constexpr,
+        SCHEME: tl.constexpr, GROUP: tl.constexpr, CHANNEL_SCALE: tl.constexpr, DUAL: tl.constexpr,
+        TANH: tl.constexpr, ROUND: tl.constexpr, UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """One [BLOCK_M, BLOCK_N] tile of y = x @ dequantize(W).T. GROUPED: the row tile
-        `program_id(0)` belongs to expert tile_expert[pid] (-1: an unused slot of the grid, which
-        computes and stores nothing), starts at row tile_row[pid] and ends at ends[expert]."""
-        pid_m = tl.program_id(0)
+        """y = x @ W.T for one BLOCK_N column tile. GROUPED: program_id(0) is an expert, whose rows
+        [ends[e-1], ends[e]) it walks in tiles of BLOCK_M (rows in expert order; GATHER: row s
+        reads x[pairs[s] // TOP_K]; SCATTER: row s is stored at y[pairs[s]]). Otherwise
+        program_id(0) is a tile of BLOCK_M rows. DUAL: W's rows [0, N) are gates and [N, 2N) ups:
+        y = gelu(gate) * up. CHANNEL_SCALE: the accumulator times cs[n] (int8 / fp8's scale,
+        nvfp4's 1 / global scale)."""
+        pid = tl.program_id(0)
         pid_n = tl.program_id(1)
-        if GROUPED:  # an unused slot gets no rows and no K loop (no early return: portable)
-            expert = tl.load(tile_expert_ptr + pid_m)
-            used = expert >= 0
-            expert = tl.maximum(expert, 0)
-            row_start = tl.load(tile_row_ptr + pid_m)
-            row_end = tl.where(used, tl.minimum(tl.load(ends_ptr + expert), M), row_start)
-            k_end = tl.where(used, K, 0)
-            expert_off = expert.to(tl.int64)
+        if GROUPED:
+            expert = pid.to(tl.int64)
+            row_end = tl.load(ends_ptr + pid)
+            row_start = tl.where(pid > 0, tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0), 0)
         else:
-            row_start = pid_m * BLOCK_M
-            row_end = M
-            k_end = K
-            expert_off = 0
-        rows = row_start + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < row_end
-        col_mask = cols < N
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-        w_cols = w_ptr + expert_off * stride_we + cols.to(tl.int64)[None, :] * stride_wn
-        s_cols = s_ptr + expert_off * stride_se + cols.to(tl.int64)[None, :] * stride_sn
-        if SCHEME == 3:
-            global_scale = tl.load(gs_ptr + expert_off * stride_ge).to(tl.float32)
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
-            x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w_mask = k_mask[:, None] & col_mask[None, :]
-            if SCHEME == 0:  # int4: 8 nibbles a word, value k in bits 4k..4k+3, offset by 8
-                word = tl.load(w_cols + (ks // 8)[:, None] * stride_wk, mask=w_mask, other=0)
-                q = ((word >> ((ks % 8) * 4)[:, None]) & 0xF) - 8
-                scale = tl.load(s_cols + (ks // GROUP)[:, None] * stride_sk, mask=w_mask, other=0.0)
-                w = q.to(tl.float32) * scale.to(tl.float32)
-            elif SCHEME == 1:  # int8: the per-channel scale is applied after the loop; via float32
-                # (the interpreter casts int8 -> bf16 wrongly)
-                w = tl.load(w_cols + ks[:, None] * stride_wk, mask=w_mask, other=0).to(tl.float32)
-            elif SCHEME == 2:  # fp8 (uint8 view): likewise
-                byte = tl.load(w_cols + ks[:, None] * stride_wk, mask=w_mask, other=0)
-                w = _decode_e4m3(byte.to(tl.int32))
-            else:  # nvfp4: two codes a byte, the first in the low nibble; an e4m3 scale per 16
-                byte = tl.load(w_cols + (ks // 2)[:, None] * stride_wk, mask=w_mask, other=0).to(tl.int32)
-                code = (byte >> ((ks % 2) * 4)[:, None]) & 0xF
-                scale = tl.load(s_cols + (ks // 16)[:, None] * stride_sk, mask=w_mask, other=0)
-                w = _decode_e2m1(code) * (_decode_e4m3(scale.to(tl.int32)) / global_scale)
-            w = w.to(x.dtype)  # the weight tile in x's dtype, as tensor cores take it
-            if UPCAST_DOT:  # the same products in float32 (bf16 x bf16 is exact in float32)
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            expert = 0
+            row_start = pid * BLOCK_M
+            row_end = tl.minimum(row_start + BLOCK_M, M)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = ns < N
+        w_base = w_ptr + expert * stride_we
+        s_base = s_ptr + expert * stride_se
+        OUT: tl.constexpr = x_ptr.dtype.element_ty
+        if CHANNEL_SCALE:
+            cscale = tl.load(cs_ptr + expert * stride_ce + ns.to(tl.int64) * stride_cn, mask=n_ok, other=0.0).to(tl.float32)
+            if DUAL:
+                cscale_up = tl.load(cs_ptr + expert * stride_ce + (ns + N).to(tl.int64) * stride_cn, mask=n_ok, other=0.0)
+                cscale_up = cscale_up.to(tl.float32)
+        for m0 in range(row_start, row_end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            r_ok = rows < row_end
+            if GATHER:
+                pair = tl.load(pairs_ptr + rows, mask=r_ok, other=0)
+                x_rows = (pair // TOP_K).to(tl.int64)
             else:
-                acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
-        if SCHEME == 1 or SCHEME == 2:
-            scale = tl.load(s_ptr + expert_off * stride_se + cols.to(tl.int64) * stride_sn, mask=col_mask, other=0.0)
-            acc = acc * scale.to(tl.float32)[None, :]
-        y = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+                x_rows = rows.to(tl.int64)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if DUAL:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=r_ok[:, None] & (ks < K)[None, :], other=0.0)
+                w = _weight_tile(w_base, s_base, ns, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, BLOCK_K, OUT)
+                if UPCAST_DOT:  # the interpreter multiplies bf16's raw bits: the same products in float32
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+                if DUAL:
+                    w = _weight_tile(w_base, s_base, ns + N, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, BLOCK_K, OUT)
+                    if UPCAST_DOT:
+                        acc_up = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc_up, input_precision="ieee")
+                    else:
+                        acc_up = tl.dot(x, tl.trans(w), acc_up, input_precision=INPUT_PRECISION)
+            if CHANNEL_SCALE:
+                acc = acc * cscale[None, :]
+                if DUAL:
+                    acc_up = acc_up * cscale_up[None, :]
+            out = _rnd(acc, ROUND)
+            if DUAL:
+                out = _rnd(_gelu(out, TANH) * _rnd(acc_up, ROUND), ROUND)
+            if SCATTER:
+                y_rows = tl.load(pairs_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+            else:
+                y_rows = rows.to(tl.int64)
+            tl.store(y_ptr + y_rows[:, None] * stride_ym + ns[None, :], out.to(y_ptr.dtype.element_ty),
+                     mask=r_ok[:, None] & n_ok[None, :])  # fmt: skip
 
-    INTERPRETED = interpreted(_quant_matmul_kernel)
+    INTERPRETED = interpreted(_gemm_kernel)
 else:  # pragma: no cover
     INTERPRETED = False
 
 
-# ------------------------------------------------------------------------------- device checks
 def available(device: torch.device | str) -> bool:
     """Whether these kernels can run on `device` (triton_support.runs_on)."""
     return runs_on(device, INTERPRETED)
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def dot_args(dtype: torch.dtype) -> dict:
+    """The tl.dot settings of activations of `dtype` (the MoE kernels use them too)."""
+    return dict(
+        UPCAST_DOT=INTERPRETED and dtype != torch.float32,  # the interpreter multiplies bf16's raw bits
+        INPUT_PRECISION="ieee" if dtype == torch.float32 else None,  # float32: no tf32 rounding
+    )
 
 
-def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of an NVIDIA GPU; None for other devices and ROCm (whose fp8 differs)."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return None
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+class GemmWeight:
+    """A weight [(E,) N, K] as `_gemm_kernel` reads it: the stored tensor (quantised codes, or the
+    full-precision weight), its scheme, the group size, the scale tile tensor and the per-channel
+    scale on the accumulator (None: none). Built once per weight (`gemm_weight`): 4-bit scale rows
+    padded with zeros to whole K-tiles, nvfp4's global scale made one float32 per channel."""
+
+    def __init__(self, scheme: str, shape: tuple[int, ...], data: torch.Tensor, group: int = 1,
+                 scales: torch.Tensor | None = None, channel: torch.Tensor | None = None):  # fmt: skip
+        self.scheme, self.shape, self.data, self.group = scheme, tuple(shape), data, group
+        self.scales, self.channel = scales, channel
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.shape) == 3
 
 
-def _fp8_tensor_cores(x: torch.Tensor, n: int, k: int) -> bool:
-    """torch._scaled_mm can serve this fp8 matmul: FP8 tensor cores (sm89+) and the 16-element
-    alignment cuBLASLt / CUTLASS need of both matrices' leading dimensions."""
-    cap = _cuda_capability(x.device)
-    return cap is not None and cap >= (8, 9) and n % 16 == 0 and k % 16 == 0
+FOUR_BIT_K = 256  # inputs per K-tile of a 4-bit weight (128 bytes a row)
 
 
-def _fp8_grouped_tensor_cores(x: torch.Tensor, n: int, k: int) -> bool:
-    """torch._scaled_grouped_mm exists in this torch and has a kernel for the device: torch
-    builds it for sm90 and sm100 only (sm89 / sm120 raise), with the same alignment."""
-    cap = _cuda_capability(x.device)
-    return hasattr(torch, "_scaled_grouped_mm") and cap is not None and cap[0] in (9, 10) and n % 16 == 0 and k % 16 == 0
+def _padded_scales(scales: torch.Tensor, per_tile: int) -> torch.Tensor:
+    """[..., N, G] scales with each row padded with zeros to a whole number of K-tiles' scales."""
+    groups = scales.shape[-1]
+    padded = -(-groups // per_tile) * per_tile
+    if padded == groups:
+        return scales.contiguous()
+    out = scales.new_zeros(*scales.shape[:-1], padded)
+    out[..., :groups] = scales
+    return out
 
 
-# ------------------------------------------------------------------------------------ operands
-def _check(x: torch.Tensor, q: QTensor, dims: int) -> None:
-    if q.scheme not in SCHEME_IDS:
-        raise ValueError(f"unknown quantization scheme {q.scheme!r}")
-    if len(q.shape) != dims:
-        raise ValueError(f"expected a {dims}D quantised weight, got shape {q.shape}")
-    if x.dtype not in X_DTYPES:
-        raise TypeError(f"activations must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.shape[-1] != q.shape[-1]:
-        raise ValueError(f"x has {x.shape[-1]} inputs, the weight {q.shape[-1]}")
-
-
-def _operands(q: QTensor, stacked: bool) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], int]:
-    """The kernel's (weight, scale, global scale) tensors, their strides (expert, row, column;
-    expert 0 for a 2D weight) and the inputs per scale of int4."""
+def gemm_weight(weight: "torch.Tensor | QTensor") -> GemmWeight:
+    """The kernel's view of a weight: a full-precision tensor [(E,) N, K], or a QTensor
+    (quant/formats.py, compressed-tensors layout)."""
+    if isinstance(weight, torch.Tensor):
+        return GemmWeight("plain", tuple(weight.shape), weight)
+    q = weight
     p, k = q.parts, q.shape[-1]
     if q.scheme in ("int8", "fp8"):
-        w = p["weight"].view(torch.uint8) if q.scheme == "fp8" else p["weight"]
+        data = p["weight"].view(torch.uint8) if q.scheme == "fp8" else p["weight"]
+        channel = p["weight_scale"].float().reshape(*q.shape[:-1])
+        return GemmWeight(q.scheme, q.shape, data, channel=channel)
+    if q.scheme == "int4":
         s = p["weight_scale"]
-        gs, group = s, 1
+        group = k // s.shape[-1]
+        if group * s.shape[-1] != k or FOUR_BIT_K % group:
+            raise ValueError(f"int4 on the GPU needs a group size dividing {FOUR_BIT_K} and {k} (got {group})")
+        data = p["weight_packed"].view(torch.uint8)
+        return GemmWeight("int4", q.shape, data, group, _padded_scales(s, FOUR_BIT_K // group))
+    if q.scheme == "nvfp4":
+        s = p["weight_scale"].view(torch.uint8)
+        gs = p["weight_global_scale"].float().reshape(*q.shape[:-2], 1)
+        channel = (1.0 / gs).expand(*q.shape[:-1]).contiguous()
+        return GemmWeight("nvfp4", q.shape, p["weight_packed"].view(torch.uint8), 16, _padded_scales(s, FOUR_BIT_K // 16), channel)
+    raise ValueError(f"unknown quantization scheme {q.scheme!r}")
+
+
+def concat_weights(weights: list[GemmWeight]) -> GemmWeight:
+    """Weights of one input size side by side along N (q|k|v, gate|up): one GEMM for all."""
+    first = weights[0]
+    if any(w.scheme != first.scheme or w.shape[-1] != first.shape[-1] or w.group != first.group for w in weights):
+        raise ValueError("only weights of one scheme, input size and group concatenate")
+
+    def cat(parts: list, dim: int):
+        return None if parts[0] is None else torch.cat(parts, dim=dim)
+
+    n = sum(w.shape[-2] for w in weights)
+    return GemmWeight(first.scheme, (*first.shape[:-2], n, first.shape[-1]), cat([w.data for w in weights], -2), first.group,
+                      cat([w.scales for w in weights], -2), cat([w.channel for w in weights], -1))  # fmt: skip
+
+
+def _blocks(w: GemmWeight, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) from the rows a program walks (an expert's
+    average, or a linear's M): small M is memory bound (a short row tile, one tile a step)."""
+    rows = rows if not w.stacked else 2 * rows  # an expert's rows vary about their average: room for most
+    block_m = max(16, min(256 if not w.stacked else 128, triton.next_power_of_2(max(rows, 1))))
+    if INTERPRETED:
+        block_m = min(block_m, 32)
+    block_k = FOUR_BIT_K if w.scheme in ("int4", "nvfp4") else (128 if w.data.element_size() == 1 else 64)
+    block_n = 64 if block_m <= 128 else 32
+    if INTERPRETED:  # programs run one by one there: fewer, wider ones
+        block_n = 128
+    warps = 8 if block_m * block_n >= 128 * 64 or block_k == FOUR_BIT_K else 4
+    return block_m, block_n, block_k, warps
+
+
+def gemm(
+    x: torch.Tensor,
+    w: GemmWeight,
+    ends: torch.Tensor | None = None,
+    pairs: torch.Tensor | None = None,
+    top_k: int = 1,
+    gather: bool = False,
+    scatter: bool = False,
+    dual: str | None = None,
+    rows_per_expert: int | None = None,
+    out_rows: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M (or out_rows), N] in x's dtype; stacked W [E, N, K]: expert e's rows
+    are [ends[e-1], ends[e]) of the pair order (`pairs`: each row's (token, slot) pair; `gather`
+    reads x[pairs[s] // top_k], `scatter` writes row s at pairs[s]). `dual` ("tanh" / "none"): W's
+    rows are gates then ups, the result gelu(gate) * up [M, N / 2]."""
+    if x.dtype not in X_DTYPES or x.dim() != 2 or x.shape[1] != w.shape[-1]:
+        raise ValueError(f"gemm needs x [M, {w.shape[-1]}] bfloat16 / float16 / float32, got {tuple(x.shape)} {x.dtype}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    n, k = w.shape[-2], w.shape[-1]
+    n_out = n // 2 if dual else n
+    rows = pairs.shape[0] if pairs is not None else x.shape[0]
+    y = torch.empty(out_rows if out_rows is not None else rows, n_out, dtype=x.dtype, device=x.device)
+    if rows == 0 or n_out == 0:
+        return y
+    if w.stacked:
+        experts = w.shape[0]
+        if ends is None or ends.shape != (experts,):
+            raise ValueError(f"a stacked weight needs ends [{experts}]")
+        block_m, block_n, block_k, warps = _blocks(w, rows_per_expert or -(-rows // experts))
+        grid_m = experts
     else:
-        w, s = p["weight_packed"], p["weight_scale"]
-        if q.scheme == "int4":
-            group = k // s.shape[-1]
-            if w.dtype != torch.int32 or group < 8 or group % 8 or group * s.shape[-1] != k:
-                raise ValueError(f"int4 needs int32 words and a group size a multiple of 8 dividing {k} (got {w.dtype}, {group})")
-            gs = s
-        else:
-            if k % NVFP4_GROUP or s.shape[-1] != k // NVFP4_GROUP:
-                raise ValueError(f"nvfp4 needs one scale per {NVFP4_GROUP} inputs (inputs {k}, scales {s.shape[-1]})")
-            s, gs, group = s.view(torch.uint8), p["weight_global_scale"], NVFP4_GROUP
-    if stacked:
-        strides = (w.stride(0), w.stride(1), w.stride(2), s.stride(0), s.stride(1), s.stride(2), gs.stride(0))
-    else:
-        strides = (0, w.stride(0), w.stride(1), 0, s.stride(0), s.stride(1), 0)
-    return (w, s, gs), strides, group
-
-
-def _pick_blocks(rows: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) from the rows a tile sees: small M (decoding, an expert's
-    few tokens) is memory bound, so a short M tile and a deep K tile; tl.dot needs >= 16.
-    tests/test_triton_compile.py compiles every pick, scheme, plain and grouped, at the released
-    model's shapes for sm90 (triton 3.9's ptxas): none spills; the tightest is int4's 16 x 64 x 128
-    (4 warps: 236-239 of 255 registers, 88 KiB shared), the most shared int4's 128 x 128 x 64
-    (8 warps: 128 KiB of 227)."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
-    block_n = 64 if rows <= 64 or n <= 64 else 128
-    block_k = 128 if rows <= 16 else 64
-    return block_m, block_n, block_k
-
-
-def _launch(
-    x: torch.Tensor, q: QTensor, stacked: bool, grid_m: int, maps: tuple[torch.Tensor, ...] | None,
-    blocks: tuple[int, int, int], num_warps: int | None,
-) -> torch.Tensor:  # fmt: skip
-    m, k = x.shape
-    n = q.shape[-2]
-    (w, s, gs), strides, group = _operands(q, stacked)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = blocks
-    tile_expert, tile_row, ends = maps if maps is not None else (y, y, y)  # unused unless grouped
-    grid = (grid_m, triton.cdiv(n, block_n))
-    _quant_matmul_kernel[grid](
-        x, w, s, gs, y, tile_expert, tile_row, ends,
-        m, n, k,
-        x.stride(0), x.stride(1),
-        *strides,
-        y.stride(0), y.stride(1),
-        SCHEME=SCHEME_IDS[q.scheme], GROUP=group, GROUPED=maps is not None,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32: no tf32 rounding
-        UPCAST_DOT=INTERPRETED and x.dtype == torch.bfloat16,  # the interpreter multiplies bf16's raw bits
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps or (4 if block_m * block_n <= 64 * 64 else 8),
-        enable_fp_fusion=True,  # triton's default until 3.10 (3.9 warns when it is left unsaid)
+        block_m, block_n, block_k, warps = _blocks(w, rows)
+        grid_m = triton.cdiv(rows, block_m)
+    stacked = w.stacked
+    data = w.data
+    scales = w.scales if w.scales is not None else data
+    channel = w.channel if w.channel is not None else data
+    ws = (data.stride(0) if stacked else 0, data.stride(-2))
+    ss = (scales.stride(0) if stacked and w.scales is not None else 0, scales.stride(-2) if w.scales is not None else 0)
+    cs = (channel.stride(0) if stacked and w.channel is not None else 0, channel.stride(-1) if w.channel is not None else 0)
+    _gemm_kernel[(grid_m, triton.cdiv(n_out, block_n))](
+        x, pairs if pairs is not None else y, data, scales, channel, ends if ends is not None else y, y,
+        rows, n_out, k, k // 2,
+        x.stride(0), *ws, *ss, *cs, y.stride(0),
+        GROUPED=w.stacked, GATHER=gather, SCATTER=scatter, TOP_K=top_k,
+        SCHEME=SCHEMES[w.scheme], GROUP=w.group, CHANNEL_SCALE=w.channel is not None, DUAL=dual is not None,
+        TANH=dual == "tanh", ROUND=x.dtype == torch.bfloat16, **dot_args(x.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y
 
 
-# ------------------------------------------------------------------------------ Triton wrappers
-def triton_quant_linear(
-    x: torch.Tensor, q: QTensor, blocks: tuple[int, int, int] | None = None, num_warps: int | None = None
-) -> torch.Tensor:
-    """x [..., K] @ dequantize(q).T for a 2D QTensor [N, K], in x's dtype (float32 accumulation).
-    `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), each a power of two >= 16; None picks by shape."""
-    _check(x, q, 2)
-    lead, n = x.shape[:-1], q.shape[0]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 0:
-        return x.new_empty(*lead, n)
-    blocks = blocks or _pick_blocks(x2.shape[0], n)
-    y = _launch(x2, q, False, triton.cdiv(x2.shape[0], blocks[0]), None, blocks, num_warps)
-    return y.reshape(*lead, n)
-
-
-def _tile_map(ends: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """For each slot of the grid's first dim: the expert of its row tile (-1 if unused) and the
-    tile's first row, from the experts' cumulative row counts `ends`. Computed on the device
-    (no host sync); the grid is sized by a host bound: at most one partial tile per expert."""
-    e = ends.numel()
-    ends64 = ends.to(torch.int64)
-    starts = torch.cat((ends64.new_zeros(1), ends64[:-1]))
-    tiles = (ends64 - starts + block_m - 1) // block_m
-    last = torch.cumsum(tiles, 0)  # one past each expert's last tile
-    slots = min(rows, triton.cdiv(rows, block_m) + e)
-    t = torch.arange(slots, device=ends.device)
-    expert = torch.searchsorted(last, t, right=True)
-    used = expert < e
-    expert_c = expert.clamp(max=e - 1)
-    first_row = starts[expert_c] + (t - (last[expert_c] - tiles[expert_c])) * block_m
-    tile_expert = torch.where(used, expert, -1).to(torch.int32)
-    return tile_expert, first_row.to(torch.int32), slots
-
-
-def triton_quant_grouped_linear(
-    x_sorted: torch.Tensor,
-    q_stacked: QTensor,
-    offsets: torch.Tensor,
-    blocks: tuple[int, int, int] | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """Each expert's rows of x_sorted [S, K] (sorted by expert) @ its dequantised weight.T, for a
-    stacked QTensor [E, N, K], in one launch. offsets: int32 [E], the cumulative row counts
-    (expert e owns rows offsets[e-1]..offsets[e]; offsets[-1] == S, not checked: a host sync)."""
-    _check(x_sorted, q_stacked, 3)
-    e, n, _ = q_stacked.shape
-    if x_sorted.dim() != 2 or offsets.shape != (e,):
-        raise ValueError(f"expected x_sorted [S, K] and offsets [{e}], got {tuple(x_sorted.shape)} and {tuple(offsets.shape)}")
-    s = x_sorted.shape[0]
-    if s == 0:
-        return x_sorted.new_empty(0, n)
-    blocks = blocks or _pick_blocks(triton.cdiv(s, e), n)
-    ends = offsets.to(device=x_sorted.device, dtype=torch.int32)
-    tile_expert, tile_row, slots = _tile_map(ends, s, blocks[0])
-    return _launch(x_sorted, q_stacked, True, slots, (tile_expert, tile_row, ends), blocks, num_warps)
-
-
-# ------------------------------------------------------------------------- FP8 tensor-core paths
-def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (row-wise) float8_e4m3fn activations for x [M, K]: (x_fp8, scale [M, 1] float32)
-    with x ~= x_fp8 * scale, each row's absmax mapped to 448."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def fp8_scaled_mm_linear(x: torch.Tensor, q: QTensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [..., K] @ W.T for an fp8 QTensor [N, K] on FP8 tensor cores (sm89+): activations
-    quantised per token, then torch._scaled_mm(x_fp8, w_fp8.t(), scale_a [M, 1], scale_b [1, N]).
-
-    The product is computed in `out_dtype` then cast to x's dtype: bfloat16 by default because
-    torch's row-wise CUTLASS kernel (sm89, or cuBLAS older than 12.9) only writes bf16. Needs
-    N and K multiples of 16. torch 2.13's CPU build runs _scaled_mm too (tests use it)."""
-    _check(x, q, 2)
-    if q.scheme != "fp8":
-        raise ValueError(f"fp8_scaled_mm_linear needs an fp8 weight, got {q.scheme}")
-    lead, n = x.shape[:-1], q.shape[0]
-    x_fp8, scale_a = quantize_activations_fp8(x.reshape(-1, x.shape[-1]))
-    w = q.parts["weight"].contiguous()  # [N, K] row-major: w.t() is the column-major mat2 needed
-    scale_b = q.parts["weight_scale"].float().reshape(1, n).contiguous()
-    y = torch._scaled_mm(x_fp8, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    return y.to(x.dtype).reshape(*lead, n)
-
-
-def fp8_scaled_grouped_mm(x_sorted: torch.Tensor, q_stacked: QTensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The grouped fp8 matmul on FP8 tensor cores: torch._scaled_grouped_mm(x_fp8 [S, K],
-    w_fp8 [E, K, N] column-major, scale_a [S], scale_b [E, N], offs=offsets), bf16 out (the only
-    output dtype torch's grouped kernel writes), cast to x's dtype. torch builds it for sm90 /
-    sm100 only and has no CPU kernel (its meta kernel checks these arguments in the tests)."""
-    _check(x_sorted, q_stacked, 3)
-    if q_stacked.scheme != "fp8":
-        raise ValueError(f"fp8_scaled_grouped_mm needs an fp8 weight, got {q_stacked.scheme}")
-    e, n, _ = q_stacked.shape
-    x_fp8, scale_a = quantize_activations_fp8(x_sorted)
-    w = q_stacked.parts["weight"].contiguous()
-    scale_b = q_stacked.parts["weight_scale"].float().reshape(e, n).contiguous()
-    offs = offsets.to(device=x_sorted.device, dtype=torch.int32)
-    y = torch._scaled_grouped_mm(
-        x_fp8, w.transpose(-2, -1), scale_a.reshape(-1), scale_b, offs=offs, out_dtype=torch.bfloat16
-    )
-    return y.to(x_sorted.dtype)
-
-
-# ---------------------------------------------------------------------------------- dispatchers
-def _unavailable(device: torch.device) -> RuntimeError:
-    why = "triton is not installed" if not HAVE_TRITON else f"the device is {device.type}, not CUDA"
-    return RuntimeError(f"no GPU kernel for quantised weights here ({why}); on CPU use dgemma.quant.modules")
-
-
-def quant_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
-    """x [..., K] @ dequantize(q).T on a GPU: fp8 on FP8 tensor cores via torch._scaled_mm,
-    everything else (and fp8 on older GPUs) in the Triton kernel; raises where neither runs."""
-    _check(x, q, 2)
-    if q.scheme == "fp8" and _fp8_tensor_cores(x, q.shape[0], q.shape[1]):
-        return fp8_scaled_mm_linear(x, q)
+def quant_linear(x: torch.Tensor, w: "GemmWeight | QTensor") -> torch.Tensor:
+    """x [..., K] @ W.T on a GPU for a 2D weight (a `GemmWeight`, or a QTensor read as one);
+    RuntimeError where the kernels cannot run."""
     if not available(x.device):
-        raise _unavailable(x.device)
-    return triton_quant_linear(x, q)
-
-
-def quant_grouped_linear(x_sorted: torch.Tensor, q_stacked: QTensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The MoE experts' matmul on a GPU (rows sorted by expert, `offsets` their cumulative
-    counts): fp8 via torch._scaled_grouped_mm where torch has it for the device, otherwise the
-    grouped Triton kernel; raises where neither runs."""
-    _check(x_sorted, q_stacked, 3)
-    if q_stacked.scheme == "fp8" and _fp8_grouped_tensor_cores(x_sorted, q_stacked.shape[1], q_stacked.shape[2]):
-        return fp8_scaled_grouped_mm(x_sorted, q_stacked, offsets)
-    if not available(x_sorted.device):
-        raise _unavailable(x_sorted.device)
-    return triton_quant_grouped_linear(x_sorted, q_stacked, offsets)
+        why = "triton is not installed" if not HAVE_TRITON else f"the device is {x.device.type}, not CUDA"
+        raise RuntimeError(f"no GPU kernel for quantised weights here ({why}); on CPU use dgemma.quant.modules")
+    w = w if isinstance(w, GemmWeight) else gemm_weight(w)
+    if w.stacked:
+        raise ValueError(f"quant_linear takes a 2D weight, got shape {w.shape}")
+    return gemm(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])

@@ -56,33 +56,35 @@ if HAVE_TRITON:
         return z
 
     @triton.jit
-    def _allowed(mask_ptr, row, cols, valid, words, HAS_MASK: tl.constexpr):
-        """Whether each token of `cols` is allowed in `row` (bit t % 32 of word t // 32)."""
+    def _allowed(mask_ptr, rows, cols, valid, words, HAS_MASK: tl.constexpr):
+        """Whether token cols[j] is allowed in row rows[i] ([R, BLOCK_V]; bit t % 32 of word t // 32)."""
         if HAS_MASK:
-            word = tl.load(mask_ptr + row * words + cols // 32, mask=valid, other=0)
-            valid = valid & (((word >> (cols % 32)) & 1) != 0)
+            word = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * words + (cols // 32)[None, :], mask=valid, other=0)
+            valid = valid & (((word >> (cols % 32)[None, :]) & 1) != 0)
         return valid
 
     @triton.jit
     def _stats_kernel(
         z_ptr, mask_ptr, temps_ptr, argmax_ptr, entropy_ptr, max_ptr, total_ptr,
-        V, stride_z, words,
-        CAP: tl.constexpr, HAS_MASK: tl.constexpr, FLOOR: tl.constexpr, BLOCK_V: tl.constexpr,
+        ROWS, V, stride_z, words,
+        CAP: tl.constexpr, HAS_MASK: tl.constexpr, FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
-        inv_t = 1.0 / tl.load(temps_ptr + row).to(tl.float32)
-        base = z_ptr + row.to(tl.int64) * stride_z
-        best = -float("inf")
-        best_index = 0
-        s = 0.0  # sum of exp(d), d relative to `best`
-        t = 0.0  # sum of d * exp(d)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows < ROWS
+        inv_t = 1.0 / tl.load(temps_ptr + rows, mask=r_ok, other=1.0).to(tl.float32)
+        base = z_ptr + rows.to(tl.int64)[:, None] * stride_z
+        best = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+        best_index = tl.zeros((BLOCK_R,), tl.int32)
+        s = tl.zeros((BLOCK_R,), tl.float32)  # sum of exp(d), d relative to `best`
+        t = tl.zeros((BLOCK_R,), tl.float32)  # sum of d * exp(d)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            valid = _allowed(mask_ptr, row, cols, cols < V, words, HAS_MASK)
-            z = _softcapped(tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32), CAP)
+            inside = r_ok[:, None] & (cols < V)[None, :]
+            valid = _allowed(mask_ptr, rows, cols, inside, words, HAS_MASK)
+            z = _softcapped(tl.load(base + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP)
             z = tl.where(valid, z, -float("inf"))
-            tile_best = tl.max(z, axis=0)
-            tile_index = tl.argmax(z, axis=0) + v0
+            tile_best = tl.max(z, axis=1)
+            tile_index = tl.argmax(z, axis=1) + v0
             new_best = tl.maximum(best, tile_best)
             best_index = tl.where(tile_best > best, tile_index, best_index)  # ties: the first tile's
             # rescale the sums to the new maximum: d' = d + delta, delta = (best - new_best) / T <= 0
@@ -92,66 +94,82 @@ if HAVE_TRITON:
             alpha = tl.exp(delta)
             t = alpha * (t + delta * s)
             s = alpha * s
-            d = tl.maximum((z - ref) * inv_t, FLOOR)
+            d = tl.maximum((z - ref[:, None]) * inv_t[:, None], FLOOR)
             e = tl.where(valid, tl.exp(d), 0.0)
-            s += tl.sum(e, axis=0)
-            t += tl.sum(tl.where(valid, d * e, 0.0), axis=0)
+            s += tl.sum(e, axis=1)
+            t += tl.sum(tl.where(valid, d * e, 0.0), axis=1)
             best = new_best
         entropy = tl.maximum(tl.log(s) - t / s, 0.0)
         entropy = tl.where(s > 0, entropy, 0.0)  # a row allowing nothing (the caller's error)
-        tl.store(argmax_ptr + row, best_index)
-        tl.store(entropy_ptr + row, entropy)
-        tl.store(max_ptr + row, best)
-        tl.store(total_ptr + row, s)
+        tl.store(argmax_ptr + rows, best_index, mask=r_ok)
+        tl.store(entropy_ptr + rows, entropy, mask=r_ok)
+        tl.store(max_ptr + rows, best, mask=r_ok)
+        tl.store(total_ptr + rows, s, mask=r_ok)
 
     @triton.jit
     def _weights_kernel(
-        z_ptr, mask_ptr, temps_ptr, max_ptr, w_ptr,
-        V, stride_z, stride_w, words,
-        CAP: tl.constexpr, HAS_MASK: tl.constexpr, FLOOR: tl.constexpr, BLOCK_V: tl.constexpr,
+        z_ptr, mask_ptr, temps_ptr, max_ptr, total_ptr, w_ptr,
+        ROWS, V, stride_z, stride_w, words,
+        CAP: tl.constexpr, HAS_MASK: tl.constexpr, FLOOR: tl.constexpr, NORMALIZE: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
-        tile = tl.program_id(1)
-        inv_t = 1.0 / tl.load(temps_ptr + row).to(tl.float32)
-        best = tl.load(max_ptr + row)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows < ROWS
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        inside = r_ok[:, None] & (cols < V)[None, :]
+        inv_t = 1.0 / tl.load(temps_ptr + rows, mask=r_ok, other=1.0).to(tl.float32)
+        best = tl.load(max_ptr + rows, mask=r_ok, other=0.0)
         best = tl.where(best == -float("inf"), 0.0, best)  # a row allowing nothing: all weights 0 below
-        cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        inside = cols < V
-        valid = _allowed(mask_ptr, row, cols, inside, words, HAS_MASK)
-        z = _softcapped(tl.load(z_ptr + row.to(tl.int64) * stride_z + cols, mask=inside, other=0.0).to(tl.float32), CAP)
-        e = tl.where(valid, tl.exp(tl.maximum((z - best) * inv_t, FLOOR)), 0.0)
-        tl.store(w_ptr + row.to(tl.int64) * stride_w + cols, e.to(w_ptr.dtype.element_ty), mask=inside)
+        valid = _allowed(mask_ptr, rows, cols, inside, words, HAS_MASK)
+        r64 = rows.to(tl.int64)[:, None]
+        z = _softcapped(tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP)
+        e = tl.where(valid, tl.exp(tl.maximum((z - best[:, None]) * inv_t[:, None], FLOOR)), 0.0)
+        if NORMALIZE:  # probabilities: softmax's values, in the dtype of the self-conditioning matmul
+            e = e / tl.load(total_ptr + rows, mask=r_ok, other=1.0)[:, None]
+        tl.store(w_ptr + r64 * stride_w + cols[None, :], e.to(w_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _sample_kernel(w_ptr, u_ptr, out_ptr, V, stride_w, BLOCK_V: tl.constexpr):
-        row = tl.program_id(0)
-        base = w_ptr + row.to(tl.int64) * stride_w
+    def _sample_kernel(
+        w_ptr, u_ptr, seeds_ptr, passes_ptr, out_ptr, ROWS, V, C, stride_w,
+        DRAW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows < ROWS
+        base = w_ptr + rows.to(tl.int64)[:, None] * stride_w
         # pass 1: the float32 sum of the weights as stored (the same tile cumsums as pass 2, so the
         # same running values: the draw can only land inside the CDF that pass 2 searches), and
         # their argmax (first of ties) for a draw that lands at or past the end.
-        running = 0.0
-        best = -float("inf")
-        best_index = 0
+        running = tl.zeros((BLOCK_R,), tl.float32)
+        best = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+        best_index = tl.zeros((BLOCK_R,), tl.int32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            w = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
-            running = tl.max(tl.cumsum(w, axis=0) + running, axis=0)
-            tile_best = tl.max(w, axis=0)
-            best_index = tl.where(tile_best > best, tl.argmax(w, axis=0) + v0, best_index)
+            w = tl.load(base + cols[None, :], mask=r_ok[:, None] & (cols < V)[None, :], other=0.0).to(tl.float32)
+            running = tl.max(tl.cumsum(w, axis=1) + running[:, None], axis=1)
+            tile_best = tl.max(w, axis=1)
+            best_index = tl.where(tile_best > best, tl.argmax(w, axis=1) + v0, best_index)
             best = tl.maximum(best, tile_best)
-        target = tl.load(u_ptr + row).to(tl.float32) * running
+        if DRAW:  # each row's own Philox uniform (rows of one program are positions of one request)
+            req = (tl.program_id(0) * BLOCK_R) // C
+            seed = tl.load(seeds_ptr + req).to(tl.uint64, bitcast=True)
+            offsets = (tl.load(passes_ptr + req) * C + rows % C).to(tl.uint32)
+            r0, _, _, _ = tl.randint4x(seed, offsets)
+            u = tl.random.uint_to_uniform_float(r0)
+        else:
+            u = tl.load(u_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
+        target = u * running
         # pass 2: the first token of non-zero weight whose cumulative weight exceeds u x sum
-        running = 0.0
-        found = V  # V: none yet
+        running = tl.zeros((BLOCK_R,), tl.float32)
+        found = tl.full((BLOCK_R,), V, tl.int32)  # V: none yet
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            w = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
-            cdf = tl.cumsum(w, axis=0) + running
-            hit = tl.min(tl.where((cdf > target) & (w > 0), cols, V), axis=0)
+            w = tl.load(base + cols[None, :], mask=r_ok[:, None] & (cols < V)[None, :], other=0.0).to(tl.float32)
+            cdf = tl.cumsum(w, axis=1) + running[:, None]
+            hit = tl.min(tl.where((cdf > target[:, None]) & (w > 0), cols[None, :], V), axis=1)
             found = tl.minimum(found, hit)
-            running = tl.max(cdf, axis=0)
+            running = tl.max(cdf, axis=1)
         # u x sum at or past the last cumulative weight (u rounding up to 1, u >= 1, NaN): the argmax
-        tl.store(out_ptr + row, tl.where(found < V, found, best_index))
+        tl.store(out_ptr + rows, tl.where(found < V, found, best_index).to(tl.int64), mask=r_ok)
 
     @triton.jit
     def _philox_kernel(seeds_ptr, steps_ptr, u_ptr, noise_ptr, C, vocab, BLOCK_C: tl.constexpr):
@@ -166,6 +184,70 @@ if HAVE_TRITON:
         tl.store(u_ptr + row * C + pos, tl.random.uint_to_uniform_float(r0), mask=inside)
         tl.store(noise_ptr + row * C + pos, (r1.to(tl.uint32) % vocab.to(tl.uint32)).to(tl.int64), mask=inside)
 
+    @triton.jit
+    def _decide_kernel(
+        entropy_ptr, argmax_ptr, sampled_ptr, seeds_ptr, passes_ptr, fixed_ptr, bound_ptr, conf_ptr, stab_ptr,
+        hist_in_ptr, hist_out_ptr, canvas_ptr, argmax_out_ptr, kept_ptr, shown_ptr, stop_ptr,
+        C, vocab,
+        HAS_FIXED: tl.constexpr, MAX_STABILITY: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """One request's sampler decisions after its pass (runner._decide, sampler.py): entropy-bound
+        acceptance over the free positions, the next canvas (accepted: the sampled token; else its
+        Philox noise token; fixed: the fixed one), the stopping rule (stable over the last
+        `stability` argmax canvases, mean entropy of the free positions below the threshold) and
+        the rolled history, what a draft shows."""
+        i = tl.program_id(0).to(tl.int64)
+        pos = tl.arange(0, BLOCK_C)
+        inside = pos < C
+        row = i * C + pos
+        entropy = tl.load(entropy_ptr + row, mask=inside, other=0.0)
+        argmax = tl.load(argmax_ptr + row, mask=inside, other=0)
+        if HAS_FIXED:
+            fixed = tl.load(fixed_ptr + row, mask=inside, other=-1).to(tl.int64)
+            free = fixed < 0
+        else:
+            fixed = tl.full((BLOCK_C,), -1, tl.int64)
+            free = pos >= 0
+        weighed = tl.where(free, entropy, 0.0)
+        # lowest entropies first while (cumulative sum - own) <= bound: a prefix of the sorted order;
+        # keys are the entropy's bits (>= 0: ordered as integers) and the position (ties: the lower first)
+        keys = (weighed.to(tl.int32, bitcast=True).to(tl.int64) << 16) | pos.to(tl.int64)
+        keys = tl.where(inside, keys, 0x7FFFFFFFFFFFFFFF)
+        ordered = tl.sort(keys)
+        sorted_e = tl.where(tl.arange(0, BLOCK_C) < C, (ordered >> 16).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        before = tl.cumsum(sorted_e, axis=0) - sorted_e
+        taken = tl.sum(((before <= tl.load(bound_ptr + i)) & (tl.arange(0, BLOCK_C) < C)).to(tl.int32), axis=0)
+        last = tl.max(tl.where(tl.arange(0, BLOCK_C) < taken, ordered, -1), axis=0)
+        accepted = (keys <= last) & free & inside
+        seed = tl.load(seeds_ptr + i).to(tl.uint64, bitcast=True)
+        offsets = (tl.load(passes_ptr + i) * C + pos).to(tl.uint32)
+        _, r1, _, _ = tl.randint4x(seed, offsets)
+        noise = (r1.to(tl.uint32) % vocab.to(tl.uint32)).to(tl.int64)
+        canvas = tl.where(accepted, tl.load(sampled_ptr + row, mask=inside, other=0), noise)
+        canvas = tl.where(free, canvas, fixed)
+        argmax = tl.where(free, argmax, fixed)
+        stability = tl.load(stab_ptr + i)
+        stable = True
+        for s in tl.static_range(MAX_STABILITY):  # rows s < stability of the history: the oldest first
+            h_off = (i * MAX_STABILITY + s) * C + pos
+            past = tl.load(hist_in_ptr + h_off, mask=inside, other=0)
+            same = tl.sum(((past != argmax) & inside).to(tl.int32), axis=0) == 0
+            stable = stable & (same | (s >= stability))
+            if s + 1 < MAX_STABILITY:  # rolled: row s takes row s + 1, the newest row the argmax canvas
+                newer = tl.load(hist_in_ptr + h_off + C, mask=inside, other=0)
+                rolled = tl.where(s + 1 < stability, newer, argmax)
+            else:
+                rolled = argmax
+            tl.store(hist_out_ptr + h_off, tl.where(s < stability, rolled, past), mask=inside)
+        count = tl.sum((free & inside).to(tl.float32), axis=0)
+        mean = tl.sum(weighed, axis=0) / tl.maximum(count, 1.0)
+        stop = stable & (mean < tl.load(conf_ptr + i))
+        tl.store(canvas_ptr + row, canvas, mask=inside)
+        tl.store(argmax_out_ptr + row, argmax, mask=inside)
+        tl.store(kept_ptr + row, (accepted | ~free).to(tl.int8), mask=inside)
+        tl.store(shown_ptr + row, weighed, mask=inside)
+        tl.store(stop_ptr + i, stop.to(tl.int8))
+
     INTERPRETED = interpreted(_stats_kernel)
 else:  # pragma: no cover
     INTERPRETED = False
@@ -174,6 +256,18 @@ else:  # pragma: no cover
 def available(device: torch.device | str) -> bool:
     """Whether these kernels can run on `device` (triton_support.runs_on)."""
     return runs_on(device, INTERPRETED)
+
+
+def _rows_per_program(rows: int, canvas_length: int | None = None) -> int:
+    """Rows a program of the vocabulary kernels takes: one on a GPU (a row is the parallel unit),
+    up to 16 under the interpreter (which runs programs one by one), dividing the canvas length
+    where rows are canvas positions (a program's rows then belong to one request)."""
+    if not INTERPRETED:
+        return 1
+    block = min(16, triton.next_power_of_2(max(rows, 1)))
+    while canvas_length and canvas_length % block:
+        block //= 2
+    return block
 
 
 def _block(vocab: int) -> int:
@@ -191,9 +285,12 @@ def step_statistics(
     softcap: float = 0.0,
     allowed: torch.Tensor | None = None,
     probs_dtype: torch.dtype = torch.float32,
+    normalize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """argmax [N], entropy [N], total [N] and unnormalised probabilities [N, V] (`probs_dtype`) of
-    softcap(logits) / temps, as `sampler.step_statistics` gives them for already-softcapped logits.
+    softcap(logits) / temps, as `sampler.step_statistics` gives them for already-softcapped logits;
+    `normalize`: the probabilities themselves (divided by total before the store: softmax's values,
+    what the self-conditioning matmul reads, so it needs no division afterwards).
 
     logits: [N, V] float32 / bf16 / fp16, the LM head's raw output (softcapped here: `softcap` > 0);
     temps: [N] (or [N, 1]) each row's temperature; allowed: int32 [N, ceil(V / 32)] or None."""
@@ -216,10 +313,12 @@ def step_statistics(
     total = torch.empty(rows, dtype=torch.float32, device=logits.device)
     probs = torch.empty(rows, vocab, dtype=probs_dtype, device=logits.device)
     block, cap = _block(vocab), float(softcap or 0.0)
-    common = dict(CAP=cap, HAS_MASK=allowed is not None, FLOOR=EXP_FLOOR, BLOCK_V=block)
-    _stats_kernel[(rows,)](logits, mask, temps, argmax, entropy, best, total, vocab, logits.stride(0), words, **common)
-    _weights_kernel[(rows, triton.cdiv(vocab, block))](
-        logits, mask, temps, best, probs, vocab, logits.stride(0), probs.stride(0), words, **common
+    block_r = _rows_per_program(rows)
+    common = dict(CAP=cap, HAS_MASK=allowed is not None, FLOOR=EXP_FLOOR, BLOCK_R=block_r, BLOCK_V=block)
+    grid = (triton.cdiv(rows, block_r),)
+    _stats_kernel[grid](logits, mask, temps, argmax, entropy, best, total, rows, vocab, logits.stride(0), words, **common)
+    _weights_kernel[(grid[0], triton.cdiv(vocab, block))](
+        logits, mask, temps, best, total, probs, rows, vocab, logits.stride(0), probs.stride(0), words, NORMALIZE=normalize, **common
     )
     return argmax, entropy, total, probs
 
@@ -251,7 +350,21 @@ def sample_rows(weights: torch.Tensor, total: torch.Tensor | None, uniforms: tor
     uniforms = uniforms.reshape(-1).contiguous()
     _check_rows("uniforms", rows, uniforms)
     out = torch.empty(rows, dtype=torch.long, device=weights.device)
-    _sample_kernel[(rows,)](weights, uniforms, out, vocab, weights.stride(0), BLOCK_V=_block(vocab))
+    block_r = _rows_per_program(rows)
+    _sample_kernel[(triton.cdiv(rows, block_r),)](weights, uniforms, out, out, out, rows, vocab, 1, weights.stride(0), DRAW=False,
+                                                  BLOCK_R=block_r, BLOCK_V=_block(vocab))  # fmt: skip
+    return out
+
+
+def sample_drawn(weights: torch.Tensor, seeds: torch.Tensor, passes: torch.Tensor, canvas_length: int) -> torch.Tensor:
+    """`sample_rows` with each row's uniform drawn in the kernel from its request's Philox stream:
+    row r is position r % C of request r // C (seeds / passes [n] int64, as `philox_draws`), the
+    uniform the one `philox_draws` gives it. One launch instead of two."""
+    rows, vocab = weights.shape
+    out = torch.empty(rows, dtype=torch.long, device=weights.device)
+    block_r = _rows_per_program(rows, canvas_length)
+    _sample_kernel[(triton.cdiv(rows, block_r),)](weights, weights, seeds, passes, out, rows, vocab, canvas_length, weights.stride(0),
+                                                  DRAW=True, BLOCK_R=block_r, BLOCK_V=_block(vocab))  # fmt: skip
     return out
 
 
@@ -269,3 +382,45 @@ def philox_draws(seeds: torch.Tensor, steps: torch.Tensor, canvas_length: int, v
     block = triton.next_power_of_2(canvas_length)
     _philox_kernel[(n,)](seeds.contiguous(), steps.contiguous(), u, noise, canvas_length, vocab, BLOCK_C=block)
     return u, noise
+
+
+MAX_STABILITY = 4  # the longest stop-rule history the decide kernel keeps (longer: the torch decisions)
+
+
+def decide(
+    entropy: torch.Tensor,
+    argmax: torch.Tensor,
+    sampled: torch.Tensor,
+    seeds: torch.Tensor,
+    passes: torch.Tensor,
+    fixed: torch.Tensor | None,
+    bounds: torch.Tensor,
+    confidence: torch.Tensor,
+    stability: torch.Tensor,
+    history: torch.Tensor,
+    vocab: int,
+) -> tuple[torch.Tensor, ...]:
+    """The sampler's decisions for n canvases in one launch: runner._decide's entropy-bound
+    acceptance, re-noising (each request's Philox noise tokens, as `philox_draws`), fixed
+    positions and stopping rule. entropy [n, C] float32, argmax / sampled [n, C] int64, fixed
+    [n, C] int (-1 free) or None, bounds / confidence [n] float32, stability [n] int32 (at most
+    MAX_STABILITY), history [n, MAX_STABILITY, C] int64 (row s < stability: the argmax canvas of s +
+    1 passes before the newest, -1 unknown; the newest last). Returns (canvas, argmax [n, C] int64,
+    history [n, MAX_STABILITY, C], stop [n] bool, kept [n, C] bool, shown [n, C] float32)."""
+    n, c = entropy.shape
+    if history.shape != (n, MAX_STABILITY, c):
+        raise ValueError(f"history must be [{n}, {MAX_STABILITY}, {c}], got {tuple(history.shape)}")
+    device = entropy.device
+    canvas = torch.empty(n, c, dtype=torch.long, device=device)
+    argmax_out = torch.empty_like(canvas)
+    history_out = torch.empty_like(history)
+    kept = torch.empty(n, c, dtype=torch.int8, device=device)
+    shown = torch.empty(n, c, dtype=torch.float32, device=device)
+    stop = torch.empty(n, dtype=torch.int8, device=device)
+    if n:
+        _decide_kernel[(n,)](
+            entropy, argmax, sampled, seeds, passes, fixed if fixed is not None else canvas, bounds, confidence, stability,
+            history, history_out, canvas, argmax_out, kept, shown, stop, c, vocab,
+            HAS_FIXED=fixed is not None, MAX_STABILITY=MAX_STABILITY, BLOCK_C=triton.next_power_of_2(c),
+        )  # fmt: skip
+    return canvas, argmax_out, history_out, stop.view(torch.bool), kept.view(torch.bool), shown

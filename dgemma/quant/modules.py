@@ -12,7 +12,6 @@ Do not `.to(dtype)` a model holding these modules: fp8 parts are floating point 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import avx2
@@ -75,24 +74,36 @@ def _on_gpu(x: torch.Tensor) -> bool:
     return gpu_kernels_run(x.device)
 
 
+def gpu_weight(module: nn.Module, q: QTensor):
+    """The GPU GEMM's view of a quantised weight (kernels/triton_quant.gemm_weight: scale rows
+    padded to whole K-tiles), made once per module and remade if its parts are replaced."""
+    from ..kernels.triton_quant import gemm_weight
+
+    key = tuple(t.data_ptr() for t in q.parts.values())
+    cached = module.__dict__.get("_gpu_weight")
+    if cached is None or cached[0] != key:
+        cached = module.__dict__["_gpu_weight"] = (key, gemm_weight(q))
+    return cached[1]
+
+
 class QuantLinear(QuantWeight):
-    """x @ W.T for a quantised W [out, in]: on a GPU the Triton / FP8 kernels, on a CPU the native
-    AVX2 GEMM (float32), which dequantise inside the GEMM; elsewhere a tile of output channels at a
-    time (kernels/widened.tiled_linear)."""
+    """x @ W.T for a quantised W [out, in]: on a GPU the Triton GEMM (kernels/triton_quant.py), on
+    a CPU the native AVX2 GEMM (float32), which dequantise inside the GEMM; elsewhere a tile of
+    output channels at a time (kernels/widened.tiled_linear)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qtensor
         if _on_gpu(x):
             from ..kernels.triton_quant import quant_linear
 
-            return quant_linear(x, q)
+            return quant_linear(x, gpu_weight(self, q))
         return cpu_quant_linear(x, q)
 
 
 class QuantExperts(nn.Module):
-    """The MoE experts with quantised gate_up [E, 2I, H] and down [E, H, I]: tokens sorted by
-    expert; on a GPU one grouped kernel launch per projection, elsewhere each expert's weights
-    dequantised tile by tile for all of its tokens."""
+    """The MoE experts with quantised gate_up [E, 2I, H] and down [E, H, I]: on a GPU the MoE
+    kernels (one launch per projection, rows gathered in place), elsewhere tokens sorted by expert
+    and each expert's weights dequantised tile by tile for all of its tokens."""
 
     def __init__(self, gate_up: QTensor, down: QTensor, approximate: str):
         super().__init__()
@@ -110,19 +121,14 @@ class QuantExperts(nn.Module):
                               lambda e, rows: cpu_quant_linear(rows, down.select(e)))  # fmt: skip
 
     def _grouped(self, x, top_k_index, top_k_weights, gate_up: QTensor, down: QTensor) -> torch.Tensor:
-        from ..kernels.triton_quant import quant_grouped_linear
+        """The GPU path: the MoE kernels (align, gate|up with gelu * up, down: kernels/triton_moe.py),
+        then Experts.forward's weighted sum (bf16 rows times float32 weights, summed in float32)."""
+        from ..kernels.triton_moe import moe
 
         num_tokens, top_k = top_k_index.shape
-        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-        token = perm // top_k
-        # rows with id <= e, for each expert e: searchsorted on the sorted ids stays on the device,
-        # where bincount would read its output size back to the host (a sync, and no graph capture)
-        bounds = torch.arange(self.num_experts, device=expert_ids.device, dtype=expert_ids.dtype)
-        offsets = torch.searchsorted(expert_ids, bounds, right=True, out_int32=True)
-        gate, up = quant_grouped_linear(x.index_select(0, token), gate_up, offsets).chunk(2, dim=-1)
-        out = quant_grouped_linear(F.gelu(gate, approximate=self.approximate) * up, down, offsets)
-        out = out * top_k_weights.reshape(-1)[perm].to(out.dtype)[:, None]
-        return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
+        gu, dn = gpu_weight(self.gate_up_proj, gate_up), gpu_weight(self.down_proj, down)
+        y = moe(x, top_k_index.to(torch.int32), gu, dn, self.approximate).view(num_tokens, top_k, -1)
+        return (y * top_k_weights[..., None]).sum(dim=1).to(x.dtype)
 
 
 LINEAR_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
