@@ -61,6 +61,7 @@ from dgemma.config import GenerationConfig  # noqa: E402
 from dgemma.engine import sampler  # noqa: E402
 from dgemma.engine.client import EngineClient  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
+from dgemma.engine.device_step import eager_step, run_step  # noqa: E402
 from dgemma.engine.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
 from dgemma.dense.kv_cache import DenseKVCache  # noqa: E402
 from dgemma.engine.prefill import prefill  # noqa: E402
@@ -195,6 +196,22 @@ def random_masks(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
+def requests_at(net, kvs, canvas, soft, seed: int) -> list:
+    """Requests as the device step reads them (engine/step_inputs.py, device_step.py): row i of
+    `canvas` / `soft` after prefix kvs[i], mid-block, no history, nothing fixed."""
+    gen = GenerationConfig(max_denoising_steps=16)
+    return [SimpleNamespace(kv=kv, config=gen, step=3, seed=seed * 100 + i, passes=5, block_passes=2, canvas=canvas[i],
+                            soft=None if soft is None else soft[i], history=None, active_constraints=None)
+            for i, kv in enumerate(kvs)]  # fmt: skip
+
+
+def device_outputs(out, n: int, c: int) -> tuple:
+    """A device step's argmax, entropies (as shown), probabilities and self-conditioning input of
+    its first n rows, as `compare` reads them."""
+    canvas, argmax, history, stop, kept, shown, soft_next, probs = out
+    return argmax[:n], shown[:n], probs[: n * c], soft_next[:n]
+
+
 def compare(got, want) -> tuple[float, float]:
     """(argmax agreement, worst relative L2 difference of the float outputs) of two decoder steps'
     outputs (argmax, entropy, weights, total, self-conditioning input)."""
@@ -237,17 +254,17 @@ def engine_step_and_graphs(device: torch.device) -> None:
         kernel = runner.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(c, group), allowed)
         if not masked:
             paths.append(compare(kernel, runner.decoder_step(canvas, soft, temps, runner.cache.plan_decoder(c, group))))
-        out = graphs.run(runner, [SimpleNamespace(kv=kv) for kv in group], canvas, soft, temps, allowed)
+        reqs = requests_at(net, group, canvas, soft, k)
+        out = graphs.run(runner, reqs, allowed)
         if out is None:  # a FAIL with the capture's error, not a comparison with nothing
             reason = graphs.failures.get((bucket, masked))
             missing[masked] = f"the {bucket}-row {'masked ' if masked else ''}bucket did not capture: {reason}"
             continue
-        replayed = [t.clone() for t in out]
-        own.append(compare(replayed, kernel))
+        replayed = device_outputs([t.clone() for t in out], n, c)
+        own.append(compare(replayed, device_outputs(eager_step(runner, reqs, allowed), n, c)))
         if device.type == "cuda" or masked:
             entry = graphs.steps[(bucket, masked)]
-            eager = runner.decoder_step(entry.canvas, entry.soft, entry.temps, entry.plan, entry.allowed)
-            same.append(compare(replayed, (eager[0][:n], eager[1][:n], eager[2][: n * c], eager[3][: n * c], eager[4][:n])))
+            same.append(compare(replayed, device_outputs(run_step(runner, entry.static), n, c)))
         if masked:
             picked = replayed[0].reshape(-1).cpu()
             banned = int((((allowed.cpu()[torch.arange(n * c), picked // 32] >> (picked % 32)) & 1) == 0).sum())
@@ -312,27 +329,26 @@ def weight_bytes(net: DiffusionGemma) -> int:
 
 @torch.no_grad()
 def step_ms(engine: Engine, kv, batch: int, graphs: bool, iters: int) -> float:
-    """ms per decoder step (decode, LM head, statistics, self-conditioning input) of `batch`
-    canvases after the prefix `kv` (rows share it: a decoder pass only reads the cache)."""
+    """ms per decoder step (engine/device_step.py: its inputs' copy, the pass, LM head,
+    statistics, self-conditioning input, sampling and decisions) of `batch` canvases after the
+    prefix `kv` (rows share it: a decoder pass only reads the cache)."""
     runner, cfg = engine.runner, engine.runner.config
     device, c = runner.net.device, cfg.canvas_length
     canvas = torch.randint(0, cfg.vocab_size, (batch, c), device=device)
     soft = torch.zeros(batch, c, cfg.hidden_size, device=device, dtype=runner.net.dtype)
-    temps = torch.full((batch * c, 1), 0.6, device=device)
-
-    group = [SimpleNamespace(kv=kv) for _ in range(batch)]  # what the graphs read of a request
+    group = requests_at(runner.net, [kv] * batch, canvas, soft, 0)
     if graphs:
         buckets = DecoderGraphs(buckets=(batch,), capture=cuda_capture if device.type == "cuda" else eager_capture)
 
         def step():
-            out = buckets.run(runner, group, canvas, soft, temps)
+            out = buckets.run(runner, group)
             if out is None:  # not a timing of nothing
                 raise RuntimeError(f"no CUDA graph for batch {batch}: {buckets.failures.get((batch, False), 'not captured')}")
             return out
     else:
 
         def step():
-            return runner.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(c, [kv] * batch))
+            return eager_step(runner, group, None)
 
         if device.type == "cuda":
             without_host_sync(step, f"the eager step at batch {batch}")
