@@ -140,7 +140,10 @@ class _Counter(TorchDispatchMode):
             return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         devices = {t.device.type for t in tensors}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError as e:  # no meta kernel: the count cannot see this path
+            raise Uncounted(f"aten.{name} has no meta implementation, so its launches cannot be counted: {e}") from e
         results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         devices |= {t.device.type for t in results}
         if "meta" in devices:  # work on the device (host-only ops, e.g. building a plan, launch nothing)
@@ -264,15 +267,14 @@ H200_SMS = 132
 
 @contextlib.contextmanager
 def h200():
-    """Meta tensors take the choices an H200 gets: the fp8 dispatchers see compute capability 9.0
-    (torch._scaled_mm / _scaled_grouped_mm), the attention's split count sees 132 SMs."""
+    """Meta tensors take the choices an H200 gets: the kernels' block sizes, grids and split counts
+    as compiled for a GPU (not the interpreter's), 132 SMs for the attention's split count."""
     from dgemma.kernels import triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
 
-    saved = triton_quant._cuda_capability, triton_attention._sm_count, triton_attention.pick_splits
-    pick_splits = saved[2]
+    saved = triton_attention._sm_count, triton_attention.pick_splits
+    pick_splits = saved[1]
     modules = (triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step)
     interpreted = [(m.INTERPRETED, m.available) for m in modules]
-    triton_quant._cuda_capability = lambda device: (9, 0) if device.type in ("cuda", "meta") else saved[0](device)
     triton_attention._sm_count = lambda index: H200_SMS
     triton_attention.pick_splits = lambda device, *a: pick_splits(torch.device("cuda", 0), *a)
     for m in modules:  # block sizes, split counts and grids as compiled for a GPU (the launches are stubbed)
@@ -281,6 +283,88 @@ def h200():
     try:
         yield
     finally:
-        triton_quant._cuda_capability, triton_attention._sm_count, triton_attention.pick_splits = saved
+        triton_attention._sm_count, triton_attention.pick_splits = saved
         for m, (was, available) in zip(modules, interpreted):
             m.INTERPRETED, m.available = was, available
+
+
+# ------------------------------------------------------------------------- the released model
+def released_net(scheme: str | None = None, layers: int | None = None):
+    """The released model's text stack (presets "real") on the meta device in bf16, its linears
+    and experts quantised with `scheme` (int4: groups of 64) where given; `layers`: fewer layers
+    (the per-layer counts do not depend on how many)."""
+    from dgemma.model.checkpoint import make_config
+    from dgemma.model.diffusion_gemma import DiffusionGemma
+    from dgemma.model.presets import PRESETS
+
+    preset = dict(PRESETS["real"])
+    if layers is not None:
+        preset.update(num_layers=layers, layer_types=None)
+    config = make_config(**preset)
+    if scheme is None:
+        with torch.device("meta"):
+            return DiffusionGemma(config).to(torch.bfloat16).eval()
+    from dgemma.quant.modules import random_quantized_model
+
+    return random_quantized_model(config, scheme, 64 if scheme == "int4" else None, torch.bfloat16, device="meta")
+
+
+def meta_engine(net, **options):
+    """An engine on `net` (meta) with the GPU path's kernels as on an H200 (call inside `h200()`),
+    its CUDA graphs captured by `counting_capture`."""
+    from dgemma.engine.engine import Engine, EngineOptions
+
+    settings = dict(triton=True, cuda_graphs=True, batch_invariant=False, prefix_cache=False, kv_cache_memory=2**33)
+    engine = Engine(net, EngineOptions(**(settings | options)))
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.capture = counting_capture
+    return engine
+
+
+def step_launches(net, batch: int, prompt: int = 512, **knobs) -> Launches:
+    """The launches of one steady engine step of `batch` requests denoising canvases after
+    `prompt`-token prompts (prompts encoded and graphs captured by the steps before, uncounted):
+    the whole step, captured region and the host's work around it. `knobs`: GenerationConfig
+    fields (e.g. turbo)."""
+    from host_sync import count_host_reads
+
+    from dgemma.config import GenerationConfig
+    from dgemma.engine.engine import Request
+
+    with h200():
+        engine = meta_engine(net)
+        c = net.config.canvas_length
+        gen = GenerationConfig(max_new_tokens=4 * c, max_denoising_steps=16, confidence_threshold=1e-30, **knobs)
+        for i in range(batch):
+            engine.add(Request(list(range(10, 10 + prompt)), gen, i))
+        with torch.no_grad(), count_host_reads():
+            with count_launches():  # stubs the Triton launches; prompts, first passes, captures
+                while engine.scheduler.waiting or any(r.pending_tokens for r in engine.scheduler.running):
+                    engine.step()
+                engine.step()
+            with count_launches(engine.runner.net) as launches:
+                engine.step()
+    return launches
+
+
+def encode_launches(net, prompt: int = 512) -> Launches:
+    """The launches of one encoder pass: a committed block of one canvas (256 tokens at the
+    released size) after a `prompt`-token prompt, as the engine's step encodes it (prefill)."""
+    from host_sync import count_host_reads
+
+    from dgemma.config import GenerationConfig
+    from dgemma.engine.engine import Request
+
+    with h200():
+        engine = meta_engine(net)
+        gen = GenerationConfig(max_new_tokens=4 * net.config.canvas_length, max_denoising_steps=1)  # a block a pass
+        engine.add(Request(list(range(10, 10 + prompt)), gen, 0))
+        with torch.no_grad(), count_host_reads():
+            with count_launches():
+                while not engine.scheduler.running or engine.scheduler.running[0].block == 0:
+                    engine.step()
+            plan = engine.scheduler.schedule()
+            assert [w.end - w.start for w in plan.encode] == [net.config.canvas_length], plan.encode
+            with count_launches(engine.runner.net) as launches:
+                engine.runner._encode(plan.encode)
+    return launches
