@@ -184,6 +184,20 @@ class Model:
         """The engine `generate` and `stream` share (its prefix cache persists across calls)."""
         return self._engine_client().engine
 
+    def ar_events(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int],
+                  eos_token_ids: tuple[int, ...]):  # fmt: skip
+        """AR mode's events (a `Block` of one token per row per step): on the engine's Triton path
+        (a GPU) the device loop of engine/device_ar.py, one captured graph a token; elsewhere
+        dense/ar.py's loop on the engine's network."""
+        on_gpu_path = self.engine_options.triton or (self.engine_options.triton is None and self.device.type == "cuda")
+        if on_gpu_path and self.engine.runner.triton:
+            from .engine.device_ar import device_ar_events
+
+            return device_ar_events(self.engine, prompt_ids, max_new_tokens, temperature, seeds, eos_token_ids)
+        from .dense.ar import ar_events
+
+        return ar_events(self.engine_net, prompt_ids, max_new_tokens, temperature, seeds, eos_token_ids)
+
     def configure_engine(self, options: EngineOptions | None = None, **changes) -> None:
         """Set `EngineOptions` (block_size, kv_cache_memory, prefix_cache, prefill_chunk,
         max_active, batch_invariant, ...) for the next generation: a whole `options`, and/or
@@ -429,8 +443,6 @@ class Model:
         prompt_ids, images = self._split_prompts(prompts)
         constraints = self._grammar_constraints(grammar, len(prompt_ids), constraints)
         if mode == "ar":
-            from .dense.ar import ar_events
-
             if any(images):
                 raise ValueError("mode='ar' takes text prompts only (no images)")
             validate_prompts(prompt_ids, self.config.vocab_size)
@@ -438,8 +450,7 @@ class Model:
                 len(prompt_ids), seed=seed, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
             )
             cfg = request.config
-            events = ar_events(self.engine_net, prompt_ids, cfg.max_new_tokens, temperature, request.seeds, cfg.eos_token_ids)
-            return collect(events)
+            return collect(self.ar_events(prompt_ids, cfg.max_new_tokens, temperature, request.seeds, cfg.eos_token_ids))
         if mode != "diffusion":
             raise ValueError(f"mode must be 'diffusion' or 'ar', got {mode!r}")
         request = self.sampling_request(

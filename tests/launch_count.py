@@ -368,3 +368,25 @@ def encode_launches(net, prompt: int = 512) -> Launches:
             with count_launches(engine.runner.net) as launches:
                 engine.runner._encode(plan.encode)
     return launches
+
+
+def ar_token_launches(net, prompt: int = 512, rows: int = 1) -> Launches:
+    """The launches of one AR token on the device path (engine/device_ar.py): the captured step
+    (one replay) and the host's work of a read-back batch of one token (block tables up, the read)."""
+    from host_sync import count_host_reads
+
+    from dgemma.engine.device_ar import device_ar_events
+
+    with h200():
+        engine = meta_engine(net)
+        events = device_ar_events(engine, [list(range(10, 10 + prompt))] * rows, 4, 0.0, list(range(rows)), (), read_every=1,
+                                  capture=counting_capture)  # fmt: skip
+        with torch.no_grad(), count_host_reads():
+            with count_launches():
+                for _ in range(rows):  # the prompts and their first tokens
+                    next(events)
+            with count_launches(engine.runner.net) as launches:
+                for _ in range(rows):  # the second token of each row: one step
+                    next(events)
+            events.close()
+    return launches

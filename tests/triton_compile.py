@@ -56,9 +56,9 @@ def compile_for_sm90(script: str, tmp_path) -> None:
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-def released_variants(tmp_path, reports=None) -> list[dict]:
-    """Every kernel variant of the released model's launches, compiled for sm90 (see the module)."""
-    cmd = [sys.executable, __file__, "--json"] + (["--reports", str(reports)] if reports else [])
+def released_variants(tmp_path, reports=None, arch: int = 90) -> list[dict]:
+    """Every kernel variant of the released model's launches, compiled for sm`arch` (see the module)."""
+    cmd = [sys.executable, __file__, "--json", "--arch", str(arch)] + (["--reports", str(reports)] if reports else [])
     done = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=1200)
     if done.returncode == 3:
         pytest.skip(done.stdout.strip())
@@ -83,6 +83,43 @@ def table(variants: list[dict], uses: bool = True) -> str:
 PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 TENSOR_CORES = re.compile(r"\b(?:wgmma|mma)\.")
+
+
+LABEL = re.compile(r"^(\$L__\w+):")
+BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
+GLOBAL_LOAD = re.compile(r"\bld\.global\S*")
+CP_ASYNC = re.compile(r"\bcp\.async\.\S+\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\d+)")
+WIDTH = re.compile(r"\.[bsuf](8|16|32|64)\b")
+VECTOR = re.compile(r"\.v(2|4|8)\.")
+
+
+def load_bytes(op: str) -> int:
+    """Bytes one thread requests with a PTX global load (`ld.global.v4.b32` -> 16)."""
+    width = WIDTH.findall(op)
+    vector = VECTOR.search(op)
+    return (int(vector.group(1)) if vector else 1) * int(width[-1]) // 8 if width else 0
+
+
+def k_loop(ptx: str) -> dict | None:
+    """The innermost loop of the PTX that holds a tensor-core instruction (a matmul's K loop):
+    its global loads' count and bytes per thread per iteration (ld.global and cp.async), the
+    smallest load, and its MMA instructions. None where no loop holds one."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line.strip()))}
+    loops = []
+    for j, line in enumerate(lines):
+        m = BRANCH.search(line)
+        if m and m.group(1) in labels and labels[m.group(1)] < j:
+            loops.append((labels[m.group(1)], j))
+    found = [(end - start, start, end) for start, end in loops if any(TENSOR_CORES.search(x) for x in lines[start:end])]
+    if not found:
+        return None
+    _, start, end = min(found)
+    body = lines[start:end]
+    sizes = [load_bytes(m.group(0)) for x in body for m in GLOBAL_LOAD.finditer(x)]
+    sizes += [int(m.group(1)) for x in body for m in CP_ASYNC.finditer(x)]
+    return dict(loads=len(sizes), bytes=sum(sizes), smallest=min(sizes) if sizes else 0,
+                mma=sum(bool(TENSOR_CORES.search(x)) for x in body))  # fmt: skip
 
 
 def _ptxas_report(log: str, name: str) -> dict:
@@ -148,9 +185,11 @@ class Launches:
                 key = (pointers, sorted((k, v) for k, v in constexprs.items() if k[0] in declared))
             key = repr((fn.__name__, key, options))
             entry = self.variants.setdefault(key, dict(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs,
-                                                       options=options, used_by=[]))  # fmt: skip
+                                                       options=options, used_by=[], grids={}))  # fmt: skip
             if self.label not in entry["used_by"]:
                 entry["used_by"].append(self.label)
+            g = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+            entry["grids"].setdefault(self.label, []).append([int(v) for v in g])
 
         fn.run = run
 
@@ -163,7 +202,7 @@ class Launches:
         plain = (int, float, str, bool, type(None))
         return dict(kernel=fn.__name__, constexprs={k: v if isinstance(v, plain) else str(v) for k, v in constexprs.items()},
                     num_warps=options.num_warps, num_stages=options.num_stages, pointers=pointers,
-                    used_by=entry["used_by"])  # fmt: skip
+                    used_by=entry["used_by"], grids=entry.get("grids", {}))  # fmt: skip
 
     def cache_key(self, entry: dict) -> str:
         """triton's own key of this compile (triton.compile's cache key, hashed)."""
@@ -200,11 +239,17 @@ class Launches:
         name, ptx = kernel.metadata.name, kernel.asm["ptx"]
         report = _ptxas_report(log.getvalue(), name)
         if "registers" not in report or "spill_stores" not in report:
-            report = _run_ptxas(ptx, name, f"sm_{self.target.arch}a", options.enable_fp_fusion)
+            arch = f"sm_{self.target.arch}a" if self.target.arch >= 90 else f"sm_{self.target.arch}"
+            report = _run_ptxas(ptx, name, arch, options.enable_fp_fusion)
         if "registers" not in report or "spill_stores" not in report:
             raise RuntimeError(f"no registers / spills for {name} in ptxas -v's log:\n{log.getvalue()}")
         report.update(shared=kernel.metadata.shared + report.get("static_shared", 0),
-                      tensor_cores=bool(TENSOR_CORES.search(ptx)), seconds=round(time.perf_counter() - began, 2))  # fmt: skip
+                      tensor_cores=bool(TENSOR_CORES.search(ptx)), seconds=round(time.perf_counter() - began, 2),
+                      k_loop=k_loop(ptx), arch=self.target.arch)  # fmt: skip
+        if os.environ.get("DGEMMA_PTX_DIR"):  # the PTX itself, for reading (gpu_check writes it under its output folder)
+            os.makedirs(os.environ["DGEMMA_PTX_DIR"], exist_ok=True)
+            with open(os.path.join(os.environ["DGEMMA_PTX_DIR"], f"{name}.sm{self.target.arch}.ptx"), "w") as f:
+                f.write(ptx)
         return report
 
 
@@ -216,32 +261,32 @@ def _compile_index(index: int) -> dict:
 
 
 def _launch_released(launches: Launches) -> None:
-    """Call every Triton wrapper the engine calls, with the released model's shapes on meta
-    tensors, as the engine calls them (kernel launches are captured, nothing runs)."""
+    """Every Triton launch the engine makes at the released model's shapes (presets "real") on
+    meta tensors, captured, nothing run: whole engine steps (tests/launch_count.py's driver, with
+    an H200's choices) for each weight format at batch 1 and a larger batch, an encoder pass, and
+    the wrappers the steps do not reach (the unfused LoRA path's kernels, turbo's separate draws
+    and sampling, quantised linears at a short prefill chunk's rows)."""
     import torch
 
-    from dgemma.config import GLOBAL, SLIDING
-    from dgemma.engine.paged_cache import PagedKVCache
-    from dgemma.kernels import (
-        gpu,
-        triton_attention,
-        triton_layer,
-        triton_quant,
-        triton_step,
-    )
+    from launch_count import encode_launches, h200, released_net, step_launches
+
+    from dgemma.kernels import triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
     from dgemma.model.checkpoint import make_config
-    from dgemma.model.diffusion_gemma import Attention, Experts
+    from dgemma.model.diffusion_gemma import Experts
     from dgemma.model.presets import PRESETS
     from dgemma.quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, quantize
 
-    for module in (triton_layer, triton_attention, triton_quant, triton_step):
-        module.available = lambda device: True  # meta tensors stand in for CUDA ones
-    triton_attention._sm_count = lambda index: H200_SMS
-    pick_splits = triton_attention.pick_splits
-    triton_attention.pick_splits = lambda device, *a: pick_splits(torch.device("cuda", 0), *a)  # as on an H200
-    modules = (triton_step, triton_layer, triton_attention, triton_quant)
+    modules = (triton_step, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
     for fn in [getattr(m, name) for m in modules for name in dir(m) if name.endswith("_kernel")]:
         launches.capture(fn)
+
+    for scheme in (None, "fp8", "int4", "nvfp4"):
+        net = released_net(scheme)
+        for batch in ((1, 4) if scheme in (None, "nvfp4") else (1,)):  # the decoder pass's shapes first
+            launches.label = f"step {scheme or 'bf16'} batch {batch}"
+            step_launches(net, batch)
+        launches.label = f"encode {scheme or 'bf16'}"
+        encode_launches(net)
 
     cfg = make_config(**PRESETS["real"])
     dt, meta, c = torch.bfloat16, torch.device("meta"), cfg.canvas_length
@@ -250,65 +295,27 @@ def _launch_released(launches: Launches) -> None:
     def empty(*shape, dtype=dt):
         return torch.empty(*shape, dtype=dtype, device=meta)
 
-    # the decoder step's sampler on n canvases (runner.decoder_step, runner._sample)
-    for n in (1, 4):
-        rows = n * c
-        raw, temps = empty(rows, v), empty(rows, 1, dtype=torch.float32)
-        for masked in (False, True):
-            launches.label = f"step_statistics n={n}" + (" masked" if masked else "")
-            allowed = empty(rows, -(-v // 32), dtype=torch.int32) if masked else None
-            _, _, total, probs = triton_step.step_statistics(raw, temps, cfg.final_logit_softcapping, allowed, dt)
-        launches.label = f"philox_draws + sample_rows n={n}"
-        uniforms, _ = triton_step.philox_draws(empty(n, dtype=torch.long), empty(n, dtype=torch.long), c, v)
-        triton_step.sample_rows(probs, total, uniforms.view(-1))
-
-    # attention per layer kind (gpu.TritonAttention: norm_rope on q, k, v, then the paged canvas
-    # kernel through the pass) on n canvases, block tables as wide as a CUDA graph's and a short one
-    block = c  # EngineOptions' default block size: the canvas length
-    cache = PagedKVCache(cfg, {SLIDING: 8, GLOBAL: 8}, block, meta, dt)
-    for kind in (SLIDING, GLOBAL):
-        layer = next(i for i, s in enumerate(cfg.layers) if s.kind == kind)
-        d = cfg.layers[layer].head_dim
+    with h200():
+        launches.label = "turbo's draws and sampling"
+        uniforms, _ = triton_step.philox_draws(empty(1, dtype=torch.long), empty(1, dtype=torch.long), c, v)
+        triton_step.sample_rows(empty(c, v), None, uniforms.view(-1))
+        # the unfused path (a layer with LoRA adapters): norm_rope, gelu_mul, the MoE block with combine_topk
+        for d in (256, 512):
+            launches.label = f"norm_rope D={d}"
+            x = empty(c, 2, d)
+            triton_layer.norm_rope(x, empty(d), empty(c, d), empty(c, d), 1e-6)
+            triton_layer.norm_rope(x, None, None, None, 1e-6)
         with torch.device(meta):
-            attn = gpu.TritonAttention(Attention(cfg, cfg.layers[layer]).to(dt))
-        for n in (1, 2, 3, 4):
-            for width in (-(-cfg.max_position_embeddings // block), 3):
-                launches.label = f"{kind} n={n} width={width}"
-                attn(empty(n, c, h), empty(n, c, d), empty(n, c, d), layer, cache.canvas_buffers(n, c, width))
-
-    # the MoE block (gpu.TritonExperts: moe_experts -> gelu_mul, combine_topk), and gelu_mul at
-    # the dense MLP's width
-    with torch.device(meta):
-        experts = gpu.TritonExperts(Experts(cfg).to(dt))
-    for tokens in (c, 4 * c, 1):
-        launches.label = f"moe_experts {tokens} tokens"
-        index = empty(tokens, cfg.top_k_experts, dtype=torch.long)
-        experts(empty(tokens, h), index, empty(tokens, cfg.top_k_experts, dtype=torch.float32))
-        launches.label = f"gelu_mul dense MLP {tokens} tokens"
-        triton_layer.gelu_mul(empty(tokens, 2 * cfg.intermediate_size))
-
-    # quantised weights of every scheme (QuantLinear -> quant_linear, QuantExperts ->
-    # quant_grouped_linear), rows from a short prefill chunk to batches of canvases. (On an H200,
-    # fp8 goes to torch._scaled_mm / _scaled_grouped_mm instead: its kernel serves older GPUs.)
-    s_spec, g_spec = (next(s for s in cfg.layers if s.kind == k) for k in (SLIDING, GLOBAL))
-    linears = {  # [out, in] of quant/modules.LINEAR_TARGETS
-        "sliding q": (cfg.num_heads * s_spec.head_dim, h), "sliding k/v": (s_spec.num_kv_heads * s_spec.head_dim, h),
-        "sliding o": (h, cfg.num_heads * s_spec.head_dim), "global q": (cfg.num_heads * g_spec.head_dim, h),
-        "global k": (g_spec.num_kv_heads * g_spec.head_dim, h), "global o": (h, cfg.num_heads * g_spec.head_dim),
-        "mlp gate/up": (cfg.intermediate_size, h), "mlp down": (h, cfg.intermediate_size),
-    }  # fmt: skip
-    e, i, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.top_k_experts
-    for scheme in SCHEMES:
-        for name, shape in linears.items():
-            q = quantize(empty(*shape, dtype=torch.float32), scheme, DEFAULT_GROUP_SIZE, dt)
-            for tokens in (c, 16, 32, 64):
-                launches.label = f"{scheme} {name} M={tokens}"
-                triton_quant.quant_linear(empty(tokens, shape[1]), q)
-        for name, shape in (("experts gate_up", (e, 2 * i, h)), ("experts down", (e, h, i))):
-            q = quantize(empty(*shape, dtype=torch.float32), scheme, DEFAULT_GROUP_SIZE, dt)
-            for tokens in (c, 2 * c, 4 * c, 8 * c):  # rows per expert ~ tokens * top_k / experts
-                launches.label = f"{scheme} {name} {tokens} tokens"
-                triton_quant.quant_grouped_linear(empty(tokens * k, shape[2]), q, empty(e, dtype=torch.int32))
+            experts = Experts(cfg).to(dt)
+        launches.label = "moe_experts (unfused)"
+        triton_layer.moe_experts(experts, empty(c, h), empty(c, cfg.top_k_experts, dtype=torch.long),
+                                 empty(c, cfg.top_k_experts, dtype=torch.float32))  # fmt: skip
+        # quantised linears at a prefill chunk's and a short pass's rows
+        for scheme in SCHEMES:
+            q = quantize(empty(cfg.intermediate_size, h, dtype=torch.float32), scheme, DEFAULT_GROUP_SIZE, dt)
+            for tokens in (16, 64, 2048):
+                launches.label = f"{scheme} linear M={tokens}"
+                triton_quant.quant_linear(empty(tokens, h), q)
 
 
 def _compile_all(launches: Launches, reports: str | None) -> list[dict]:
@@ -369,7 +376,8 @@ def main(argv: list[str]) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("TRITON_INTERPRET is set: the kernels would be built for the interpreter")
         return 3
-    launches = Launches(GPUTarget("cuda", 90, 32), exact="--all" in argv)
+    arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
+    launches = Launches(GPUTarget("cuda", arch, 32), exact="--all" in argv)
     _launch_released(launches)
     reports = argv[argv.index("--reports") + 1] if "--reports" in argv else None
     if "--list" in argv:

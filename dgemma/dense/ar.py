@@ -67,13 +67,8 @@ def ar_events(
 
 
 def ar_stream(model, prompt_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None):
-    """AR events for one prompt, with the checkpoint's max_new_tokens and EOS list by default."""
+    """AR events for one prompt, with the checkpoint's max_new_tokens and EOS list by default
+    (`Model.ar_events`: the device loop on a GPU, this module's elsewhere)."""
     gen = model.generation_config
-    return ar_events(
-        model.engine_net,
-        [list(prompt_ids)],
-        max_new_tokens or gen.max_new_tokens,
-        temperature,
-        [seed if seed is not None else 0],
-        gen.eos_token_ids,
-    )
+    return model.ar_events([list(prompt_ids)], max_new_tokens or gen.max_new_tokens, temperature,
+                           [seed if seed is not None else 0], gen.eos_token_ids)  # fmt: skip

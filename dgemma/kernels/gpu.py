@@ -10,7 +10,8 @@ arithmetic rounded at the same points:
     attention (+ its split combine)         the cache pass's: the paged canvas kernel, or gathered SDPA
     o_proj                                  one GEMM
     residual + 4 norms                      triton_norms.post_attention -> h, dense, MoE and router inputs
-    dense [Wgate | Wup], gelu * up, down    two GEMMs and triton_layer.gelu_mul
+    dense [Wgate | Wup], gelu * up, down    two GEMMs and triton_layer.gelu_mul (up to SMALL_M rows, e.g.
+                                            AR's one token a row: gelu * up in the first GEMM's epilogue)
     router logits, softmax, top-k           triton_moe.router_topk
     experts: align, gate|up (gelu * up), down   triton_moe.moe: 3 launches, rows gathered and scattered in place
     MoE sum + 3 norms + residual + scalar   triton_norms.combine, with the next layer's input norm
@@ -175,6 +176,9 @@ def fusable(net: DiffusionGemma) -> bool:
 
 
 # ------------------------------------------------------------------------- the fused network
+SMALL_M = 64  # rows up to which the dense MLP's gate|up GEMM computes gelu * up in its epilogue
+
+
 class FusedLayer(nn.Module):
     """One layer of the fused network (see the module): (h, x) -> (h', x'), x = the layer's input
     norm of h, x' the next one's (`next_norm`)."""
@@ -187,6 +191,7 @@ class FusedLayer(nn.Module):
         self.qkv = fused_linear([a.q_proj, a.k_proj] + ([a.v_proj] if a.v_proj is not None else []))
         self.o = fused_linear([a.o_proj])
         self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj])
+        self.gate_up_gemm = self.gate_up if isinstance(self.gate_up, triton_quant.GemmWeight) else triton_quant.gemm_weight(self.gate_up)
         self.down = fused_linear([mlp.down_proj])
         self.experts_gate_up, self.experts_down = _experts(layer.experts)
         self.next_norm = next_norm
@@ -196,8 +201,11 @@ class FusedLayer(nn.Module):
         layer, a = self.layer, self.layer.self_attn
         spec, eps = self.spec, layer.input_layernorm.eps
         cos, sin, rope_col = tables
+        # a pass whose keys and values the q|k|v kernel writes into the pool (engine/ar.py's one token a row)
+        pools = cache_pass.pool_writes(index, spec.kind) if hasattr(cache_pass, "pool_writes") else None
         q, k, v = triton_layer.qkv_norm_rope(linear(x, self.qkv), self.heads, spec.head_dim, a.v_proj is not None,
-                                             a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, rope_col[spec.kind])  # fmt: skip
+                                             a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, rope_col[spec.kind],
+                                             pools=pools)  # fmt: skip
         b, t = shape
 
         def heads(y: torch.Tensor) -> torch.Tensor:  # [B*T, heads, D] -> [B, heads, T, D]
@@ -209,7 +217,10 @@ class FusedLayer(nn.Module):
             h, linear(attn, self.o), layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
             layer.pre_feedforward_layernorm_2.weight, router.scale, router.root_size, eps,
         )  # fmt: skip
-        dense = linear(triton_layer.gelu_mul(linear(dense_in, self.gate_up), layer.mlp.approximate), self.down)
+        if dense_in.shape[0] <= SMALL_M:  # gelu * up in the GEMM's epilogue: one launch fewer (a GEMV's rows)
+            dense = linear(triton_quant.gemm(dense_in, self.gate_up_gemm, dual=layer.mlp.approximate), self.down)
+        else:
+            dense = linear(triton_layer.gelu_mul(linear(dense_in, self.gate_up), layer.mlp.approximate), self.down)
         top_w, top_i = triton_moe.router_topk(router_in, router.proj.weight, router.per_expert_scale, router.top_k)
         y = triton_moe.moe(moe_in, top_i, self.experts_gate_up, self.experts_down, layer.experts.approximate)
         scalar = layer.encoder_layer_scalar if encoder else layer.layer_scalar
