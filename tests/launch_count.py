@@ -321,11 +321,11 @@ def meta_engine(net, **options):
     return engine
 
 
-def step_launches(net, batch: int, prompt: int = 512, **knobs) -> Launches:
+def step_launches(net, batch: int, prompt: int = 512, on_counted=None, **knobs) -> Launches:
     """The launches of one steady engine step of `batch` requests denoising canvases after
     `prompt`-token prompts (prompts encoded and graphs captured by the steps before, uncounted):
-    the whole step, captured region and the host's work around it. `knobs`: GenerationConfig
-    fields (e.g. turbo)."""
+    the whole step, captured region and the host's work around it. `on_counted()` is called just
+    before the counted step; `knobs`: GenerationConfig fields (e.g. turbo)."""
     from host_sync import count_host_reads
 
     from dgemma.config import GenerationConfig
@@ -342,6 +342,8 @@ def step_launches(net, batch: int, prompt: int = 512, **knobs) -> Launches:
                 while engine.scheduler.waiting or any(r.pending_tokens for r in engine.scheduler.running):
                     engine.step()
                 engine.step()
+            if on_counted is not None:
+                on_counted()
             with count_launches(engine.runner.net) as launches:
                 engine.step()
     return launches

@@ -24,7 +24,7 @@ if not tq.INTERPRETED:
     pytest.skip("triton_quant was imported before TRITON_INTERPRET was set: its kernels need a GPU", allow_module_level=True)
 
 # scheme, group size, inputs K (not a multiple of the K-tile: a masked tail)
-CASES = [("int4", 8, 40), ("int4", 32, 96), ("int4", 64, 320), ("int8", None, 50), ("fp8", None, 50), ("nvfp4", None, 48)]
+CASES = [("int4", 8, 40), ("int4", 32, 96), ("int4", 64, 320), ("int4", 128, 384), ("int8", None, 50), ("fp8", None, 50), ("nvfp4", None, 48)]
 IDS = [f"{s}{g or ''}" for s, g, _ in CASES]
 
 

@@ -56,9 +56,11 @@ def compile_for_sm90(script: str, tmp_path) -> None:
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-def released_variants(tmp_path, reports=None, arch: int = 90) -> list[dict]:
-    """Every kernel variant of the released model's launches, compiled for sm`arch` (see the module)."""
+def released_variants(tmp_path, reports=None, arch: int = 90, only: str | None = None) -> list[dict]:
+    """Every kernel variant of the released model's launches (`only`: those of one kernel, e.g.
+    "_gemm_kernel:SCHEME=2"), compiled for sm`arch` (see the module)."""
     cmd = [sys.executable, __file__, "--json", "--arch", str(arch)] + (["--reports", str(reports)] if reports else [])
+    cmd += ["--only", only] if only else []
     done = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=1200)
     if done.returncode == 3:
         pytest.skip(done.stdout.strip())
@@ -88,7 +90,7 @@ TENSOR_CORES = re.compile(r"\b(?:wgmma|mma)\.")
 LABEL = re.compile(r"^(\$L__\w+):")
 BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
 GLOBAL_LOAD = re.compile(r"\bld\.global\S*")
-CP_ASYNC = re.compile(r"\bcp\.async\.\S+\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\d+)")
+CP_ASYNC = re.compile(r"\bcp\.async\.\S+\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-fA-F]+|\d+)")
 WIDTH = re.compile(r"\.[bsuf](8|16|32|64)\b")
 VECTOR = re.compile(r"\.v(2|4|8)\.")
 
@@ -117,7 +119,7 @@ def k_loop(ptx: str) -> dict | None:
     _, start, end = min(found)
     body = lines[start:end]
     sizes = [load_bytes(m.group(0)) for x in body for m in GLOBAL_LOAD.finditer(x)]
-    sizes += [int(m.group(1)) for x in body for m in CP_ASYNC.finditer(x)]
+    sizes += [int(m.group(1), 0) for x in body for m in CP_ASYNC.finditer(x)]
     return dict(loads=len(sizes), bytes=sum(sizes), smallest=min(sizes) if sizes else 0,
                 mma=sum(bool(TENSOR_CORES.search(x)) for x in body))  # fmt: skip
 
@@ -283,8 +285,8 @@ def _launch_released(launches: Launches) -> None:
     for scheme in (None, "fp8", "int4", "nvfp4"):
         net = released_net(scheme)
         for batch in ((1, 4) if scheme in (None, "nvfp4") else (1,)):  # the decoder pass's shapes first
-            launches.label = f"step {scheme or 'bf16'} batch {batch}"
-            step_launches(net, batch)
+            launches.label = f"prompts {scheme or 'bf16'} batch {batch}"
+            step_launches(net, batch, on_counted=lambda b=batch: setattr(launches, "label", f"step {scheme or 'bf16'} batch {b}"))
         launches.label = f"encode {scheme or 'bf16'}"
         encode_launches(net)
 
@@ -377,8 +379,16 @@ def main(argv: list[str]) -> int:
         print("TRITON_INTERPRET is set: the kernels would be built for the interpreter")
         return 3
     arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
+    only = argv[argv.index("--only") + 1] if "--only" in argv else None  # e.g. "_gemm_kernel:SCHEME=2"
     launches = Launches(GPUTarget("cuda", arch, 32), exact="--all" in argv)
     _launch_released(launches)
+    if only is not None:  # compile only the variants of one kernel (and constexpr) named
+        kernel, _, constexpr = only.partition(":")
+        for key, entry in list(launches.variants.items()):
+            summary = launches.summary(entry)
+            name, _, value = constexpr.partition("=")
+            if summary["kernel"] != kernel or (name and str(summary["constexprs"].get(name)) != value):
+                del launches.variants[key]
     reports = argv[argv.index("--reports") + 1] if "--reports" in argv else None
     if "--list" in argv:
         out = [launches.summary(entry) for entry in launches.variants.values()]

@@ -369,7 +369,7 @@ def qkv_norm_rope(
             kp, vp = keys.view(-1, *keys.shape[-2:]), values.view(-1, *values.shape[-2:])
         else:
             kp = vp = slots = out
-        block_r = _pow2_at_most(rows, max(1, 4096 // d))
+        block_r = _pow2_at_most(rows, max(1, 2048 // d))  # sm90: 4096 // d spills at D = 256
         _qkv_kernel[(triton.cdiv(rows, block_r),)](
             qkv, cos, sin, q_weight, k_weight, out, kp, vp, slots,
             rows, hq, hkv, (hq + hkv) * d if has_v else hq * d, rope_col, float(eps),

@@ -84,7 +84,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _weight_tile(w_base, s_base, ns, n_ok, k0, K, KB, stride_wn, stride_sn,
-                     SCHEME: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
+                     SCHEME: tl.constexpr, GROUP: tl.constexpr, SCALE_BYTES: tl.constexpr, SCALE_FP16: tl.constexpr,
+                     BLOCK_K: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
         """Rows `ns` [BN] of a weight at inputs k0 .. k0 + BLOCK_K, dequantised -> [BN, BLOCK_K] in
         OUT (the activations' dtype); int8 / fp8 without their per-channel scale (the caller's
         epilogue), nvfp4 without its global scale."""
@@ -95,14 +96,26 @@ if HAVE_TRITON:
             b = b.to(tl.int32) & 0xFF
             codes = tl.reshape(tl.join(b & 0xF, b >> 4), (b.shape[0], BLOCK_K))
             SCALES: tl.constexpr = BLOCK_K // GROUP
-            s_off = tl.multiple_of(ns.to(tl.int64) * stride_sn + k0 // GROUP, SCALES)  # rows padded to whole tiles
-            s = tl.load(s_base + s_off[:, None] + tl.arange(0, SCALES)[None, :], mask=n_ok[:, None], other=0)
-            if SCHEME == 0:
-                q = (codes - 8).to(tl.float32)
-                sf = s.to(tl.float32)
-            else:
+            # the tile's scales of a row as whole 8-byte words (rows padded to whole tiles): `s_base`
+            # is the scales viewed as int64, WORDS words a row's tile, each holding PER scales
+            PER: tl.constexpr = 8 // SCALE_BYTES
+            WORDS: tl.constexpr = SCALES // PER
+            s_off = tl.multiple_of(ns.to(tl.int64) * stride_sn + k0 // GROUP // PER, WORDS)
+            words = tl.load(s_base + s_off[:, None] + tl.arange(0, WORDS)[None, :], mask=n_ok[:, None], other=0)
+            shift = (tl.arange(0, PER) * (8 * SCALE_BYTES)).to(tl.int64)
+            parts = (words[:, :, None] >> shift[None, None, :]) & ((1 << (8 * SCALE_BYTES)) - 1)  # [BN, WORDS, PER]
+            parts = tl.reshape(parts, (b.shape[0], SCALES)).to(tl.int32)
+            if SCHEME == 3:
                 q = _e2m1(codes)
-                sf = _e4m3(s.to(tl.int32) & 0xFF)
+                sf = _e4m3(parts)
+            else:
+                q = (codes - 8).to(tl.float32)
+                if SCALE_BYTES == 4:
+                    sf = parts.to(tl.float32, bitcast=True)
+                elif SCALE_FP16:
+                    sf = parts.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                else:  # bf16: its bits are a float32's top half
+                    sf = (parts << 16).to(tl.float32, bitcast=True)
             w = tl.reshape(tl.reshape(q, (b.shape[0], SCALES, GROUP)) * sf[:, :, None], (b.shape[0], BLOCK_K))
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -121,14 +134,15 @@ if HAVE_TRITON:
         M, N, K, KB,
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ce, stride_cn, stride_ym,
         GROUPED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, TOP_K: tl.constexpr,
-        SCHEME: tl.constexpr, GROUP: tl.constexpr, CHANNEL_SCALE: tl.constexpr, DUAL: tl.constexpr,
+        SCHEME: tl.constexpr, GROUP: tl.constexpr, SCALE_BYTES: tl.constexpr, SCALE_FP16: tl.constexpr,
+        CHANNEL_SCALE: tl.constexpr, DUAL: tl.constexpr,
         TANH: tl.constexpr, ROUND: tl.constexpr, UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """y = x @ W.T for one BLOCK_N column tile. GROUPED: program_id(0) is an expert, whose rows
         [ends[e-1], ends[e]) it walks in tiles of BLOCK_M (rows in expert order; GATHER: row s
         reads x[pairs[s] // TOP_K]; SCATTER: row s is stored at y[pairs[s]]). Otherwise
-        program_id(0) is a tile of BLOCK_M rows. DUAL: W's rows [0, N) are gates and [N, 2N) ups:
+        program_id(0) walks ROWS rows in tiles of BLOCK_M. DUAL: W's rows [0, N) are gates and [N, 2N) ups:
         y = gelu(gate) * up. CHANNEL_SCALE: the accumulator times cs[n] (int8 / fp8's scale,
         nvfp4's 1 / global scale)."""
         pid = tl.program_id(0)
@@ -139,8 +153,8 @@ if HAVE_TRITON:
             row_start = tl.where(pid > 0, tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0), 0)
         else:
             expert = 0
-            row_start = pid * BLOCK_M
-            row_end = tl.minimum(row_start + BLOCK_M, M)
+            row_start = pid * ROWS  # a program walks ROWS rows in tiles of BLOCK_M (each weight tile read once)
+            row_end = tl.minimum(row_start + ROWS, M)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = ns < N
         w_base = w_ptr + expert * stride_we
@@ -165,13 +179,14 @@ if HAVE_TRITON:
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=r_ok[:, None] & (ks < K)[None, :], other=0.0)
-                w = _weight_tile(w_base, s_base, ns, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, BLOCK_K, OUT)
+                w = _weight_tile(w_base, s_base, ns, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, SCALE_BYTES, SCALE_FP16, BLOCK_K, OUT)
                 if UPCAST_DOT:  # the interpreter multiplies bf16's raw bits: the same products in float32
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
                 if DUAL:
-                    w = _weight_tile(w_base, s_base, ns + N, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, BLOCK_K, OUT)
+                    w = _weight_tile(w_base, s_base, ns + N, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, SCALE_BYTES, SCALE_FP16,
+                                     BLOCK_K, OUT)  # fmt: skip
                     if UPCAST_DOT:
                         acc_up = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc_up, input_precision="ieee")
                     else:
@@ -224,11 +239,18 @@ class GemmWeight:
         return len(self.shape) == 3
 
 
-FOUR_BIT_K = 256  # inputs per K-tile of a 4-bit weight (128 bytes a row)
+FOUR_BIT_K = 256  # inputs per K-tile of a 4-bit weight (128 bytes a row), at least 4 groups
+
+
+def four_bit_k(group: int, scale_bytes: int = 2) -> int:
+    """Inputs per K-tile of a 4-bit weight with `group` inputs per scale of `scale_bytes`: 256, or
+    more where a tile's scales of a row would be less than a whole 8-byte word."""
+    return max(FOUR_BIT_K, (8 // scale_bytes) * group)
 
 
 def _padded_scales(scales: torch.Tensor, per_tile: int) -> torch.Tensor:
-    """[..., N, G] scales with each row padded with zeros to a whole number of K-tiles' scales."""
+    """[..., N, G] scales with each row padded with zeros to a whole number of K-tiles' scales
+    (the kernel reads a tile's scales of a row as whole 8-byte words)."""
     groups = scales.shape[-1]
     padded = -(-groups // per_tile) * per_tile
     if padded == groups:
@@ -252,15 +274,16 @@ def gemm_weight(weight: "torch.Tensor | QTensor") -> GemmWeight:
     if q.scheme == "int4":
         s = p["weight_scale"]
         group = k // s.shape[-1]
-        if group * s.shape[-1] != k or FOUR_BIT_K % group:
-            raise ValueError(f"int4 on the GPU needs a group size dividing {FOUR_BIT_K} and {k} (got {group})")
+        if group * s.shape[-1] != k or group & (group - 1) or group < 8:
+            raise ValueError(f"int4 on the GPU needs a group size that is a power of two >= 8 dividing {k} (got {group})")
         data = p["weight_packed"].view(torch.uint8)
-        return GemmWeight("int4", q.shape, data, group, _padded_scales(s, FOUR_BIT_K // group))
+        return GemmWeight("int4", q.shape, data, group, _padded_scales(s, four_bit_k(group, s.element_size()) // group))
     if q.scheme == "nvfp4":
         s = p["weight_scale"].view(torch.uint8)
         gs = p["weight_global_scale"].float().reshape(*q.shape[:-2], 1)
         channel = (1.0 / gs).expand(*q.shape[:-1]).contiguous()
-        return GemmWeight("nvfp4", q.shape, p["weight_packed"].view(torch.uint8), 16, _padded_scales(s, FOUR_BIT_K // 16), channel)
+        return GemmWeight("nvfp4", q.shape, p["weight_packed"].view(torch.uint8), 16, _padded_scales(s, four_bit_k(16, 1) // 16),
+                          channel)  # fmt: skip
     raise ValueError(f"unknown quantization scheme {q.scheme!r}")
 
 
@@ -278,19 +301,29 @@ def concat_weights(weights: list[GemmWeight]) -> GemmWeight:
                       cat([w.scales for w in weights], -2), cat([w.channel for w in weights], -1))  # fmt: skip
 
 
-def _blocks(w: GemmWeight, rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) from the rows a program walks (an expert's
-    average, or a linear's M): small M is memory bound (a short row tile, one tile a step)."""
+def _blocks(w: GemmWeight, rows: int, dual: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the rows a program walks (an
+    expert's average, or a linear's M): small M is memory bound (a short row tile). Chosen from
+    sm90 compiles (tests/test_triton_compile.py: no spills, shared memory within a Hopper block):
+    row tiles of at most 128 (a linear's program walks up to LINEAR_ROWS in them), gate and up
+    side by side (`dual`) take a half or a quarter of the columns, activation tiles of 32 KiB
+    and more are pipelined twice, smaller ones three times."""
     rows = rows if not w.stacked else 2 * rows  # an expert's rows vary about their average: room for most
-    block_m = max(16, min(256 if not w.stacked else 128, triton.next_power_of_2(max(rows, 1))))
+    block_m = max(16, min(128, triton.next_power_of_2(max(rows, 1))))
     if INTERPRETED:
         block_m = min(block_m, 32)
-    block_k = FOUR_BIT_K if w.scheme in ("int4", "nvfp4") else (128 if w.data.element_size() == 1 else 64)
-    block_n = 64 if block_m <= 128 else 32
+    four_bit = w.scheme in ("int4", "nvfp4")
+    block_k = four_bit_k(w.group, w.scales.element_size()) if four_bit else (128 if w.data.element_size() == 1 else 64)
+    block_n = 16 if dual and four_bit else 32 if dual else 64
     if INTERPRETED:  # programs run one by one there: fewer, wider ones
         block_n = 128
-    warps = 8 if block_m * block_n >= 128 * 64 or block_k == FOUR_BIT_K else 4
-    return block_m, block_n, block_k, warps
+    warps = 8 if block_m * block_n >= 128 * 64 or four_bit or dual else 4
+    act = block_m * block_k * 2  # bytes of one activation tile
+    stages = 2 if act >= 32 * 1024 or (dual and four_bit) else 3
+    return block_m, block_n, block_k, warps, stages
+
+
+LINEAR_ROWS = 256  # rows a linear's program walks (a 256-position canvas: one program column)
 
 
 def gemm(
@@ -322,14 +355,15 @@ def gemm(
         experts = w.shape[0]
         if ends is None or ends.shape != (experts,):
             raise ValueError(f"a stacked weight needs ends [{experts}]")
-        block_m, block_n, block_k, warps = _blocks(w, rows_per_expert or -(-rows // experts))
+        block_m, block_n, block_k, warps, stages = _blocks(w, rows_per_expert or -(-rows // experts), dual is not None)
         grid_m = experts
     else:
-        block_m, block_n, block_k, warps = _blocks(w, rows)
-        grid_m = triton.cdiv(rows, block_m)
+        block_m, block_n, block_k, warps, stages = _blocks(w, rows, dual is not None)
+        rows_each = max(block_m, min(LINEAR_ROWS, triton.next_power_of_2(rows)))
+        grid_m = triton.cdiv(rows, rows_each)
     stacked = w.stacked
     data = w.data
-    scales = w.scales if w.scales is not None else data
+    scales = w.scales.view(torch.int64) if w.scales is not None else data  # 4-bit: read as 8-byte words
     channel = w.channel if w.channel is not None else data
     ws = (data.stride(0) if stacked else 0, data.stride(-2))
     ss = (scales.stride(0) if stacked and w.scales is not None else 0, scales.stride(-2) if w.scales is not None else 0)
@@ -339,9 +373,12 @@ def gemm(
         rows, n_out, k, k // 2,
         x.stride(0), *ws, *ss, *cs, y.stride(0),
         GROUPED=w.stacked, GATHER=gather, SCATTER=scatter, TOP_K=top_k,
-        SCHEME=SCHEMES[w.scheme], GROUP=w.group, CHANNEL_SCALE=w.channel is not None, DUAL=dual is not None,
+        SCHEME=SCHEMES[w.scheme], GROUP=w.group, SCALE_BYTES=w.scales.element_size() if w.scales is not None else 1,
+        SCALE_FP16=w.scales is not None and w.scales.dtype == torch.float16,
+        CHANNEL_SCALE=w.channel is not None, DUAL=dual is not None,
         TANH=dual == "tanh", ROUND=x.dtype == torch.bfloat16, **dot_args(x.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        ROWS=block_m if w.stacked else rows_each, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return y
 
