@@ -24,8 +24,6 @@ cached prompt tokens as the server's `usage` gives them (`usage.prompt_tokens_de
 
 `--server-arg` (repeatable; write it `--server-arg=--flag` for flags) is appended to the `dgemma serve`
 command line when the script starts the server itself (`--model`).
-
-Its old name, `python -m dgemma.serve.loadtest`, runs this module too (dgemma/moved.py).
 """
 
 from __future__ import annotations
