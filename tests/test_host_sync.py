@@ -27,7 +27,7 @@ from host_sync import DEVICE, HostSync, count_host_reads, no_host_sync, stub_tri
 from dgemma.config import GenerationConfig
 from dgemma.engine.constraints import CanvasConstraints
 from dgemma.engine.engine import Engine, EngineOptions, Request
-from dgemma.engine.scheduler import DecodeResult
+from dgemma.engine.step_plan import DecodeResult
 from dgemma.model.checkpoint import make_config
 from dgemma.model.diffusion_gemma import DiffusionGemma
 from dgemma.model.presets import PRESETS

@@ -38,7 +38,7 @@ from .paged_cache import PagedKVCache, PagedPass
 from . import prefill as prefill_pass
 from .prefill import PlacedImage
 from .request import Request
-from .scheduler import DecodeResult, EncodeWork, EngineStats, StepPlan
+from .step_plan import DecodeResult, EncodeWork, EngineStats, StepPlan
 from .turbo_step import turbo_step
 from .vision_cache import VisionCache
 

@@ -22,7 +22,7 @@ from . import sampler
 from .constraints.grammar import PassRows, held_rows
 from .paged_cache import PagedKVCache
 from .request import Request
-from .scheduler import DecodeResult
+from .step_plan import DecodeResult
 from .turbo import TurboPass, TurboState, freeze
 
 
