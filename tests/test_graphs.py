@@ -203,7 +203,7 @@ def inputs(engine, group, seed):
 
 
 def random_masks(engine, rows: int, seed: int) -> torch.Tensor:
-    """int32 [rows, ceil(V / 32)] as `Runner._allowed` packs them: each token allowed with
+    """int32 [rows, ceil(V / 32)] as `Runner.allowed_masks` packs them: each token allowed with
     probability 1/2 (bit t % 32 of word t // 32)."""
     vocab = engine.runner.config.vocab_size
     words = -(-vocab // 32)

@@ -97,7 +97,7 @@ def test_engine_steps_make_no_host_sync(scheme):
                 results = []
                 for group in runner._groups(plan.decode):
                     canvas = torch.stack([r.canvas for r in group])
-                    temps, soft, allowed = runner._temperatures(group), runner._soft_inputs(group), runner._allowed(group)
+                    temps, soft, allowed = runner.temperatures(group), runner._soft_inputs(group), runner.allowed_masks(group)
                     pass_plan = runner.cache.plan_canvas(engine.runner.config.canvas_length, [r.kv for r in group])
                     with no_host_sync("none"):  # the captured part
                         outputs = runner.decoder_step(canvas, soft, temps, pass_plan, allowed)
@@ -194,8 +194,8 @@ def test_a_grammar_request_adds_only_its_own_reads():
             plan = engine.scheduler.schedule()
             (group,) = list(runner._groups(plan.decode))
             with no_host_sync("non_blocking"):
-                canvas, allowed = torch.stack([r.canvas for r in group]), runner._allowed(group)
-                temps, soft = runner._temperatures(group), runner._soft_inputs(group)
+                canvas, allowed = torch.stack([r.canvas for r in group]), runner.allowed_masks(group)
+                temps, soft = runner.temperatures(group), runner._soft_inputs(group)
                 pass_plan = runner.cache.plan_canvas(c, [r.kv for r in group])
             assert allowed is not None
             with no_host_sync("none"):
