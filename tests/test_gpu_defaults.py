@@ -242,7 +242,7 @@ def test_serve_plans_memory_in_the_checkpoints_dtype(monkeypatch):
     """`dgemma serve --device cuda:1`'s fit check (the one every load makes) plans in the dtype the
     load will choose, against cuda:1's memory (a CUDA machine faked)."""
     from dgemma.cli.common import resolve_model
-    from dgemma.engine import memory_plan
+    from dgemma import memory_plan
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

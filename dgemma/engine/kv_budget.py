@@ -4,13 +4,12 @@ weights and the OS share it)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 from ..config import GLOBAL, SLIDING, ModelConfig
-from .paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held
+from .paged_cache import kv_bytes_per_token, sliding_blocks_held
 
 SIZING_ACTIVE = 8  # requests the sliding pool is sized for when max_active is not set
 
@@ -68,24 +67,3 @@ def plan_blocks(config: ModelConfig, dtype: torch.dtype, block_size: int, budget
             f"positions in every layer takes {sum(per_block.values())} bytes)"
         )
     return blocks
-
-
-def kv_report(config: ModelConfig, tokens: int, dtype: torch.dtype, block_size: int | None = None) -> dict:
-    """KV bytes of one `tokens`-long request: the paged layout (sliding layers hold their window
-    behind a committed canvas and the partial block before it, in whole blocks) against one
-    preallocated row of every layer (the dense layout)."""
-    b = block_size or config.canvas_length
-    per_token = kv_bytes_per_token(config, dtype_bytes(dtype))
-    global_blocks = math.ceil(tokens / b)
-    sliding_blocks = min(global_blocks, sliding_blocks_held(config.sliding_window, config.canvas_length + b - 1, b))
-    paged = {GLOBAL: global_blocks * b * per_token[GLOBAL], SLIDING: sliding_blocks * b * per_token[SLIDING]}
-    dense = {kind: tokens * per_token[kind] for kind in KINDS}
-    return {
-        "tokens": tokens,
-        "block_size": b,
-        "bytes_per_token": per_token,
-        "paged": paged,
-        "paged_total": sum(paged.values()),
-        "dense": dense,
-        "dense_total": sum(dense.values()),
-    }

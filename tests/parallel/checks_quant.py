@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 import dgemma
 from checks_model import TOL, _passes
 from dgemma.config import GLOBAL, SLIDING
-from dgemma.engine.memory_plan import rank_weight_bytes
+from dgemma.memory_plan import rank_weight_bytes
 from dgemma.model import weights as weights_module
 from dgemma.model.checkpoint import make_config, random_model, save_checkpoint
 from dgemma.model.weights import load_weights

@@ -1,6 +1,7 @@
 """What a device must hold to serve a model: weights (by quantisation scheme), the KV pool, and the
-step buffers at the chosen batch. Whether that fits a device, and what would fit if not, is
-hub/fit.py's (`check_fit`: every load, a hub id before its download, `dgemma memory --card`).
+step buffers at the chosen batch (a `Workload`). Whether that fits a device, and what would fit if
+not, is hub/fit.py's (`check_fit`: every load, a hub id before its download, `dgemma memory
+--card`); `kv_report` is `dgemma memory`'s KV bytes of one request.
 
 Pure arithmetic on the config (parameters counted on the meta device, nothing allocated), so a
 plan can be refused before a byte is loaded or downloaded, and `dgemma memory --card` prints the
@@ -26,17 +27,36 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import SLIDING, ModelConfig
-from .kv_budget import dtype_bytes
-from .paged_cache import kv_bytes_per_token
-from .turbo import canvas_kv_bytes
+from .config import GLOBAL, SLIDING, ModelConfig
+from .engine.kv_budget import dtype_bytes
+from .engine.paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held
+from .engine.turbo import canvas_kv_bytes
 
 if TYPE_CHECKING:
-    from ..parallel.plan import ShardPlan
+    from .parallel.plan import ShardPlan
 
 RESERVE = int(1.5 * 2**30)  # CUDA context, cuBLAS / Triton workspaces, allocator slack
 COLLECTIVE_RESERVE = 2**28  # split across ranks: each rank's NCCL communicator buffers (an estimate)
 QUANTISED = ("experts", "attention", "dense")  # the parts a scheme quantises (quant/modules.py)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a plan is for: weights quantised by `scheme` (int4: in groups of `group_size`), `batch`
+    canvases at once with room for one request of `context` positions (None: the model's
+    max_position_embeddings) or a KV pool of `kv_cache_memory` bytes (each rank's, split), prefill
+    chunks of `prefill_chunk` tokens, every canvas with its turbo K/V buffer (`turbo`), split across
+    `tensor_parallel_size` ranks (whole experts per rank with `expert_parallel`)."""
+
+    scheme: str | None = None
+    group_size: int | None = None
+    batch: int = 8
+    context: int | None = None
+    kv_cache_memory: int | None = None
+    prefill_chunk: int = 2048
+    turbo: bool = False
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,7 +91,7 @@ def parameter_counts(config: ModelConfig) -> dict[str, dict[str, tuple[int, int,
     count) (experts: one expert's matrix, count the experts), plus part "other" as
     {name: (numel, 1, 1)} for vectors, buffers and whatever is not a quantisable matrix (the
     attention's norms included)."""
-    from ..model.diffusion_gemma import DiffusionGemma
+    from .model.diffusion_gemma import DiffusionGemma
 
     with torch.device("meta"):
         net = DiffusionGemma(config)
@@ -147,33 +167,38 @@ def kv_bytes(config: ModelConfig, requests: int, context: int, dtype: torch.dtyp
     return requests * sum(per_token[kind] * (sliding if kind == SLIDING else context) for kind in per_token)
 
 
-def plan_memory(
-    config: ModelConfig,
-    dtype: torch.dtype,
-    scheme: str | None = None,
-    group_size: int | None = None,
-    batch: int = 8,
-    context: int | None = None,
-    kv_cache_memory: int | None = None,
-    prefill_chunk: int = 2048,
-    turbo: bool = False,
-    tensor_parallel_size: int = 1,
-    expert_parallel: bool = False,
-) -> MemoryPlan:
-    """The memory to serve `batch` canvases at once with room for one request of `context`
-    positions (default: max_position_embeddings), or a KV pool of `kv_cache_memory` bytes;
-    `turbo`: every canvas with its canvas K/V buffer. Across `tensor_parallel_size` ranks: the
-    largest rank's plan (`rank_plans`; `ShardError` where the size does not split)."""
-    if tensor_parallel_size != 1:
-        plans = rank_plans(config, dtype, scheme, group_size, batch, context, kv_cache_memory, prefill_chunk, turbo,
-                           tensor_parallel_size, expert_parallel)  # fmt: skip
-        return largest(plans)
-    context = context or config.max_position_embeddings
-    kv = kv_cache_memory if kv_cache_memory is not None else kv_bytes(config, 1, context, dtype)
+def plan_memory(config: ModelConfig, dtype: torch.dtype, work: Workload = Workload()) -> MemoryPlan:
+    """The memory to serve `work` (one rank's plan, the largest, where it is split: `rank_plans`;
+    `ShardError` where the size does not split)."""
+    if work.tensor_parallel_size != 1:
+        return largest(rank_plans(config, dtype, work))
+    context = work.context or config.max_position_embeddings
+    kv = work.kv_cache_memory if work.kv_cache_memory is not None else kv_bytes(config, 1, context, dtype)
     return MemoryPlan(
-        weight_bytes(config, scheme, group_size, dtype), int(kv), step_buffer_bytes(config, batch, prefill_chunk, dtype, turbo),
-        RESERVE, scheme, batch, context,
+        weight_bytes(config, work.scheme, work.group_size, dtype), int(kv),
+        step_buffer_bytes(config, work.batch, work.prefill_chunk, dtype, work.turbo), RESERVE, work.scheme, work.batch, context,
     )  # fmt: skip
+
+
+def kv_report(config: ModelConfig, tokens: int, dtype: torch.dtype, block_size: int | None = None) -> dict:
+    """KV bytes of one `tokens`-long request: the paged layout (sliding layers hold their window
+    behind a committed canvas and the partial block before it, in whole blocks) against one
+    preallocated row of every layer (the dense layout)."""
+    b = block_size or config.canvas_length
+    per_token = kv_bytes_per_token(config, dtype_bytes(dtype))
+    global_blocks = math.ceil(tokens / b)
+    sliding_blocks = min(global_blocks, sliding_blocks_held(config.sliding_window, config.canvas_length + b - 1, b))
+    paged = {GLOBAL: global_blocks * b * per_token[GLOBAL], SLIDING: sliding_blocks * b * per_token[SLIDING]}
+    dense = {kind: tokens * per_token[kind] for kind in KINDS}
+    return {
+        "tokens": tokens,
+        "block_size": b,
+        "bytes_per_token": per_token,
+        "paged": paged,
+        "paged_total": sum(paged.values()),
+        "dense": dense,
+        "dense_total": sum(dense.values()),
+    }
 
 
 # ------------------------------------------------------------------------------- per rank
@@ -187,7 +212,7 @@ def split_groups(full: dict, ranks: list[dict], scheme: str | None, group_size: 
     (int4's groups of `group_size`, nvfp4's of 16), as '<part> <matrix> (<cols> of <whole> columns)':
     a split the loader must replicate or refuse (the released 704 and 2112 halved are not multiples
     of 64). `full`: parameter_counts; `ranks`: each rank's rank_parameter_counts."""
-    from ..quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP
+    from .quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP
 
     if scheme not in ("int4", "nvfp4"):
         return ()
@@ -205,7 +230,7 @@ def split_groups(full: dict, ranks: list[dict], scheme: str | None, group_size: 
 
 def split_note(full: dict, ranks: list[dict], scheme: str | None, group_size: int | None) -> tuple[str, ...]:
     """`split_groups` as a note for the plan, with an int4 group size that keeps every split whole."""
-    from ..quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP
+    from .quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP
 
     broken = split_groups(full, ranks, scheme, group_size)
     if not broken:
@@ -217,44 +242,33 @@ def split_note(full: dict, ranks: list[dict], scheme: str | None, group_size: in
             f"places each layer's whole dense MLP on one rank (layer i on rank i mod N; counted split evenly here){fix}",)  # fmt: skip
 
 
-def rank_plans(
-    config: ModelConfig,
-    dtype: torch.dtype,
-    scheme: str | None = None,
-    group_size: int | None = None,
-    batch: int = 8,
-    context: int | None = None,
-    kv_cache_memory: int | None = None,
-    prefill_chunk: int = 2048,
-    turbo: bool = False,
-    tensor_parallel_size: int = 1,
-    expert_parallel: bool = False,
-) -> list[MemoryPlan]:
-    """`plan_memory` for each rank of a `tensor_parallel_size` split: its weights
+def rank_plans(config: ModelConfig, dtype: torch.dtype, work: Workload = Workload()) -> list[MemoryPlan]:
+    """`plan_memory` for each rank of `work`'s split: its weights
     (parallel.plan.rank_parameter_counts, stored as weight_bytes stores them), a KV pool of its
     heads (replicated heads counted), step buffers of its shapes (`rank_config`: its vocabulary
     width, its MLP and expert slices; with expert parallelism, every routed slot of a token on
     one rank at worst), the reserve and, split, NCCL's buffers. `kv_cache_memory` is each rank's.
     A size that does not split: parallel.plan.ShardError."""
-    from ..parallel.plan import ShardPlan
+    from .parallel.plan import ShardPlan
 
-    shards = ShardPlan.build(config, tensor_parallel_size, expert_parallel)
-    if scheme is not None and tensor_parallel_size > 1:  # a split the loader refuses (groups cut): its one line, here
-        from ..parallel.shard import RankLayout, scheme_groups
+    size, scheme, group_size = work.tensor_parallel_size, work.scheme, work.group_size
+    shards = ShardPlan.build(config, size, work.expert_parallel)
+    if scheme is not None and size > 1:  # a split the loader refuses (groups cut): its one line, here
+        from .parallel.shard import RankLayout, scheme_groups
 
         RankLayout.build(shards, 0, scheme_groups(scheme, group_size))
-    context = context or config.max_position_embeddings
-    counts = [rank_parameter_counts(shards, rank) for rank in range(tensor_parallel_size)]
-    notes = split_note(parameter_counts(config), counts, scheme, group_size) if tensor_parallel_size > 1 else ()
-    reserve = RESERVE + (COLLECTIVE_RESERVE if tensor_parallel_size > 1 else 0)
+    context = work.context or config.max_position_embeddings
+    counts = [rank_parameter_counts(shards, rank) for rank in range(size)]
+    notes = split_note(parameter_counts(config), counts, scheme, group_size) if size > 1 else ()
+    reserve = RESERVE + (COLLECTIVE_RESERVE if size > 1 else 0)
     plans = []
-    for rank in range(tensor_parallel_size):
+    for rank in range(size):
         mine = shards.rank_config(rank)
-        kv = kv_cache_memory if kv_cache_memory is not None else kv_bytes(mine, 1, context, dtype)
+        kv = work.kv_cache_memory if work.kv_cache_memory is not None else kv_bytes(mine, 1, context, dtype)
         plans.append(MemoryPlan(
             counted_bytes(counts[rank], scheme, group_size, dtype), int(kv),
-            step_buffer_bytes(mine, batch, prefill_chunk, dtype, turbo), reserve, scheme, batch, context,
-            tensor_parallel_size, rank, bool(expert_parallel), notes,
+            step_buffer_bytes(mine, work.batch, work.prefill_chunk, dtype, work.turbo), reserve, scheme, work.batch, context,
+            size, rank, bool(work.expert_parallel), notes,
         ))  # fmt: skip
     return plans
 
