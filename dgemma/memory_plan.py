@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import GLOBAL, SLIDING, ModelConfig
-from .engine.kv_budget import dtype_bytes
-from .engine.paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held
+from .engine.kv.budget import dtype_bytes
+from .engine.kv.paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held
 from .engine.turbo import canvas_kv_bytes
 
 if TYPE_CHECKING:

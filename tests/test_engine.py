@@ -13,7 +13,7 @@ from dgemma.engine.client import EngineClient
 from dgemma.engine.engine import Engine, EngineOptions, Request
 from dgemma.engine.request import RequestStatus
 from dgemma.dense.kv_cache import DenseKVCache
-from dgemma.engine.paged_cache import SequenceBlocks
+from dgemma.engine.kv.paged_cache import SequenceBlocks
 from dgemma.engine.prefill import prefill
 
 PREFIX = [(7 * i + 3) % 120 + 5 for i in range(45)]  # 5 full blocks of 8 (ref_gqa's canvas) and a partial one

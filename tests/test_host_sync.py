@@ -208,7 +208,7 @@ def test_a_grammar_request_adds_only_its_own_reads():
 # ---------------------------------------------------------------------------------- static check
 ROOT = Path(__file__).resolve().parents[1] / "dgemma"
 STEP_MODULES = [
-    "engine/runner.py", "engine/graphs.py", "engine/sampler.py", "engine/paged_cache.py", "engine/prefill.py",
+    "engine/runner.py", "engine/graphs.py", "engine/sampler.py", "engine/kv/paged_cache.py", "engine/prefill.py",
     "model/diffusion_gemma.py", "model/rope.py", "model/attention.py", "kernels/gpu.py", "kernels/triton_step.py",
     "kernels/triton_layer.py", "kernels/triton_attention.py", "kernels/triton_quant.py", "quant/modules.py",
     "engine/turbo.py", "engine/turbo_step.py",

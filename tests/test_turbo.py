@@ -16,7 +16,7 @@ from dgemma.engine.client import EngineClient
 from dgemma.engine.constraints import CanvasConstraints
 from dgemma.engine.engine import Engine, EngineOptions, Request
 from dgemma.engine.events import Block, Draft
-from dgemma.engine.paged_cache import PagedKVCache, SequenceBlocks
+from dgemma.engine.kv.paged_cache import PagedKVCache, SequenceBlocks
 from dgemma.engine.prefill import prefill
 from dgemma.engine import turbo_step as turbo_step_module
 from dgemma.engine.turbo import TurboPass, TurboState, canvas_kv_bytes, dormant, freeze

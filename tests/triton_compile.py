@@ -221,7 +221,7 @@ def _launch_released(launches: Launches) -> None:
     import torch
 
     from dgemma.config import GLOBAL, SLIDING
-    from dgemma.engine.paged_cache import PagedKVCache
+    from dgemma.engine.kv.paged_cache import PagedKVCache
     from dgemma.kernels import (
         gpu,
         triton_attention,

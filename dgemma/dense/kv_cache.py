@@ -1,6 +1,6 @@
 """The dense KV cache: one preallocated row per sequence (the reference loop, AR mode, `canvas_logits`, training).
 
-The engine keeps its cache in blocks instead (`paged_cache.py`); this one mirrors the reference's
+The engine keeps its cache in blocks instead (`engine/kv/paged_cache.py`); this one mirrors the reference's
 layout, so that `sampling="reference"` calls SDPA on the same tensors transformers does.
 
 One preallocated K and V buffer per layer, [rows, kv_heads, capacity, head_dim]. Row r's committed

@@ -13,7 +13,7 @@ import torch
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..model.diffusion_gemma import DiffusionGemma
-    from .paged_cache import PagedKVCache, PagedPass
+    from .kv.paged_cache import PagedKVCache, PagedPass
     from .request import Request
 
 

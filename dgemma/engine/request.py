@@ -21,7 +21,7 @@ from ..config import GenerationConfig
 from ..inputs.model_inputs import ImagePatches, image_token_runs
 from .constraints import CanvasConstraints
 from .events import TokenLogprob
-from .paged_cache import SequenceBlocks
+from .kv.paged_cache import SequenceBlocks
 from .turbo import TurboState
 
 ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstraints | None"], None]

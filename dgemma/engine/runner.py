@@ -34,7 +34,7 @@ from . import sampler
 from .constraints.grammar import PassRows
 from .graphs import DecoderGraphs
 from .options import EngineOptions
-from .paged_cache import PagedKVCache, PagedPass
+from .kv.paged_cache import PagedKVCache, PagedPass
 from . import prefill as prefill_pass
 from .prefill import PlacedImage
 from .request import Request

@@ -23,7 +23,7 @@ import torch
 
 from ..config import ModelConfig
 from ..inputs.model_inputs import image_safe_end, splits_image
-from .block_manager import BlockManager, extend_hashes
+from .kv.block_manager import BlockManager, extend_hashes
 from .events import Block, Draft, Finished, cut_block, shown_entropy
 from .options import EngineOptions
 from .request import Request, RequestStatus, image_spans, max_sequence_length

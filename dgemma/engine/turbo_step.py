@@ -20,7 +20,7 @@ from ..kernels import triton_step
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
 from .constraints.grammar import PassRows, held_rows
-from .paged_cache import PagedKVCache
+from .kv.paged_cache import PagedKVCache
 from .request import Request
 from .step_plan import DecodeResult
 from .turbo import TurboPass, TurboState, freeze

@@ -27,7 +27,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..config import GLOBAL, SLIDING
+from ...config import GLOBAL, SLIDING
 from .paged_cache import KINDS, SequenceBlocks, sliding_blocks_held
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import GLOBAL, SLIDING, ModelConfig
+from ...config import GLOBAL, SLIDING, ModelConfig
 from .paged_cache import kv_bytes_per_token, sliding_blocks_held
 
 SIZING_ACTIVE = 8  # requests the sliding pool is sized for when max_active is not set

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import GLOBAL, SLIDING, ModelConfig
-from ..model.attention import attend_then_sdpa, encoder_mask, within_images
+from ...config import GLOBAL, SLIDING, ModelConfig
+from ...model.attention import attend_then_sdpa, encoder_mask, within_images
 
 KINDS = (SLIDING, GLOBAL)
 
@@ -75,7 +75,7 @@ class PagedPass:
         the row's blocks where they are (kernels/triton_attention.py)."""
         if self.tables is None:
             return attend_then_sdpa(self, layer, sliding, q, k, v)
-        from ..kernels.triton_attention import paged_canvas_attention
+        from ...kernels.triton_attention import paged_canvas_attention
 
         tables, lo, start = self.tables[SLIDING if sliding else GLOBAL]
         return paged_canvas_attention(q, k, v, self.cache.keys[layer], self.cache.values[layer], tables, lo, start)
