@@ -16,7 +16,7 @@ import itertools
 import torch
 
 from ..model.diffusion_gemma import DiffusionGemma
-from ..parallel import runtime
+from .sharded import runtime
 from .kv.block_manager import BlockManager
 from .kv.budget import plan_blocks
 from .options import EngineOptions

@@ -29,7 +29,7 @@ import torch
 from ..kernels import native, triton_step
 from ..kernels.choice import plan_kernels
 from ..model.diffusion_gemma import DiffusionGemma
-from ..parallel import runtime
+from .sharded import runtime
 from . import sampler
 from .constraints.grammar import PassRows
 from .graphs import DecoderGraphs

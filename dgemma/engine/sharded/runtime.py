@@ -3,18 +3,18 @@
 - `agreed_blocks`: the KV pool's block counts, the same on every rank (each rank's scheduler
   replica must make the same decisions): the smallest any rank can hold.
 - `ShardedSampler`: the runner's sampler calls over this rank's vocabulary shard (statistics,
-  sampling, log probabilities, a grammar walk's reads), through parallel/sampling.py.
+  sampling, log probabilities, a grammar walk's reads), through sampling.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..engine import sampler
-from ..engine.constraints.grammar import PassRows
-from ..engine.events import TokenLogprob
+from .. import sampler
+from ..constraints.grammar import PassRows
+from ..events import TokenLogprob
 from . import sampling
-from .group import ShardGroup
+from .sampling import Collectives
 
 
 def sharded(net) -> bool:
@@ -34,7 +34,7 @@ def agreed_blocks(net, num_blocks: dict[str, int]) -> dict[str, int]:
 class ShardedSampler:
     """The sampler's reductions over this rank's vocabulary shard [start, end)."""
 
-    def __init__(self, group: ShardGroup, vocab_size: int, start: int, end: int):
+    def __init__(self, group: Collectives, vocab_size: int, start: int, end: int):
         self.group, self.vocab_size, self.start, self.end = group, vocab_size, start, end
 
     @classmethod

@@ -16,20 +16,31 @@ and exchanges only per-row scalars or each shard's top-k, never a [R, V] tensor:
   row), called by every rank at the same position of its own (identical) walk; `sharded_pass_rows`
   gives a walk both reads (`grammar.PassRows`).
 
-Pure functions of the tensors and the `ShardGroup`: every rank calls them in the same order with
+Pure functions of the tensors and the ranks' `Collectives`: every rank calls them in the same order with
 rows of the same shape (the collectives pair up). With `ShardGroup.single()` and vocab_start 0
 they are the single-process functions.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from ..engine.constraints.grammar import CANDIDATES, PassRows
-from ..engine.events import TokenLogprob
-from ..engine.sampler import EXP_FLOOR, StepStatistics, unpack_token_mask
-from .group import ShardGroup
+from ...kernels import EXP_FLOOR
+from ..constraints.grammar import CANDIDATES, PassRows
+from ..events import TokenLogprob
+from ..sampler import StepStatistics, unpack_token_mask
 
+
+class Collectives(Protocol):
+    """What the reductions ask of the ranks: parallel/group.py's `ShardGroup`, which comes with the
+    cut model (`net.shards`)."""
+
+    rank: int
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor: ...
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
 
 class ShardMaskError(ValueError):
     """An allowed-token mask that cannot be sliced at a shard's bounds."""
@@ -61,7 +72,7 @@ def _best_lowest(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
 def sharded_step_statistics(
     local_logits: torch.Tensor,
     temp: float | torch.Tensor,
-    group: ShardGroup,
+    group: Collectives,
     vocab_start: int,
     allowed: torch.Tensor | None = None,
     overwrite_logits: bool = False,
@@ -108,7 +119,7 @@ def sharded_step_statistics(
     return StepStatistics(argmax=argmax, entropy=entropy, weights=e, total=total)
 
 
-def sharded_sample(weights_local: torch.Tensor, uniforms: torch.Tensor, group: ShardGroup, vocab_start: int) -> torch.Tensor:
+def sharded_sample(weights_local: torch.Tensor, uniforms: torch.Tensor, group: Collectives, vocab_start: int) -> torch.Tensor:
     """`sampler.sample_from_weights` over the full rows from this rank's weights [R, Vs]: one global
     token id per row [R], the same on every rank.
 
@@ -144,7 +155,7 @@ def sharded_sample(weights_local: torch.Tensor, uniforms: torch.Tensor, group: S
 
 
 def sharded_topk_weights(
-    weights_local: torch.Tensor, k: int, group: ShardGroup, vocab_start: int
+    weights_local: torch.Tensor, k: int, group: Collectives, vocab_start: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` heaviest tokens of each full row (k capped at the vocabulary), from this rank's
     weights [R, Vs]: values [R, k] (descending, the weights' dtype) and global ids [R, k], the
@@ -167,7 +178,7 @@ def sharded_topk_weights(
 
 
 def sharded_row_logprobs(
-    weights_local: torch.Tensor, tokens: torch.Tensor, top_logprobs: int, group: ShardGroup, vocab_start: int
+    weights_local: torch.Tensor, tokens: torch.Tensor, top_logprobs: int, group: Collectives, vocab_start: int
 ) -> list[TokenLogprob]:
     """`sampler.row_logprobs` of the full rows from this rank's weights [R, Vs]: the log
     probabilities of `tokens` [R] (global ids) with the `top_logprobs` most likely tokens per row,
@@ -195,7 +206,7 @@ def sharded_row_logprobs(
 
 
 def sharded_top_candidates(
-    weights_local: torch.Tensor, group: ShardGroup, vocab_start: int, k: int = CANDIDATES
+    weights_local: torch.Tensor, group: Collectives, vocab_start: int, k: int = CANDIDATES
 ) -> list[tuple[list[float], list[int]]]:
     """`grammar.top_candidates` of the full rows (what a grammar's refine reads first: each
     position's `k` heaviest tokens, descending, as float32 values and global ids), from each
@@ -221,7 +232,7 @@ def _best_allowed_local(weights_local: torch.Tensor, vocab_start: int, row: int,
 
 
 def sharded_best_allowed_at(
-    weights_local: torch.Tensor, group: ShardGroup, vocab_start: int, row: int, mask: torch.Tensor
+    weights_local: torch.Tensor, group: Collectives, vocab_start: int, row: int, mask: torch.Tensor
 ) -> int | None:
     """`grammar.best_allowed(mask, full_row)` at `row` of this rank's weights [C, Vs], called by
     every rank with the same row and mask (each walks the same canvas from the same grammar
@@ -238,7 +249,7 @@ def sharded_best_allowed_at(
     return int(token) if float(value) > 0 else None
 
 
-def sharded_pass_rows(weights_local: torch.Tensor, group: ShardGroup, vocab_start: int, k: int = CANDIDATES) -> PassRows:
+def sharded_pass_rows(weights_local: torch.Tensor, group: Collectives, vocab_start: int, k: int = CANDIDATES) -> PassRows:
     """What a grammar's walk reads of a pass's full rows [C, V], from this rank's [C, Vs]: the
     candidates from each shard's top-k, gathered once (when the walk first rejects a token), and
     the whole-row fallback in one gather per unsettled position; never a [C, V] tensor. Every
