@@ -1,5 +1,5 @@
 """The GPU defaults, checked without a GPU: `--dtype auto` is the checkpoint's stored dtype on every
-device (float32 for a float16 checkpoint on a CPU), decided by one function (`dgemma.api.resolve_dtype`) that every command uses;
+device (float32 for a float16 checkpoint on a CPU), decided by one function (`dgemma.devices.resolve_dtype`) that every command uses;
 `--device cuda:N` is parsed and checked, and the engine makes its device the current one
 (Triton kernels and CUDA graphs run on the current device)."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import dgemma
-from dgemma import api
-from dgemma.api import dtype_name, parse_device, resolve_device, resolve_dtype
+from dgemma import api, devices
+from dgemma.devices import dtype_name, parse_device, resolve_device, resolve_dtype
 from dgemma.cli import build_parser, main
 from dgemma.engine import engine as engine_module
 from dgemma.engine.engine import Engine, EngineOptions, make_current
@@ -163,7 +163,7 @@ class Loaded(Exception):
 def test_load_on_cuda_n_takes_the_checkpoints_dtype_and_makes_the_device_current(monkeypatch):
     """dgemma.load(device="cuda:1") as far as the weights, with a CUDA machine faked."""
     calls = []
-    monkeypatch.setattr(api, "resolve_device", lambda d: parse_device(d))
+    monkeypatch.setattr(devices, "resolve_device", lambda d: parse_device(d))
     monkeypatch.setattr(engine_module, "make_current", lambda d: calls.append(("current", d)))
 
     def fake_load_weights(config, path, device, dtype, quantization, group_size):
@@ -221,7 +221,7 @@ def test_cuda_without_a_gpu_is_a_one_line_error(command, capsys, monkeypatch):
 def test_bench_routes_its_dtype_through_resolve_dtype(monkeypatch, capsys):
     """`dgemma bench --model DIR --device cuda:1` loads in the checkpoint's dtype (a CUDA machine faked)."""
     seen = {}
-    monkeypatch.setattr(api, "resolve_device", lambda d: parse_device(d))
+    monkeypatch.setattr(devices, "resolve_device", lambda d: parse_device(d))
 
     def fake_load(path, device, dtype, quantization, group_size, force=False):
         seen.update(device=device, dtype=dtype)

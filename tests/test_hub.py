@@ -307,7 +307,7 @@ def test_a_pre_quantised_build_is_planned_from_its_headers(hub, online):
     ranged = [p for p in hub_paths(hub, FP8) if p.endswith(".safetensors")]
     assert len(ranged) >= 4  # two header reads, then two downloads
     assert "fp8" in next(line for line in r["list"]["out"].splitlines() if line.startswith(FP8))
-    from dgemma.api import resolve_dtype
+    from dgemma.devices import resolve_dtype
 
     facts = local_facts(Path(r["pull-fp8"]["out"].rsplit(" is in ", 1)[1].strip()))  # the headers, as the hub's were
     assert facts.quant.scheme == "fp8" and len(facts.tensors) == 6
@@ -387,7 +387,7 @@ def test_a_local_directory_wins_and_names_are_checked(tmp_path, monkeypatch):
 
 
 def test_auto_picks_the_best_scheme_that_fits(monkeypatch):
-    from dgemma.api import resolve_dtype
+    from dgemma.devices import resolve_dtype
     from dgemma.hub import fit
 
     cpu = torch.device("cpu")
@@ -423,7 +423,7 @@ def test_the_device_memory_override_is_checked(monkeypatch, capsys):
 
 
 def test_a_pre_quantised_checkpoint_refuses_another_scheme():
-    from dgemma.api import resolve_dtype
+    from dgemma.devices import resolve_dtype
 
     cpu = torch.device("cpu")
     facts = local_facts(dgemma.default_model_dir())

@@ -136,7 +136,8 @@ def plan_lines(args, config, device) -> list[str]:
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
-    from ..api import dtype_name, load, resolve_device, resolve_dtype
+    from ..api import load
+    from ..devices import dtype_name, resolve_device, resolve_dtype
     from ..kernels import cpu as cpu_kernels
 
     apply_threads(args)

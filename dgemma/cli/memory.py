@@ -15,7 +15,7 @@ def print_memory_plan(config, args) -> int:
 
     import torch
 
-    from ..api import resolve_dtype
+    from ..devices import resolve_dtype
     from ..hub import FitError, FitRequest
     from ..hub.fit import CheckpointFacts, check_fit, local_facts
 
@@ -100,7 +100,7 @@ def kv_config(config, args):
 
 def cmd_memory(args) -> int:
     """KV cache bytes of one request: the paged layout against preallocated rows."""
-    from ..api import resolve_dtype
+    from ..devices import resolve_dtype
     from ..config import load_model_config
     from ..memory_plan import kv_report
 

@@ -52,7 +52,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class FitRequest:
     """What the caller will load and run: the device; the dtype the weights load in, given the
-    checkpoint directory (`functools.partial(api.resolve_dtype, requested, device)`: the hub does
+    checkpoint directory (`functools.partial(devices.resolve_dtype, requested, device)`: the hub does
     not decide dtypes); the scheme asked for ("auto": the best that fits); the shape of the work
     the plan is for. `memory`: bytes to plan for instead of the device's. `flags`: the command's
     flags a refusal may suggest (--quantization, --max-context, --max-active, --force); () for the
