@@ -322,7 +322,7 @@ class Model:
         reproduces transformers' generate token for token after the same torch.manual_seed.
         `mode="ar"` decodes autoregressively with the encoder (greedy at temperature 0).
         `constraints`: one per prompt, a `CanvasConstraints` for every canvas of it, a function
-        of the `Request` giving one per decoder pass, or None (see engine/constraints.py).
+        of the `Request` giving one per decoder pass, or None (see engine/constraints/__init__.py).
         `grammar` (from `compile_grammar`): every answer is a sentence of it, or a prefix of one
         when max_new_tokens ends it first (see engine/constraints/grammar.py). `canvas`: one list of
         canvas_length token ids per prompt, where its first canvas starts instead of random

@@ -5,7 +5,7 @@ answers two questions about a grammar state: which tokens may come next (a packe
 layout the engine's statistics read), and how many of a list of tokens it accepts. An
 autoregressive engine asks once per token. A canvas is C positions decided together, so a
 `CanvasGrammar` asks before every decoder pass (it is the request's constraint source, see
-constraints.py):
+constraints/__init__.py):
 
 - the committed prefix fixes the grammar state: the matcher is advanced only by `commit`;
 - the previous pass's argmax canvas is walked left to right from that state. Each position whose
