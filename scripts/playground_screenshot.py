@@ -24,7 +24,7 @@ import browser  # noqa: E402  (tests/browser.py: chromium without network)
 import dgemma  # noqa: E402
 from dgemma.engine.runner import Runner  # noqa: E402
 from dgemma.serve.app import create_app  # noqa: E402
-from dgemma.serve.listener import ServerThread  # noqa: E402
+from dgemma.serve.http.listener import ServerThread  # noqa: E402
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Now make it faster."]
 

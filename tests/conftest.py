@@ -103,7 +103,7 @@ def model(tmp_path_factory):
 def server(model):
     """`model` served in-process as servers.MODEL; `server.app` is its app."""
     from servers import tiny_random_app
-    from dgemma.serve.listener import ServerThread
+    from dgemma.serve.http.listener import ServerThread
 
     app = tiny_random_app(model)
     with ServerThread(app) as s:

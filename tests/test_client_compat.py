@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from dgemma.serve.reasoning import CHANNEL, CHANNEL_END, THINK, ReasoningParser, Thought, keeping_channel, split_reasoning
-from dgemma.serve.tool_format import QUOTE as Q
+from dgemma.serve.tools.syntax import QUOTE as Q
 from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
 from tool_fakes import TOOLS, FakeEngine
 

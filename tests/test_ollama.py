@@ -1,4 +1,4 @@
-"""The ollama-compatible API (`/api/*`, dgemma/serve/ollama.py) driven by the official `ollama` client
+"""The ollama-compatible API (`/api/*`, dgemma/serve/ollama/routes.py) driven by the official `ollama` client
 and LangChain's `ChatOllama`: model listing and details, chat and generate whole and streamed
 (newline-delimited JSON), images on a vision checkpoint, a JSON schema `format`, tools (arguments
 as objects), thinking, insert mode (`suffix`); the same answers as the OpenAI endpoints for the
@@ -17,13 +17,13 @@ import ollama
 import pytest
 
 import dgemma
-from dgemma.serve.access import Access
+from dgemma.serve.http.access import Access
 from dgemma.serve.app import create_app
 from dgemma.engine.events import Block
 from dgemma.serve.engine_thread import EngineFailure, Job
-from dgemma.serve.listener import ServerThread
+from dgemma.serve.http.listener import ServerThread
 from dgemma.serve.reasoning import CHANNEL, CHANNEL_END
-from dgemma.serve.tool_format import QUOTE as Q
+from dgemma.serve.tools.syntax import QUOTE as Q
 from media_samples import PNG, data_url, image_part
 from servers import MODEL, VISION_FAST, VISION_MODEL, serve_vision  # conftest.py serves `model` as MODEL: `server`
 from tool_fakes import TOOLS, WEATHER, FakeEngine

@@ -18,10 +18,10 @@ import pytest
 
 import browser as browser_tools
 import dgemma
-from dgemma.serve.access import Access
+from dgemma.serve.http.access import Access
 from dgemma.serve.playground import STATIC
 from dgemma.serve.app import create_app
-from dgemma.serve.listener import ServerThread
+from dgemma.serve.http.listener import ServerThread
 
 ARTIFACTS = Path(os.environ.get("DGEMMA_TEST_ARTIFACTS", Path(__file__).parents[1] / "test-artifacts"))
 PROMPT = "Write a function that adds two numbers."

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from dgemma.serve.app import create_app
-from dgemma.serve.listener import ServerThread
+from dgemma.serve.http.listener import ServerThread
 from dgemma.serve.engine_thread import TextStream
 
 from servers import MODEL  # conftest.py's session fixtures: `model` (tiny, random), its `server` and `client`
@@ -305,7 +305,7 @@ def test_text_stream_cuts_and_holds_back():
 
 def test_serve_cli_errors_are_one_line(model, tmp_path, capsys):
     from dgemma.cli import main
-    from dgemma.serve.listener import bind
+    from dgemma.serve.http.listener import bind
 
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import dgemma
 from dgemma.engine.request import SEED_MAX
 from dgemma.model.checkpoint import make_tiny_random
 from dgemma.serve.app import create_app
-from dgemma.serve.listener import ServerThread
+from dgemma.serve.http.listener import ServerThread
 
 MODEL = "tiny"
 CONTEXT = 512  # small, so "too long" is cheap to send

@@ -1,4 +1,4 @@
-"""Structured output enforced on the canvas (engine/constraints/grammar.py) and its request fields (serve/structured.py).
+"""Structured output enforced on the canvas (engine/constraints/grammar.py) and its request fields (serve/structured/formats.py).
 
 A random tiny model writes noise, so whatever it produces under a grammar shows the enforcement:
 every answer must parse and validate, and an answer cut by max_tokens must be a valid prefix."""
@@ -17,8 +17,8 @@ import dgemma
 from dgemma.engine.constraints import grammar
 from dgemma.engine.constraints.grammar import GrammarError, best_allowed, best_allowed_candidate, single_token, top_candidates
 from dgemma.engine.sampler import pack_token_mask
-from dgemma.serve.grammar_limits import LarkStats
-from dgemma.serve.structured import OutputFormat, StructuredError, guided_format
+from dgemma.serve.structured.limits import LarkStats
+from dgemma.serve.structured.formats import OutputFormat, StructuredError, guided_format
 from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
 
 FAST = {"max_denoising_steps": 4}
@@ -305,12 +305,12 @@ def test_run_grammar_errors(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------------ limits (serve/grammar_limits.py)
+# ------------------------------------------------------------------------------------ limits (serve/structured/limits.py)
 # llguidance compiles recursively: what is too deep for it crashes the server (tests/hostile/
 # test_hostile_grammar.py sends such grammars to a server in a subprocess). The checks that
 # refuse them first are pure Python, without recursion of their own.
 def test_lark_stats_reads_rules_references_and_nesting():
-    from dgemma.serve.grammar_limits import lark_stats
+    from dgemma.serve.structured.limits import lark_stats
 
     chain = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(3000)) + 'r3000: "b"\n'
     assert lark_stats(chain).rules == lark_stats(chain).depth == 3002
@@ -328,7 +328,7 @@ def test_lark_stats_reads_rules_references_and_nesting():
 
 
 def test_regex_nesting_skips_escapes_and_classes():
-    from dgemma.serve.grammar_limits import regex_nesting
+    from dgemma.serve.structured.limits import regex_nesting
 
     assert regex_nesting("((((a))))") == 4
     assert regex_nesting(r"\(\([(((]") == 1
@@ -336,7 +336,7 @@ def test_regex_nesting_skips_escapes_and_classes():
 
 
 def test_longest_chain_collapses_cycles():
-    from dgemma.serve.grammar_limits import longest_chain
+    from dgemma.serve.structured.limits import longest_chain
 
     assert longest_chain({1: [2], 2: [3, 1], 3: []}) == 3
     assert longest_chain({1: [1]}) == 1 and longest_chain({}) == 0
@@ -344,7 +344,7 @@ def test_longest_chain_collapses_cycles():
 
 
 def test_ref_depth_follows_pointers():
-    from dgemma.serve.grammar_limits import check_schema, ref_depth, schema_stats
+    from dgemma.serve.structured.limits import check_schema, ref_depth, schema_stats
 
     chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(100)} | {"d100": {"type": "string"}},
              "$ref": "#/$defs/d0"}  # fmt: skip
@@ -386,7 +386,7 @@ LIMITED = [
 
 @pytest.mark.parametrize("fmt, words", LIMITED, ids=range(len(LIMITED)))
 def test_check_format_refuses_what_is_over_a_limit(fmt, words):
-    from dgemma.serve.structured import check_format
+    from dgemma.serve.structured.formats import check_format
 
     with pytest.raises(StructuredError) as e:
         check_format(fmt)

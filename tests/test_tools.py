@@ -11,10 +11,10 @@ import openai
 import pytest
 
 from dgemma.model.checkpoint import byte_tokenizer
-from dgemma.serve.tool_calls import ToolCallParser, keeping_decoder, parse_tool_calls
-from dgemma.serve.tool_format import QUOTE, format_call
-from dgemma.serve.tool_render import render_chat
-from dgemma.serve.tool_specs import ToolSpec, check_messages, tool_spec
+from dgemma.serve.tools.calls import ToolCallParser, keeping_decoder, parse_tool_calls
+from dgemma.serve.tools.syntax import QUOTE, format_call
+from dgemma.serve.tools.render import render_chat
+from dgemma.serve.tools.specs import ToolSpec, check_messages, tool_spec
 from dgemma.inputs.tokenizer import Tokenizer
 from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
 from tool_fakes import TOOLS, WEATHER, FakeEngine  # the tools on offer; the engine's stand-in
@@ -412,7 +412,7 @@ def test_round_trip_with_tool_messages(client, fake):  # noqa: F811
 
 # ------------------------------------------------------------------------------------ forced calls, enforced
 # The random model writes noise; with tool_choice naming a function (or "required") the call's
-# grammar (serve/tool_grammar.py) makes it a call all the same, with arguments of its schema.
+# grammar (serve/tools/grammar.py) makes it a call all the same, with arguments of its schema.
 FORECAST = {
     "type": "function",
     "function": {
@@ -482,7 +482,7 @@ def test_forced_call_with_an_unsupported_schema_is_a_400(client):  # noqa: F811
 def _accepts(spec, text):
     import llguidance
 
-    from dgemma.serve.tool_grammar import lark_string, tool_call_grammar
+    from dgemma.serve.tools.grammar import lark_string, tool_call_grammar
 
     tok = llguidance.LLTokenizer(byte_tokenizer().to_str(), n_vocab=384, eos_token=[1])
     matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(spec, lark_string)), log_level=0)
@@ -540,8 +540,8 @@ def test_forced_call_grammar_keeps_order_and_required_members():
 
 @pytest.mark.slow
 def test_forced_call_grammar_with_thousands_of_properties():
-    from dgemma.serve.grammar_limits import lark_stats
-    from dgemma.serve.tool_grammar import lark_string, tool_call_grammar
+    from dgemma.serve.structured.limits import lark_stats
+    from dgemma.serve.tools.grammar import lark_string, tool_call_grammar
 
     names = [f"p{i}" for i in range(3000)]
     spec = _forced({n: {"type": "integer"} for n in names}, names[::2])
@@ -552,8 +552,8 @@ def test_forced_call_grammar_with_thousands_of_properties():
 
 
 def test_tool_schemas_over_the_limits_are_refused():
-    from dgemma.serve.grammar_limits import MAX_TOOL_DEPTH, MAX_TOOL_PROPERTIES
-    from dgemma.serve.tool_specs import ToolError
+    from dgemma.serve.structured.limits import MAX_TOOL_DEPTH, MAX_TOOL_PROPERTIES
+    from dgemma.serve.tools.specs import ToolError
 
     deep: dict = {"type": "string"}
     for _ in range(MAX_TOOL_DEPTH):
@@ -570,7 +570,7 @@ def test_tool_schemas_over_the_limits_are_refused():
 
 
 def test_lark_regex_escapes_what_would_end_the_literal():
-    from dgemma.serve.tool_grammar import lark_regex
+    from dgemma.serve.tools.grammar import lark_regex
 
     assert lark_regex("a/b") == "a\\/b" and lark_regex("a\\/b") == "a\\/b" and lark_regex("a\nb") == "a\\nb"
     spec = _forced({"u": {"type": "string", "pattern": "^[a-z]+/[a-z]+$"}}, ["u"])

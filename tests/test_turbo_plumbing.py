@@ -19,7 +19,7 @@ import dgemma
 from dgemma.api import default_model_dir
 from dgemma.cli import build_parser, main
 from dgemma.serve.app import create_app
-from dgemma.serve.listener import ServerThread
+from dgemma.serve.http.listener import ServerThread
 
 from servers import MODEL  # conftest.py's session fixtures: `model` (tiny, random) and its `server`
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dgemma.serve.grammar_limits import (
+from dgemma.serve.structured.limits import (
     MAX_CHOICES,
     MAX_GRAMMAR_BYTES,
     MAX_NESTING,
@@ -62,7 +62,7 @@ def nested_schema(n: int) -> dict:
 
 
 def chained_call_grammar(n: int) -> str:
-    """The forced-call grammar as tool_grammar.py wrote it before: one rule chained per parameter."""
+    """The forced-call grammar as serve/tools/grammar.py wrote it before: one rule chained per parameter."""
     rules, tail, head = [], '""', '""'
     for i in reversed(range(n)):
         rules.append(f'm{i}: "p{i}:" /[0-9]+/')

@@ -33,7 +33,7 @@ import pytest
 import dgemma
 from dgemma.inputs.decode import open_video
 from dgemma.inputs.model_inputs import MediaError
-from dgemma.serve.media_sources import (GuardedBackend, MediaPolicy, MediaRef, PartError, address_allowed, fetch, file_bytes,
+from dgemma.serve.media.sources import (GuardedBackend, MediaPolicy, MediaRef, PartError, address_allowed, fetch, file_bytes,
                                  host_allowed)  # fmt: skip
 from dgemma.cli.serve import add_media_flags, media_policy, media_summary
 from media_samples import PNG, data_url, image_part, mp4_bytes, png_bytes, user

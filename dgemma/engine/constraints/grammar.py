@@ -135,7 +135,7 @@ class GrammarCompiler:
 
         llguidance compiles recursively: a deep enough grammar overflows the native stack of the
         calling thread. The server calls this on a big-stack thread, after its limits
-        (serve/grammar_limits.py)."""
+        (serve/structured/limits.py)."""
         import llguidance
 
         text = grammar_text(kind, spec, lenient)

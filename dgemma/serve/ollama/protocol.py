@@ -1,5 +1,5 @@
 """ollama's request bodies (`/api/chat`, `/api/generate`, `/api/show`) and their translation into the
-OpenAI ones the server already checks and runs (protocol.py's ChatParams / CompletionParams).
+OpenAI ones the server already checks and runs (openai/protocol.py's ChatParams / CompletionParams).
 
 Nothing is validated twice: these models check only what is ollama's own (its field types, its
 `options` map, base64 images, tool calls with object arguments, `think`, `raw`, `suffix`), and the
@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import ApiError, excerpt, validation_error
-from .protocol import ChatParams, CompletionParams, RequestParams
+from ..errors import ApiError, excerpt, validation_error
+from ..openai.protocol import ChatParams, CompletionParams, RequestParams
 
 THINK_LEVELS = ("low", "medium", "high", "max")
 IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF87a": "image/gif",

@@ -16,12 +16,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.request import SEED_MAX
-from ..inputs.model_inputs import MediaError
-from . import media_sources as media
-from .errors import ApiError, excerpt
-from .structured import GUIDED_FIELDS, OutputFormat, StructuredError, request_format
-from .tool_specs import ToolError, ToolSpec, tool_spec
+from ...engine.request import SEED_MAX
+from ...inputs.model_inputs import MediaError
+from ..media import sources as media
+from ..errors import ApiError, excerpt
+from ..structured.formats import GUIDED_FIELDS, OutputFormat, StructuredError, request_format
+from ..tools.specs import ToolError, ToolSpec, tool_spec
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
@@ -129,7 +129,7 @@ class RequestParams(_Strict):
     turbo_freeze_entropy: float | None = _num(0, 1e6)
     turbo_refresh_every: int | None = Field(None, ge=0, le=4096)
     turbo_dormant_entropy: float | None = _num(0, 1e6)
-    # structured output (structured.py): OpenAI's response_format, vLLM's guided_* fields
+    # structured output (structured/formats.py): OpenAI's response_format, vLLM's guided_* fields
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None

@@ -1,14 +1,14 @@
 """A chat with tools rendered for the chat template: tools declared, assistant tool calls and
 tool results in the form the template takes, or, for a template that knows nothing of tools,
-written into the messages as Gemma 4's blocks (tool_format.py) the way its template lays them out.
+written into the messages as Gemma 4's blocks (syntax.py) the way its template lays them out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tool_format import format_call, format_declaration, format_response
-from .tool_specs import ToolSpec, text_of
+from .syntax import format_call, format_declaration, format_response
+from .specs import ToolSpec, text_of
 
 
 @dataclass
@@ -30,7 +30,7 @@ def template_mode(template: str | None) -> str:
     return "gemma" if "tool_responses" in template else "openai"
 
 
-def _join(a: str | list, b: str | list) -> str | list:
+def join_contents(a: str | list, b: str | list) -> str | list:
     """Two contents one after the other (strings stay a string; else a list of parts)."""
     if isinstance(a, str) and isinstance(b, str):
         return a + b
@@ -76,21 +76,21 @@ def render_chat(messages: list[dict], extras: list[dict], spec: ToolSpec | None,
     open_turn = False  # out[-1] is a model turn that ended with tool results
     for m, extra in zip(messages, extras):
         if "tool_call_id" in extra:  # out[-1] is the model turn with the calls (check_messages made sure)
-            out[-1]["content"] = _join(out[-1]["content"], format_response(extra["name"], text_of(m["content"])))
+            out[-1]["content"] = join_contents(out[-1]["content"], format_response(extra["name"], text_of(m["content"])))
             open_turn = True
             continue
         calls = "".join(format_call(c["function"]["name"], c["function"]["arguments"]) for c in extra.get("tool_calls", []))
         if m["role"] == "assistant" and open_turn:
-            out[-1]["content"] = _join(out[-1]["content"], _join(_rstrip(m["content"]), calls))
+            out[-1]["content"] = join_contents(out[-1]["content"], join_contents(_rstrip(m["content"]), calls))
         elif calls:
-            out.append({**m, "content": _join(_rstrip(m["content"]), calls)})
+            out.append({**m, "content": join_contents(_rstrip(m["content"]), calls)})
         else:
             out.append(dict(m))
         open_turn = False
     if spec.active:
         decls = "".join(format_declaration(t) for t in spec.tools)
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": _join(_rstrip(out[0]["content"]), decls)}
+            out[0] = {**out[0], "content": join_contents(_rstrip(out[0]["content"]), decls)}
         else:
             out.insert(0, {"role": "system", "content": decls})
     suffix = ""

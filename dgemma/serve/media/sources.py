@@ -30,7 +30,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 import httpcore
 import httpx
 
-from ..inputs.model_inputs import MediaError
+from ...inputs.model_inputs import MediaError
 
 IMAGE_MIME = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")  # what inputs/decode.py opens
 VIDEO_MIME = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/x-msvideo", "video/mpeg")
@@ -101,7 +101,7 @@ class MediaRef:
 def check_soft_tokens(value: Any, param: str = "max_soft_tokens") -> int | None:
     """A request's soft-token budget per image (None: the processor's default), checked before
     any media is fetched."""
-    from ..inputs.processor import check_budget
+    from ...inputs.processor import check_budget
 
     if value is None:
         return None
@@ -165,7 +165,7 @@ class LoadedMedia:
     mime: str | None = None  # the declared type: picks a video's container format
 
     def __call__(self, processor: Any, max_soft_tokens: int | None) -> Any:
-        from ..inputs.decode import open_video
+        from ...inputs.decode import open_video
 
         try:
             if self.ref.kind == "image":
@@ -185,7 +185,7 @@ def processor_part(ref: MediaRef, policy: MediaPolicy, processor: Any = None) ->
 def declared_mime(ref: MediaRef) -> str | None:
     """The MIME type a URL declares: a data URL's, or what a file's extension says; None for
     remote URLs (a Content-Type is often wrong; the container whitelist applies all the same)."""
-    from ..inputs.decode import video_mime
+    from ...inputs.decode import video_mime
 
     parts = urlsplit(ref.url)
     if parts.scheme.lower() == "data":

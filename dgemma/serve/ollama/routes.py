@@ -4,12 +4,12 @@ speak.
 
 Routes: `GET /api/version`, `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `POST /api/chat`,
 `POST /api/generate`, and `HEAD /` (200: ollama's liveness probe; `GET /` stays the playground).
-A chat or generate body is checked as ollama's (ollama_protocol.py), translated into the OpenAI
+A chat or generate body is checked as ollama's (protocol.py), translated into the OpenAI
 request it asks for and run by the same pipeline (pipeline.py), so both APIs give the same prompt,
-sampler settings and text; its answer is shaped as ollama's (ollama_responses.py). The served
+sampler settings and text; its answer is shaped as ollama's (responses.py). The served
 name `X` is listed as `X:latest`, and requests may name either. Refusals are ollama's
 `{"error": "..."}` with the same status codes as on the OpenAI routes; the access rules (key,
-Host, Origin) are the same (access.py). docs/server.md, "ollama-compatible API".
+Host, Origin) are the same (http/access.py). docs/server.md, "ollama-compatible API".
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
-from .connection import read_json
-from .errors import ApiError, excerpt, json_response
-from .ollama_protocol import (
+from ... import __version__
+from ..http.connection import read_json
+from ..errors import ApiError, excerpt, json_response
+from .protocol import (
     ChatRequest,
     GenerateRequest,
     OllamaNames,
@@ -39,10 +39,10 @@ from .ollama_protocol import (
     parse_body,
     unloads,
 )
-from .ollama_responses import OllamaResponder, created_at, insertion_answer
-from .pipeline import prepare
-from .reasoning import THINK, template_thinks
-from .service import Service
+from .responses import OllamaResponder, created_at, insertion_answer
+from ..pipeline import prepare
+from ..reasoning import THINK, template_thinks
+from ..service import Service
 
 OLLAMA_VERSION = "0.12.0"  # the ollama API whose fields these routes answer (tools, structured outputs, thinking)
 PREFIX = "/api/"

@@ -14,9 +14,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.constraints import CanvasConstraints, CanvasError, FirstCanvas, canvas_row
-from ..engine.constraints.infill import DEFAULT_LENGTHS, candidate_lengths, infill_plan, most_likely_span
-from ..engine.events import Block, Finished
+from ...engine.constraints import CanvasConstraints, CanvasError, FirstCanvas, canvas_row
+from ...engine.constraints.infill import DEFAULT_LENGTHS, candidate_lengths, infill_plan, most_likely_span
+from ...engine.events import Block, Finished
 
 
 class InsertError(ValueError):

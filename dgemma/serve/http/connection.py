@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
-from .errors import ApiError
+from ..errors import ApiError
 
 log = logging.getLogger("dgemma.serve")
 

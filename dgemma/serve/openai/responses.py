@@ -2,7 +2,7 @@
 
 Streamed answers are server-sent events (`data: {...}` chunks, then `data: [DONE]`); the chunks of
 the `n` choices interleave as they come. With thinking or tools, each choice's text goes through
-its own parsers (reasoning.py, tools.py) before the client sees it; with logprobs, each chunk
+its own parsers (reasoning.py, tools/) before the client sees it; with logprobs, each chunk
 carries those of the tokens it commits (logprobs.py). docs/server.md has the shapes.
 """
 
@@ -17,18 +17,18 @@ from typing import Any, AsyncIterator, Callable
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
-from ..engine.events import TokenLogprob
-from ..inputs.model_inputs import ModelInputs
-from .connection import watch_disconnect
-from .engine_thread import EngineFailure, Generation, Update
-from .errors import ApiError, error_body, json_response
+from ...engine.events import TokenLogprob
+from ...inputs.model_inputs import ModelInputs
+from ..http.connection import watch_disconnect
+from ..engine_thread import EngineFailure, Generation, Update
+from ..errors import ApiError, error_body, json_response
 from .insert import Insertion
 from .logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from .protocol import CompletionParams, RequestParams, request_top_logprobs
-from .reasoning import ReasoningParser, Thought
-from .service import Service, insertion_reason
-from .tool_calls import ToolCallParser
-from .tool_specs import ToolSpec
+from ..reasoning import ReasoningParser, Thought
+from ..service import Service, insertion_reason
+from ..tools.calls import ToolCallParser
+from ..tools.specs import ToolSpec
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -47,7 +47,7 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=True).encode() + b"\n\n"
 
 
-class _Choice:
+class Choice:
     """One choice of a response: its generation, its own parsers (tool calls, reasoning: each
     choice is an answer of its own) and how many of its tokens' log probabilities were sent."""
 
@@ -120,7 +120,7 @@ class Responder:
         self.texts = service.token_texts() if request_top_logprobs(params) is not None else None
         self.pieces = service.token_texts() if params.stream_drafts else None  # draft frames' token texts
         offsets = (lambda g: TextOffsets(g.text.decode)) if self.texts is not None and not chat else (lambda g: None)
-        self.choices = [_Choice(i, g, spec, thinking, offsets(g)) for i, g in enumerate(gens)]
+        self.choices = [Choice(i, g, spec, thinking, offsets(g)) for i, g in enumerate(gens)]
 
     def _envelope(self, choices: list, object_: str) -> dict:
         body = {"id": self.id, "object": object_, "created": self.created, "model": self.service.name, "choices": choices}
@@ -128,12 +128,12 @@ class Responder:
             body["service_tier"] = "default"  # the tier that served it, as OpenAI reports it: the only one
         return body
 
-    def _logprobs(self, choice: _Choice, entries: list[TokenLogprob] | None) -> dict | None:
+    def _logprobs(self, choice: Choice, entries: list[TokenLogprob] | None) -> dict | None:
         if self.texts is None or entries is None:
             return None
         return chat_logprobs(entries, self.texts) if self.chat else completion_logprobs(entries, self.texts, choice.offsets)
 
-    def _chunk(self, choice: _Choice, text: str | None, finish_reason: str | None = None, draft: dict | None = None,
+    def _chunk(self, choice: Choice, text: str | None, finish_reason: str | None = None, draft: dict | None = None,
                role: bool = False, tool_call: dict | None = None, reasoning: str | None = None,
                logprobs: list[TokenLogprob] | None = None) -> dict:  # fmt: skip
         if self.chat:
@@ -157,7 +157,7 @@ class Responder:
             choice.record(self.service, "error")
         return error_body(ApiError(500, f"generation failed: {error}", code="engine_error"))
 
-    async def _collect(self, choice: _Choice) -> dict:
+    async def _collect(self, choice: Choice) -> dict:
         """A choice run to its end, as the choices entry of a whole response."""
         parts, items, entries = [], [], []
         async for update in choice.gen.updates():
@@ -204,7 +204,7 @@ class Responder:
         body["usage"] = self.service.usage(self.prompt, self.gens)
         return json_response(body)
 
-    async def _choice_chunks(self, choice: _Choice) -> AsyncIterator[dict]:
+    async def _choice_chunks(self, choice: Choice) -> AsyncIterator[dict]:
         """One choice's chunks: role (chat), committed text as it comes (and drafts), its finish."""
         if self.chat:
             yield self._chunk(choice, None, role=True)
@@ -232,7 +232,7 @@ class Responder:
             frame["frozen"] = draft.frozen
         return frame
 
-    async def _pump(self, choice: _Choice, out: asyncio.Queue) -> None:
+    async def _pump(self, choice: Choice, out: asyncio.Queue) -> None:
         """A choice's chunks into the response's queue (the reader's pace: one waits at a time),
         then None; an EngineFailure goes in as it is."""
         try:
@@ -277,7 +277,7 @@ class Responder:
                     choice.gen.cancel()
                     choice.record(self.service, "cancelled")
 
-    def _item(self, choice: _Choice, item: str | Thought | dict, logprobs: list[TokenLogprob] | None = None) -> dict:
+    def _item(self, choice: Choice, item: str | Thought | dict, logprobs: list[TokenLogprob] | None = None) -> dict:
         if isinstance(item, Thought):
             return self._chunk(choice, None, reasoning=item.text, logprobs=logprobs)
         if isinstance(item, str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..engine.events import TokenLogprob
+from ...engine.events import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20
 # A token of probability 0 under its pass (a mask banned it, and a grammar's refine put it there

@@ -46,7 +46,7 @@ MAX_CHOICE_BYTES = 64 << 10  # all choices together
 
 # --- tool schemas (tools[].function.parameters: the chat template renders them, and a forced
 # call's grammar is written from them, both recursively; the writer's Python recursion gives up
-# at 166 levels of objects, see tool_grammar.py)
+# at 166 levels of objects, see tools/grammar.py)
 MAX_TOOL_DEPTH = 32  # nesting of one parameters document (16 levels of objects)
 MAX_TOOL_PROPERTIES = 4096  # properties of all the request's tools together: 0.87 s to compile as a forced call
 MAX_TOOL_BYTES = 256 << 10  # one function's parameters as compact JSON, about

@@ -7,7 +7,7 @@ them per request. A `json_schema` with `strict: false` is compiled leniently (sc
 llguidance does not implement are ignored instead of refused); the output always matches what
 is enforced either way.
 
-Every grammar is checked against serve/grammar_limits.py before it is compiled (`check_format`):
+Every grammar is checked against serve/structured/limits.py before it is compiled (`check_format`):
 llguidance's compiler recurses natively, and what is too deep for it crashes the process.
 """
 
@@ -20,8 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
-from .grammar_limits import MAX_CHOICES, LimitError, check_choices, check_lark, check_regex, check_schema, text_bytes  # noqa: F401
+from ...engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
+from .limits import MAX_CHOICES, LimitError, check_choices, check_lark, check_regex, check_schema, text_bytes  # noqa: F401
 
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -131,7 +131,7 @@ def _no_extra(obj: dict, allowed: set[str], where: str) -> None:
 
 
 def check_format(fmt: OutputFormat) -> None:
-    """`fmt` within serve/grammar_limits.py's limits (size, rules, depth, nesting, properties,
+    """`fmt` within serve/structured/limits.py's limits (size, rules, depth, nesting, properties,
     `$ref` chains) and valid Unicode, before anything compiles it; StructuredError naming its field."""
     try:
         if fmt.kind == "json_schema":

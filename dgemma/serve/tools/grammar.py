@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from .tool_format import QUOTE, TOOL_CALL, TOOL_CALL_END
-from .tool_specs import ToolError, ToolSpec
+from .syntax import QUOTE, TOOL_CALL, TOOL_CALL_END
+from .specs import ToolError, ToolSpec
 
 UNSUPPORTED = ("$ref", "allOf", "not", "patternProperties", "dependentSchemas", "if", "then", "else",
                "prefixItems", "contains", "uniqueItems", "propertyNames", "minProperties", "maxProperties")  # fmt: skip

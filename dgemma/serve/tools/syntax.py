@@ -7,8 +7,8 @@ calls and results in it. Gemma 4 writes tools as special-token-delimited blocks:
 
 Inside the braces: bare keys, strings between `<|"|>` markers (raw text, no escapes), numbers,
 true / false / null, `{...}` objects and `[...]` lists. Parallel calls are consecutive blocks.
-The one place that knows the syntax's tokens; tool_render.py writes chats with it, tool_calls.py
-reads calls back, tool_grammar.py forces them (docs/server.md, "Tool calling").
+The one place that knows the syntax's tokens; render.py writes chats with it, calls.py
+reads calls back, grammar.py forces them (docs/server.md, "Tool calling").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The model's tool calls read out of its answer: a hand-written recursive-descent reader of
-Gemma 4's call syntax (tool_format.py), fed committed text as it streams, giving content pieces
+Gemma 4's call syntax (syntax.py), fed committed text as it streams, giving content pieces
 and OpenAI tool calls in order; and the decoder that keeps the call tokens in the text.
 
 Content is passed on as soon as it cannot be the start of a call; text that looks like a call but
@@ -13,7 +13,7 @@ import re
 import uuid
 from typing import Any, Callable
 
-from .tool_format import KEPT_TOKENS, QUOTE, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE
+from .syntax import KEPT_TOKENS, QUOTE, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE
 
 MAX_DEPTH = 64  # nesting of objects and lists the reader follows; deeper is not a call
 
@@ -193,7 +193,7 @@ class _Reader:
         return m.group(), arguments
 
 
-def _partial_tail(s: str, start: int, markers: tuple[str, ...]) -> int:
+def partial_tail(s: str, start: int, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of s[start:] that is a proper prefix of one of `markers`."""
     best = 0
     for marker in markers:
@@ -214,7 +214,7 @@ def split_calls(s: str, names: set[str], final: bool) -> tuple[list, int, bool]:
     while True:
         found = [(j, m) for m in (TOOL_CALL, TOOL_RESPONSE) if (j := s.find(m, i)) >= 0]
         if not found:
-            end = len(s) if final else len(s) - _partial_tail(s, i, (TOOL_CALL, TOOL_RESPONSE))
+            end = len(s) if final else len(s) - partial_tail(s, i, (TOOL_CALL, TOOL_RESPONSE))
             items.append(s[i:end])
             return items, end, False
         j, marker = min(found)

@@ -145,7 +145,7 @@ class AccessGuard:
             return await self.app(scope, receive, send)
         status, message, code = refusal
         log.info("refused %s %s from %s: %s", scope["method"], scope["path"], _client(scope), message)
-        if scope["path"].startswith("/api/"):  # the ollama API's error shape (ollama.py)
+        if scope["path"].startswith("/api/"):  # the ollama API's error shape (ollama/routes.py)
             body = json.dumps({"error": message})
         else:
             body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .grammar_limits import MAX_TOOL_PROPERTIES, MAX_TOOLS_BYTES, TOOL_LIMITS, LimitError, check_schema, text_bytes
-from .tool_format import TOOL_CALL
+from ..structured.limits import MAX_TOOL_PROPERTIES, MAX_TOOLS_BYTES, TOOL_LIMITS, LimitError, check_schema, text_bytes
+from .syntax import TOOL_CALL
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names

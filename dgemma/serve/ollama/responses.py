@@ -1,12 +1,12 @@
 """ollama's answers to `/api/chat` and `/api/generate`, whole or streamed, from the same generation
-the OpenAI answers are shaped from (responses.py).
+the OpenAI answers are shaped from (openai/responses.py).
 
 Streamed answers are newline-delimited JSON (`application/x-ndjson`): one object per piece of
 committed text (`message.content` for chat, `response` for generate; `thinking` for the thought
 channel; a chat's `tool_calls` once a call has closed), each with `"done": false`, then one with
 `"done": true`, `done_reason` and the counts and durations (nanoseconds). A failure after the
 stream began is a line `{"error": ...}`. The text goes through the same per-choice parsers as the
-OpenAI answer's (reasoning.py, tool_calls.py), so both APIs give the same split of the same text.
+OpenAI answer's (reasoning.py, tools/calls.py), so both APIs give the same split of the same text.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from typing import Any, AsyncIterator
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
-from .connection import watch_disconnect
-from .engine_thread import EngineFailure
-from .errors import ApiError, json_response
-from .logprobs import chat_logprobs
-from .pipeline import Prepared
-from .protocol import request_top_logprobs
-from .reasoning import Thought
-from .responses import _Choice
-from .service import Service, insertion_reason
+from ..http.connection import watch_disconnect
+from ..engine_thread import EngineFailure
+from ..errors import ApiError, json_response
+from ..openai.logprobs import chat_logprobs
+from ..pipeline import Prepared
+from ..openai.protocol import request_top_logprobs
+from ..reasoning import Thought
+from ..openai.responses import Choice
+from ..service import Service, insertion_reason
 
 NDJSON = "application/x-ndjson"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -63,7 +63,7 @@ class OllamaResponder:
     def __init__(self, service: Service, run: Prepared, model: str, started: float, chat: bool):
         self.service, self.run, self.model, self.started, self.chat = service, run, model, started, chat
         (gen,) = run.gens  # ollama asks for one choice
-        self.choice = _Choice(0, gen, run.spec, run.thinking, None)
+        self.choice = Choice(0, gen, run.spec, run.thinking, None)
         self.texts = service.token_texts() if request_top_logprobs(run.params) is not None else None
         self.calls = 0  # calls sent so far (their index)
 
