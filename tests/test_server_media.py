@@ -19,7 +19,7 @@ import openai
 import pytest
 
 import dgemma
-from dgemma.serve.media.sources import MediaPolicy
+from dgemma.serve.media.policy import MediaPolicy
 from media_samples import PNG, data_url, image_part, mp4_bytes, png_bytes, user
 from servers import VISION_FAST as FAST, VISION_MODEL as MODEL, serve_vision as serve
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..serve.http.access import Access
 from ..serve.app import create_app
 from ..serve.http.listener import Limits, bind, uvicorn_config
-from ..serve.media.sources import MediaPolicy
+from ..serve.media.policy import MediaPolicy
 from ..serve.openai.protocol import Budgets
 from .common import (
     CliError, add_chat_template_flag, add_engine_flags, add_model_flags, add_threads_flag, add_turbo_flags,

@@ -6,7 +6,7 @@ ollama-compatible API under `/api/` over the same engine (ollama/routes.py). One
 is read (http/connection.py) and checked, strictly, so that anything a client sends gets a 4xx with an
 OpenAI-style error body naming the problem (openai/protocol.py, errors.py); its prompt is rendered
 (prompts.py); it runs on the engine (pipeline.py, service.py) and its answer is shaped, whole or
-streamed (openai/responses.py). Chat messages may carry images and video (media/sources.py: where they
+streamed (openai/responses.py). Chat messages may carry images and video (media/: where they
 may come from; the checkpoint's processor: what they become), tools (tools/) and Gemma 4's
 thinking (reasoning.py). See docs/server.md for the fields and the streaming extension,
 docs/media.md for media, and "Client compatibility" for other clients' fields.
@@ -28,7 +28,7 @@ from .http.access import Access, AccessGuard
 from .http.connection import ClientGone, read_json
 from .errors import ApiError, error_response, json_response
 from .http.listener import Limits
-from .media.sources import MediaPolicy
+from .media.policy import MediaPolicy
 from .metrics import Metrics
 from .ollama.routes import add_ollama_routes, is_ollama_path, ollama_error_response
 from .pipeline import parse_params, prepare

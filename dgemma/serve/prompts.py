@@ -1,7 +1,7 @@
 """A request's prompt as the engine takes it: a completion's text or token ids, a chat rendered.
 
 A chat goes through the checkpoint's chat template (the tokenizer's; with images or video, the
-processor's, after media/sources.py has fetched and checked them), with tools declared and tool
+processor's, after media/ has fetched and checked them), with tools declared and tool
 calls rendered in Gemma 4's format (tools/) and thinking switched on where asked (reasoning.py).
 Text that cannot fit the context is refused before any of it is rendered or tokenized.
 """
@@ -15,7 +15,7 @@ from ..inputs.model_inputs import MediaError, ModelInputs
 from ..inputs.tokenizer import ChatTemplateError
 from .media import sources as media
 from .errors import ApiError, excerpt, media_error
-from .media.sources import MediaPolicy, MediaRef
+from .media.policy import MediaPolicy, MediaRef
 from .openai.protocol import ChatMessage, ChatParams, RequestParams
 from .reasoning import THINK, template_thinks, think_in_system_turn
 from .tools.render import render_chat

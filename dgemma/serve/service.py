@@ -29,7 +29,7 @@ from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
 from .errors import ApiError, excerpt
 from .openai.insert import InsertError, Insertion, fixed_canvas, insert, span_lengths
 from .openai.logprobs import TokenTexts
-from .media.sources import MediaPolicy
+from .media.policy import MediaPolicy
 from .metrics import Metrics
 from .prompts import PromptBuilder
 from .openai.protocol import MAX_CHOICES_PER_REQUEST, Budgets, CompletionParams, RequestParams, parse_stop, request_top_logprobs

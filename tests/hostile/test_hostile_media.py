@@ -33,8 +33,9 @@ import pytest
 import dgemma
 from dgemma.inputs.decode import open_video
 from dgemma.inputs.model_inputs import MediaError
-from dgemma.serve.media.sources import (GuardedBackend, MediaPolicy, MediaRef, PartError, address_allowed, fetch, file_bytes,
-                                 host_allowed)  # fmt: skip
+from dgemma.serve.media.policy import MediaPolicy, MediaRef, PartError
+from dgemma.serve.media.remote import GuardedBackend, address_allowed, fetch, host_allowed
+from dgemma.serve.media.sources import file_bytes
 from dgemma.cli.serve import add_media_flags, media_policy, media_summary
 from media_samples import PNG, data_url, image_part, mp4_bytes, png_bytes, user
 from servers import VISION_FAST as FAST, VISION_MODEL as MODEL, serve_vision as serve

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.request import SEED_MAX
 from ...inputs.model_inputs import MediaError
-from ..media import sources as media
+from ..media.policy import check_soft_tokens
 from ..errors import ApiError, excerpt
 from ..structured.formats import GUIDED_FIELDS, OutputFormat, StructuredError, request_format
 from ..tools.specs import ToolError, ToolSpec, tool_spec
@@ -266,7 +266,7 @@ def soft_token_budgets(params: ChatParams) -> dict:
     out = {}
     for name in ("max_soft_tokens", "video_max_soft_tokens"):
         try:
-            value = media.check_soft_tokens(getattr(params, name), name)
+            value = check_soft_tokens(getattr(params, name), name)
         except MediaError as e:
             raise ApiError(400, str(e), name, "invalid_value") from None
         if value is not None:
