@@ -329,24 +329,25 @@ def _logprobs(req: _Generating, chat: bool) -> dict[str, Any]:
     return {"logprobs": True, "top_logprobs": req.top_logprobs or 0} if chat else {"logprobs": req.top_logprobs or 0}
 
 
-def chat_params(req: ChatRequest, served: str, names: OllamaNames) -> ChatParams:
-    """An /api/chat body as the OpenAI chat request it asks for (`served`: the served name)."""
-    fields = {**_common(req, served, True), "messages": chat_messages(req.messages or [], names), "tools": _tools(req.tools),
-              **_think(req.think), **_logprobs(req, True)}  # fmt: skip
-    return _checked(ChatParams, fields)
-
-
 @dataclass(frozen=True)
-class GenerateParams:
-    """An /api/generate body translated: the OpenAI request, whether it is a chat (the prompt
-    through the chat template), and, in insert mode, the stop strings to cut the span at."""
+class Translated:
+    """An ollama body translated: the OpenAI request, whether it is a chat (the prompt through the
+    chat template), and, in insert mode (/api/generate's `suffix`), the stop strings to cut the
+    span at."""
 
     params: RequestParams
     chat: bool
     insert_stops: list[str] = field(default_factory=list)
 
 
-def generate_params(req: GenerateRequest, served: str, names: OllamaNames) -> GenerateParams:
+def chat_params(req: ChatRequest, served: str, names: OllamaNames) -> Translated:
+    """An /api/chat body as the OpenAI chat request it asks for (`served`: the served name)."""
+    fields = {**_common(req, served, True), "messages": chat_messages(req.messages or [], names), "tools": _tools(req.tools),
+              **_think(req.think), **_logprobs(req, True)}  # fmt: skip
+    return Translated(_checked(ChatParams, fields), chat=True)
+
+
+def generate_params(req: GenerateRequest, served: str, names: OllamaNames) -> Translated:
     """An /api/generate body as the OpenAI request it asks for: with `suffix`, an insert-mode
     completion (the text between prompt and suffix; its stop strings cut the span afterwards);
     with `raw`, a completion of the prompt as it is; else a chat of one user turn (with `system`
@@ -362,10 +363,10 @@ def generate_params(req: GenerateRequest, served: str, names: OllamaNames) -> Ge
             raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
         fields["prompt"] = req.prompt or ""
         if not req.suffix:
-            return GenerateParams(_checked(CompletionParams, {**fields, **_logprobs(req, False)}), chat=False)
+            return Translated(_checked(CompletionParams, {**fields, **_logprobs(req, False)}), chat=False)
         stops = fields.pop("stop", [])
         params = _checked(CompletionParams, {**fields, "suffix": req.suffix})
-        return GenerateParams(params, chat=False, insert_stops=stops)
+        return Translated(params, chat=False, insert_stops=stops)
     if req.template:
         raise ApiError(400, "template: ollama's Go templates are not supported; the checkpoint's chat template renders "
                             "the prompt (or send raw: true with a prompt you formatted)", "template", "unsupported_parameter")  # fmt: skip
@@ -374,7 +375,7 @@ def generate_params(req: GenerateRequest, served: str, names: OllamaNames) -> Ge
     messages.append({"role": "user", "content": _content(req.prompt, req.images, "", names, user)})
     names.add(r"messages(?:\[\d+\](?:\.content)?)?", "prompt")  # after the images' rules: they match first
     params = _checked(ChatParams, {**fields, "messages": messages, **_think(req.think), **_logprobs(req, True)})
-    return GenerateParams(params, chat=True)
+    return Translated(params, chat=True)
 
 
 def is_load_request(req: ChatRequest | GenerateRequest) -> bool:

@@ -179,37 +179,31 @@ def add_ollama_routes(app: FastAPI, service: Service, read_timeout: float, ui: b
         card.check(req.model if req.model is not None else req.name)
         return json_response(card.show())
 
-    async def read_body(request: Request, kind):
-        """A chat or generate body, checked and naming this model; when it arrived; its deadline."""
+    async def answer(request: Request, chat: bool) -> Response:
+        """/api/chat and /api/generate, one way: the body read and checked, a load request answered
+        at once, else translated into the OpenAI request it asks for, run, and answered in this
+        route's shape (an insert-mode generate: its span)."""
         started, deadline = time.perf_counter(), service.budgets.deadline()
-        req = parse_body(kind, await read_json(request, read_timeout))
+        req = parse_body(ChatRequest if chat else GenerateRequest, await read_json(request, read_timeout))
         card.check(req.model)
-        return req, started, deadline
+        if is_load_request(req):
+            return _load_answer(req, chat)
+        names = OllamaNames()
+        with names.renaming():
+            asked = chat_params(req, service.name, names) if chat else generate_params(req, service.name, names)
+            run = await prepare(service, request, asked.params, asked.chat, deadline)
+        stream = req.stream is not False
+        if run.inserted:
+            return insertion_answer(service, run, req.model, started, stream, asked.insert_stops)
+        return await OllamaResponder(service, run, req.model, started, chat=chat).respond(request, stream)
 
     @app.post("/api/chat", include_in_schema=False)
     async def chat(request: Request) -> Response:
-        req, started, deadline = await read_body(request, ChatRequest)
-        if is_load_request(req):
-            return _load_answer(req, chat=True)
-        names = OllamaNames()
-        with names.renaming():
-            run = await prepare(service, request, chat_params(req, service.name, names), True, deadline)
-        responder = OllamaResponder(service, run, req.model, started, chat=True)
-        return await responder.respond(request, req.stream is not False)
+        return await answer(request, chat=True)
 
     @app.post("/api/generate", include_in_schema=False)
     async def generate(request: Request) -> Response:
-        req, started, deadline = await read_body(request, GenerateRequest)
-        if is_load_request(req):
-            return _load_answer(req, chat=False)
-        names = OllamaNames()
-        with names.renaming():
-            translated = generate_params(req, service.name, names)
-            run = await prepare(service, request, translated.params, translated.chat, deadline)
-        stream = req.stream is not False
-        if run.inserted:
-            return insertion_answer(service, run, req.model, started, stream, translated.insert_stops)
-        return await OllamaResponder(service, run, req.model, started, chat=False).respond(request, stream)
+        return await answer(request, chat=False)
 
     routes = "GET /api/version, GET /api/tags, POST /api/show, GET /api/ps, POST /api/chat, POST /api/generate"
 
