@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import browser  # noqa: E402  (tests/browser.py: chromium without network)
+import browser  # noqa: E402  (tests/serve/browser.py: chromium without network)
 
 import dgemma  # noqa: E402
 from dgemma.engine.runner import Runner  # noqa: E402

@@ -276,7 +276,7 @@ def check_load_quantizing_while_reading(group: ShardGroup) -> None:
 
 def _modelopt(src: Path, out: Path) -> None:
     """dgemma's nvfp4 checkpoint as ModelOpt writes NVFP4 (`weight` uint8, `weight_scale_2` the
-    reciprocal global scale; tests/test_quant_checkpoint.py's `modelopt_from`)."""
+    reciprocal global scale; tests/quant/test_quant_checkpoint.py's `modelopt_from`)."""
     reader, tensors = TensorReader(src), {}
     for name in reader.files:
         t, (module, _, part) = reader.get(name), name.rpartition(".")
