@@ -1,9 +1,5 @@
 """dgemma: run, serve and fine-tune DiffusionGemma (block-diffusion MoE language model)."""
 
-from . import moved
-
-moved.install()  # old import paths of moved modules forward to the new ones
-
 from .api import Model, default_model_dir, load
 from .config import ConfigError, GenerationConfig, ModelConfig
 from .engine.events import Block, Draft, Finished, GenerationOutput

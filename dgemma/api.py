@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -11,6 +10,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from . import devices
 from .config import GenerationConfig, ModelConfig, load_generation_config, load_model_config
 from .engine.client import EngineClient
 from .engine.constraints import CanvasConstraints, FirstCanvas, canvas_row
@@ -29,106 +29,12 @@ from .model import weights
 from .inputs.model_inputs import ImagePatches, MediaError, ModelInputs
 from .inputs.tokenizer import Tokenizer
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 SAMPLING_MODES = ("default", "reference")
 
 
 def default_model_dir() -> Path:
     """Directory of the small model shipped inside the package (dgemma-tiny)."""
     return Path(__file__).resolve().parent / "assets" / "dgemma-tiny"
-
-
-# No checkpoint to ask (bench's random --size weights): the released model's dtype.
-RELEASE_DTYPE = torch.bfloat16
-
-
-def resolve_dtype(
-    requested: str | torch.dtype | None = "auto",
-    device: str | torch.device = "cpu",
-    checkpoint_dir: str | Path | None = None,
-) -> torch.dtype:
-    """The dtype the weights are loaded in: the one every command and `dgemma.load` use.
-
-    An explicit dtype (a torch.dtype or one of DTYPES' names) always wins. "auto" (or None): the
-    checkpoint's stored dtype (`model.weights.stored_dtype`: config.json, else the safetensors
-    headers; bf16 for the released model) on every device: what CUDA graphs and the fast grouped
-    matmuls run, and on a CPU as fast as float32 at half the memory (the released model in float32
-    would need ~104 GB). float32 when the checkpoint says nothing, and for a float16 checkpoint on a
-    CPU (the CPU kernels take bf16 or float32); bfloat16 with no checkpoint (random weights). Tests
-    that compare against float32 references ask for float32. A pure function of its arguments and
-    the files: no GPU is needed to ask it."""
-    if isinstance(requested, torch.dtype):
-        if requested not in DTYPES.values():
-            raise ValueError(f"unsupported dtype {requested}; choose one of float32, bfloat16, float16")
-        return requested
-    if requested is None or requested == "auto":
-        if checkpoint_dir is None:
-            return RELEASE_DTYPE
-        from .model.weights import stored_dtype
-
-        stored = stored_dtype(checkpoint_dir) or torch.float32
-        if stored == torch.float16 and _device_type(device) != "cuda":
-            return torch.float32
-        return stored
-    if requested not in DTYPES:
-        raise ValueError(f"unsupported dtype {requested!r}; choose one of float32, bfloat16, float16 or auto")
-    return DTYPES[requested]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16"."""
-    return str(dtype).removeprefix("torch.")
-
-
-def _device_type(device: str | torch.device) -> str:
-    """"cuda" for "cuda", "cuda:1", torch.device("cuda", 1); the type of any other device name."""
-    if isinstance(device, torch.device):
-        return device.type
-    return str(device).split(":", 1)[0].strip()
-
-
-def parse_device(device: str | torch.device) -> torch.device | str:
-    """`device` checked for form (not for being present): a torch.device, or "auto". ValueError,
-    one line, for "cuda:x", "cuda:-1" or a name torch does not know."""
-    if isinstance(device, torch.device):
-        return device
-    text = str(device).strip()
-    if text == "auto":
-        return text
-    if text.split(":", 1)[0] == "cuda":
-        index = text[len("cuda:") :] if text.startswith("cuda:") else None
-        if text != "cuda" and (index is None or re.fullmatch(r"-?[0-9]+", index) is None):
-            raise ValueError(f"unknown device {text!r}: a GPU is cuda or cuda:N with N a device index (0, 1, ...)")
-        if index is not None and int(index) < 0:
-            raise ValueError(f"device {text!r}: the device index must be 0 or more")
-        return torch.device("cuda", int(index)) if index is not None else torch.device("cuda")
-    try:
-        return torch.device(text)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {text!r}: use cpu, cuda, cuda:N or auto") from None
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """The device to load on: `parse_device`'s, "auto" = cuda when torch sees a GPU, else cpu;
-    ValueError when CUDA is asked for and absent, or its index is past the devices there are."""
-    dev = parse_device(device)
-    if dev == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r} requested, but CUDA is not available on this machine")
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device {str(device)!r} requested, but this machine has {count} CUDA device"
-                             f"{'s' * (count != 1)} (cuda:0 .. cuda:{count - 1})")  # fmt: skip
-    return dev
 
 
 @dataclass
@@ -431,7 +337,7 @@ class Model:
         reproduces transformers' generate token for token after the same torch.manual_seed.
         `mode="ar"` decodes autoregressively with the encoder (greedy at temperature 0).
         `constraints`: one per prompt, a `CanvasConstraints` for every canvas of it, a function
-        of the `Request` giving one per decoder pass, or None (see engine/constraints.py).
+        of the `Request` giving one per decoder pass, or None (see engine/constraints/__init__.py).
         `grammar` (from `compile_grammar`): every answer is a sentence of it, or a prefix of one
         when max_new_tokens ends it first (see engine/constraints/grammar.py). `canvas`: one list of
         canvas_length token ids per prompt, where its first canvas starts instead of random
@@ -610,7 +516,7 @@ def load(
 
     `device`: "cpu", "cuda", "cuda:N" or "auto" (cuda when there is a GPU). `dtype`: "float32",
     "bfloat16", "float16", or "auto": the checkpoint's stored dtype (bf16 for the released model and
-    the shipped dgemma-tiny; `resolve_dtype`).
+    the shipped dgemma-tiny; `devices.resolve_dtype`).
 
     `quantization` ("fp8", "int8", "int4", "nvfp4"; `group_size` for int4) quantises the text
     layers' linears and experts while loading, a layer at a time (see docs/quantization.md); "auto"
@@ -636,8 +542,8 @@ def load(
         path = default_model_dir()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"the shipped model is missing from {path}; pass a checkpoint directory")
-    dev = resolve_device(device)
-    fit = None if force and quantization != "auto" else FitRequest(dev, partial(resolve_dtype, dtype, dev), quantization,
+    dev = devices.resolve_device(device)
+    fit = None if force and quantization != "auto" else FitRequest(dev, partial(devices.resolve_dtype, dtype, dev), quantization,
                                                                       group_size, tensor_parallel_size=tensor_parallel_size,
                                                                       expert_parallel=expert_parallel)  # fmt: skip
     checkpoint = resolve_checkpoint(path, revision, fit=fit, force=force)
@@ -659,6 +565,6 @@ def load(
         group, dev = join_ranks(tensor_parallel_size, dev)
         shard = ShardedLoad(group, expert_parallel)  # each rank reads its share of each tensor, on the meta model's cut
     split = {} if shard is None else {"shard": shard}  # one process: load_weights as ever
-    net = weights.load_weights(config, path, dev, resolve_dtype(dtype, dev, path), quantization, group_size, **split)
+    net = weights.load_weights(config, path, dev, devices.resolve_dtype(dtype, dev, path), quantization, group_size, **split)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Model(net, generation_config, tokenizer, path, checkpoint.name)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .engine.events import Block, Finished
-from .engine import kv_budget
+from .engine.kv import budget as kv_budget
 from .model.presets import PRESETS
 
 FIXED_STEPS_CONFIDENCE = 1e-30  # no canvas is ever this confident: every canvas takes exactly --steps passes

@@ -17,7 +17,7 @@ error, not a crash) is noted and the search for a crash goes on past it. Columns
     safe       largest size that did not crash (nor time out)
     time, rss  compile + first mask seconds, and the child's peak memory, at `accepted`
 
-dgemma/serve/grammar_limits.py sets the server's limits from these (a quarter of the crash
+dgemma/serve/structured/limits.py sets the server's limits from these (a quarter of the crash
 points, or lower where compile time is the bound); docs/server.md has the table.
 """
 
@@ -85,7 +85,7 @@ def regex_groups(n: int) -> tuple[str, str]:
 
 
 def choices(n: int) -> tuple[str, str]:
-    """guided_choice with n entries, as serve/structured.py writes it."""
+    """guided_choice with n entries, as serve/structured/formats.py writes it."""
     return "regex", "|".join(f"(?:{re.escape(f'choice-{i}')})" for i in range(n))
 
 
@@ -115,7 +115,7 @@ def json_arrays(n: int) -> tuple[str, dict]:
 
 def _tool(params: dict) -> tuple[str, str]:
     tools = pure_module("dgemma.serve.tools")
-    tool_grammar = pure_module("dgemma.serve.tool_grammar")
+    tool_grammar = pure_module("dgemma.serve.tools.grammar")
     spec = tools.ToolSpec([{"type": "function", "function": {"name": "f", "parameters": params}}], "function", "f")
     return "lark", tool_grammar.tool_call_grammar(spec, tool_grammar.lark_string)
 

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from dgemma.config import GLOBAL, SLIDING, GenerationConfig  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.engine.events import Block, Finished  # noqa: E402
-from dgemma.engine.kv_budget import dtype_bytes  # noqa: E402
-from dgemma.engine.paged_cache import kv_bytes_per_token  # noqa: E402
+from dgemma.engine.kv.budget import dtype_bytes  # noqa: E402
+from dgemma.engine.kv.paged_cache import kv_bytes_per_token  # noqa: E402
 from dgemma.kernels.choice import engine_net  # noqa: E402
 from dgemma.model.checkpoint import make_config, random_model  # noqa: E402
 

@@ -19,12 +19,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import browser  # noqa: E402  (tests/browser.py: chromium without network)
+import browser  # noqa: E402  (tests/serve/browser.py: chromium without network)
 
 import dgemma  # noqa: E402
 from dgemma.engine.runner import Runner  # noqa: E402
 from dgemma.serve.app import create_app  # noqa: E402
-from dgemma.serve.listener import ServerThread  # noqa: E402
+from dgemma.serve.http.listener import ServerThread  # noqa: E402
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Now make it faster."]
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dgemma.api import load, resolve_dtype  # noqa: E402
+from dgemma.api import load  # noqa: E402
+from dgemma.devices import resolve_dtype  # noqa: E402
 from dgemma.benchmark import FIXED_STEPS_CONFIDENCE, quantized_synthetic_model, synthetic_checkpoint  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402

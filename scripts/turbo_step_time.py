@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dgemma.api import load, resolve_dtype  # noqa: E402
+from dgemma.api import load  # noqa: E402
+from dgemma.devices import resolve_dtype  # noqa: E402
 from dgemma.benchmark import quantized_synthetic_model, synthetic_checkpoint  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
-from dgemma.engine.scheduler import StepPlan  # noqa: E402
+from dgemma.engine.step_plan import StepPlan  # noqa: E402
 from dgemma.engine.turbo import TurboState  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402

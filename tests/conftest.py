@@ -1,14 +1,19 @@
-"""Session fixtures shared by the test modules (each built once per session) and the markers that
-conftest applies from what a test uses. Helpers live in modules beside it (servers.py,
-checkpoints.py, media_samples.py, tool_fakes.py, oracle.py, ...): test files import those, never
-one another (tests/test_layout.py checks)."""
+"""The tests are laid out like the package: tests/engine/ tests dgemma/engine/, tests/serve/
+dgemma/serve/, ... (tests/api/: the Python API and loading; here: the tree's layout, the scripts
+and the memory plans). This file holds the session fixtures that tests of several folders share
+(each built once per session) and the markers that follow from what a test uses; a fixture one
+folder alone uses is in that folder's conftest.py. Helpers that several folders import live here
+(servers.py, serve_process.py, checkpoints.py, media_samples.py, oracle.py, ...), a folder's own
+beside its tests (serve/tool_fakes.py, hub/fake_hub.py, ...): test files import helpers by name
+(this folder is on sys.path; pytest puts each test's own folder there), never one another
+(tests/test_layout.py checks)."""
 
 import os
 import sys
 from pathlib import Path
 
 # Triton runs its kernels on the CPU when this is set before triton is first imported (by
-# tests/test_triton_quant.py, or by compressed-tensors, which imports triton itself).
+# tests/kernels/test_triton_quant.py, or by compressed-tensors, which imports triton itself).
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
@@ -39,17 +44,8 @@ def pytest_collection_modifyitems(items):
 def _threads():
     """One intra-op thread a test: the tiny models' ops are too small to share, so a second thread
     only spins (measured: the same wall time, twice the CPU), and the README's `-n 2` runs two
-    test processes on the 2-core host. `two_threads` gives a test two."""
+    test processes on the 2-core host. `two_threads` (kernels/conftest.py) gives a test two."""
     torch.set_num_threads(1)
-    yield
-
-
-@pytest.fixture
-def two_threads(_threads):
-    """Two intra-op threads, as on a 2-core host, for the native kernels' tests (the kernels split
-    their work across threads). Only there: under `-n 2` a second thread waits on a busy core, and
-    a test of the whole engine ran 10-30x slower (test_engine.py, 0.15 s -> 5 s)."""
-    torch.set_num_threads(2)
     yield
 
 
@@ -103,7 +99,7 @@ def model(tmp_path_factory):
 def server(model):
     """`model` served in-process as servers.MODEL; `server.app` is its app."""
     from servers import tiny_random_app
-    from dgemma.serve.listener import ServerThread
+    from dgemma.serve.http.listener import ServerThread
 
     app = tiny_random_app(model)
     with ServerThread(app) as s:

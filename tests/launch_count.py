@@ -392,3 +392,14 @@ def ar_token_launches(net, prompt: int = 512, rows: int = 1) -> Launches:
                     next(events)
             events.close()
     return launches
+
+
+# A step's launches at the released size on an H200's choices, pinned (per layer, outside, total):
+# tests/engine/test_launch_count.py holds a step to them, test_device_ar.py an AR token.
+PINNED = {
+    ("bf16", 1): (14, 19, 439),  # 14 a layer: the attention splits its prefix at batch 1 (+1: the splits' combine)
+    ("bf16", 8): (13, 19, 409),
+    ("fp8", 1): (14, 19, 439),
+    ("int4", 1): (14, 19, 439),
+    ("nvfp4", 1): (14, 19, 439),
+}

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,20 +64,6 @@ def _absolute(root: Path, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(package + ([node.module] if node.module else []))
 
 
-def imported_modules(root: Path, path: Path, tree: ast.AST) -> Iterable[tuple[ast.AST, str]]:
-    """The dotted names an import statement anywhere in the file names: `import a.b` gives a.b, and
-    `from a import b` gives a and a.b (a module, or only a name in a)."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node, alias.name
-        elif isinstance(node, ast.ImportFrom):
-            base = _absolute(root, path, node)
-            yield node, base
-            for alias in node.names:  # a.b: a module, a name in a, or an old module path
-                yield node, f"{base}.{alias.name}"
-
-
 # ------------------------------------------------------------------------------------ (a) test files import no test file
 def tests_importing_tests(root: Path = ROOT, tests: Path | None = None) -> list[str]:
     tests = tests or root / "tests"
@@ -95,30 +80,6 @@ def tests_importing_tests(root: Path = ROOT, tests: Path | None = None) -> list[
                 if any(part.startswith("test_") for part in name.split(".")):
                     found.append(f"{_where(root, path, node)}: imports the test file {name}")
     return found
-
-
-# ------------------------------------------------------------------------------------ (b) no old module paths
-def old_path_uses(moved: Mapping[str, str], root: Path = ROOT, tests: Path | None = None, exempt: Iterable[str] = ()) -> list[str]:
-    """Imports and strings (dotted paths in patch targets, `-m` arguments, ...) naming a module by
-    a path it had before it moved."""
-    tests = tests or root / "tests"
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(old) for old in sorted(moved, key=len, reverse=True)) + r")(?![\w])")
-    found = []
-    for path in python_files(tests):
-        if path.name in exempt:
-            continue
-        tree = parse(path)
-        reported = set()
-        for node, name in imported_modules(root, path, tree):
-            old = next((o for o in moved if name == o or name.startswith(o + ".")), None)
-            if old and (id(node), old) not in reported:
-                reported.add((id(node), old))
-                found.append(f"{_where(root, path, node)}: imports {name}, but {old} moved to {moved[old]}")
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                for match in pattern.finditer(node.value):
-                    found.append(f"{_where(root, path, node)}: names {match.group(1)}, which moved to {moved[match.group(1)]}")
-    return sorted(set(found))
 
 
 # ------------------------------------------------------------------------------------ (c) patches target the defining module

@@ -9,7 +9,7 @@ refuses every call when the tokenizer has no begin/end-of-audio token), then the
 
 torchvision cannot be installed here, and transformers' Gemma4VideoProcessor needs it, so the
 processor holds a stand-in video processor that saves Gemma 4's released video settings; it
-cannot process videos (tests/test_video.py re-implements the video rules instead).
+cannot process videos (tests/inputs/test_video.py re-implements the video rules instead).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 
 from dgemma.serve.app import create_app
-from dgemma.serve.listener import ServerThread
+from dgemma.serve.http.listener import ServerThread
 
 MODEL = "tiny"  # the tiny random model's served name (conftest.py's `server`)
 VISION_MODEL = "vision"

@@ -1,13 +1,11 @@
-"""The tree's layout, checked without a model: tests import no test file, name no moved module by
-its old path and patch the module that defines a name; dgemma has no import cycles; the wheel
-ships the package data; the old module paths still import; README's test command is .ci/run's.
+"""The tree's layout, checked without a model: tests import no test file and patch the module that
+defines a name; dgemma has no import cycles; the wheel ships the package data; README's test
+command is .ci/run's.
 
-This file is moved.py's own test: it names old module paths on purpose (the alias checks at the
-end), so the old-path check leaves it out. Each static check also runs on a small made-up tree
-with a deliberate mistake, to show that it fails where it should.
+Each static check also runs on a small made-up tree with a deliberate mistake, to show that it
+fails where it should.
 """
 
-import importlib
 import re
 import shutil
 import subprocess
@@ -18,10 +16,8 @@ from pathlib import Path
 import pytest
 
 import layout_checks as checks
-from dgemma.moved import MOVED
 
 ROOT = checks.ROOT
-THIS_FILE = Path(__file__).name
 
 
 def write(root: Path, files: dict[str, str]) -> Path:
@@ -44,26 +40,6 @@ def test_the_test_import_check_fails_on_a_test_importing_a_test(tmp_path):
         "tests/test_a.py:1: imports the test file test_b",
         "tests/test_c.py:2: imports the test file test_a",
     ]
-
-
-# ------------------------------------------------------------------------------------ (b) no old module paths
-def test_tests_name_no_moved_module_by_its_old_path():
-    assert checks.old_path_uses(MOVED, exempt=[THIS_FILE]) == []
-
-
-def test_the_old_path_check_finds_imports_and_dotted_strings(tmp_path):
-    moved = {"pkg.old": "pkg.new", "pkg.sub.gone": "pkg.sub.here"}
-    write(tmp_path, {"tests/test_x.py": (
-        "import pkg.old\n"                              # 1: an import
-        "from pkg import old as o\n"                    # 2: a module imported from its package
-        "from pkg.sub.gone import thing\n"              # 3: a name from the old module
-        "import pkg.older, pkg.new\n"                   # 4: fine: another module, the new path
-        "PATCH = 'pkg.sub.gone.thing'\n"                # 5: a dotted string
-        "ARGS = ['-m', 'pkg.old']\n"                    # 6: a `python -m` argument
-        "FINE = 'pkg.old_name and mypkg.old'\n"         # 7: fine: other names
-    )})  # fmt: skip
-    found = checks.old_path_uses(moved, tmp_path)
-    assert [line.split(":")[1] for line in found] == ["1", "2", "3", "5", "6"], found
 
 
 # ------------------------------------------------------------------------------------ (c) patches target the defining module
@@ -146,24 +122,6 @@ def test_the_wheel_ships_the_package_data(tmp_path):
     for needed in ("dgemma/serve/playground/index.html", "dgemma/kernels/csrc/gemm_avx2.cpp", "dgemma/assets/dgemma-tiny/model.safetensors",
                    "dgemma/assets/dgemma-tiny/tokenizer.json", "dgemma/assets/dgemma-tiny/config.json"):  # fmt: skip
         assert needed in names
-
-
-# ------------------------------------------------------------------------------------ (f) the old module paths forward
-def test_an_old_module_path_is_the_new_module():
-    import dgemma.dense.kv_cache
-    import dgemma.engine.kv_cache
-
-    assert dgemma.engine.kv_cache is dgemma.dense.kv_cache
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-
-
-@pytest.mark.subprocess
-@pytest.mark.skipif(not (ROOT / "dgemma/cli/loadtest.py").is_file(), reason="dgemma/cli/loadtest.py does not exist (yet)")
-def test_python_m_the_old_loadtest_path_runs():
-    out = subprocess.run([sys.executable, "-m", "dgemma.serve.loadtest", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "usage:" in out.stdout
 
 
 # ------------------------------------------------------------------------------------ the README's test command

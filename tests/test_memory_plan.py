@@ -1,4 +1,4 @@
-"""Memory planning for a device (engine/memory_plan.py): weight bytes equal what a built model
+"""Memory planning for a device (dgemma/memory_plan.py): weight bytes equal what a built model
 holds, unquantised and quantised; a plan that cannot fit a card is refused with what would fit;
 `dgemma memory --card`."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dgemma.cli import main
-from dgemma.engine.memory_plan import plan_memory, weight_bytes
+from dgemma.memory_plan import Workload, plan_memory, weight_bytes
 from dgemma.hub import FitError, FitRequest
 from dgemma.hub.fit import CheckpointFacts, check_fit
 from dgemma.model.checkpoint import make_config
@@ -45,7 +45,7 @@ def test_the_released_model_on_a_24_gb_card(tmp_path):
     int4 = fit("int4")  # fits
     assert int4.fits and int4.scheme == "int4" and int4.plan.total <= card
     assert 13 * GIB < sum(int4.plan.weights.values()) < 15 * GIB  # docs/quantization.md measured 13.49 GiB
-    assert sum(plan_memory(config, torch.bfloat16, None, None, batch=8, context=8192).weights.values()) > 45 * GIB
+    assert sum(plan_memory(config, torch.bfloat16, Workload(batch=8, context=8192)).weights.values()) > 45 * GIB
     with pytest.raises(FitError, match=r"does not fit this device's 22\.4 GiB \(--card\): weights .* it would fit with "
                                        r"--quantization int4 .*; --force loads it anyway"):  # fmt: skip
         fit(None)

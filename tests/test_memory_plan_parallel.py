@@ -1,4 +1,4 @@
-"""Memory plans per rank (engine/memory_plan.py's `rank_plans`, hub/fit.py's tensor-parallel fit,
+"""Memory plans per rank (dgemma/memory_plan.py's `rank_plans`, hub/fit.py's tensor-parallel fit,
 `dgemma memory --tensor-parallel-size`): at size 1 today's plan exactly; split, each rank's share
 of the weights (halved where a dimension splits, replicated where it does not), of the KV pool
 (replicated KV heads counted) and of the step buffers; the largest rank decides the fit, and a
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from dgemma.cli import main
-from dgemma.engine.memory_plan import (
-    COLLECTIVE_RESERVE, RESERVE, kv_bytes, largest, plan_memory, rank_plans, step_buffer_bytes, weight_bytes,
+from dgemma.memory_plan import (
+    COLLECTIVE_RESERVE, RESERVE, Workload, kv_bytes, largest, plan_memory, rank_kv_bytes_per_token, rank_plans, rank_weight_bytes,
+    step_buffer_bytes, weight_bytes,
 )  # fmt: skip
 from dgemma.hub import FitError, FitRequest
 from dgemma.hub.fit import CheckpointFacts, check_fit, rank_plans_for
 from dgemma.hub.resolve import resolve_checkpoint
 from dgemma.model.checkpoint import config_json, make_config
 from dgemma.model.presets import PRESETS
-from dgemma.engine.memory_plan import rank_kv_bytes_per_token, rank_weight_bytes
 from dgemma.parallel.plan import ShardError, ShardPlan
 
 GIB = 2**30
@@ -40,9 +40,9 @@ def request(memory: int, size: int = 1, scheme=None, context=8192, flags=FLAGS, 
 def test_size_one_is_todays_plan():
     config = make_config(**PRESETS["test"])
     for scheme in (None, "int4"):
-        today = plan_memory(config, BF16, scheme, 16, batch=4, context=256)
-        assert plan_memory(config, BF16, scheme, 16, batch=4, context=256, tensor_parallel_size=1) == today
-        (one,) = rank_plans(config, BF16, scheme, 16, 4, 256, tensor_parallel_size=1)
+        today = plan_memory(config, BF16, Workload(scheme, 16, batch=4, context=256))
+        assert plan_memory(config, BF16, Workload(scheme, 16, batch=4, context=256, tensor_parallel_size=1)) == today
+        (one,) = rank_plans(config, BF16, Workload(scheme, 16, 4, 256, tensor_parallel_size=1))
         assert (one.weights, one.kv_cache, one.step_buffers, one.reserve) == (
             today.weights, today.kv_cache, today.step_buffers, RESERVE)  # fmt: skip
         assert "per rank" not in today.describe() and today.ranks == 1
@@ -50,7 +50,7 @@ def test_size_one_is_todays_plan():
 
 def test_real_weights_halve_at_two_ranks_but_norms_and_router_stay_whole(real):
     full = weight_bytes(real, None, None, BF16)
-    plans = rank_plans(real, BF16, None, None, 8, 8192, tensor_parallel_size=2)
+    plans = rank_plans(real, BF16, Workload(None, None, 8, 8192, tensor_parallel_size=2))
     for plan in plans:
         for part in ("experts", "attention", "dense", "embeddings"):
             assert 2 * plan.weights[part] == full[part], part  # 16 heads, 8 / 2 KV heads, 2112, 704, 262144 halve
@@ -74,7 +74,7 @@ def test_four_ranks_replicate_the_global_layers_kv_heads(real):
         assert mine["sliding_attention"] * 4 == full["sliding_attention"]  # 8 KV heads: 2 a rank
         assert mine["full_attention"] * 2 == full["full_attention"]  # 2 KV heads: each on 2 ranks
         assert sum(mine.values()) * 4 > sum(full.values())
-    plans = rank_plans(real, BF16, None, None, 8, 131072, tensor_parallel_size=4)
+    plans = rank_plans(real, BF16, Workload(None, None, 8, 131072, tensor_parallel_size=4))
     assert plans[0].kv_cache * 4 > kv_bytes(real, 1, 131072, BF16)  # the global layers' heads dominate
     assert plans[0].kv_cache == kv_bytes(shards.rank_config(0), 1, 131072, BF16)
 
@@ -83,9 +83,9 @@ def test_expert_parallelism_counts_whole_experts(real):
     full = weight_bytes(real, "int4", None, BF16)["experts"]
     with pytest.raises(ShardError, match=r"^layers\.0\.experts: the 352 of each expert's intermediate .* groups of 64: "
                                          r"use expert parallelism, or a group size that divides 352$"):  # fmt: skip
-        rank_plans(real, BF16, "int4", None, 8, 8192, tensor_parallel_size=2)  # the loader refuses that split: so does the plan
-    split = rank_plans(real, BF16, "int4", 32, 8, 8192, tensor_parallel_size=2)[0]  # groups of 32 divide 352 and 1056
-    whole = rank_plans(real, BF16, "int4", None, 8, 8192, tensor_parallel_size=2, expert_parallel=True)[0]
+        rank_plans(real, BF16, Workload("int4", None, 8, 8192, tensor_parallel_size=2))  # the loader refuses that split: so does the plan
+    split = rank_plans(real, BF16, Workload("int4", 32, 8, 8192, tensor_parallel_size=2))[0]  # groups of 32 divide 352 and 1056
+    whole = rank_plans(real, BF16, Workload("int4", None, 8, 8192, tensor_parallel_size=2, expert_parallel=True))[0]
     matrices = real.num_layers * 2  # gate_up_proj and down_proj: each stores its int4 weight_shape (8 bytes) once
     assert 2 * whole.weights["experts"] == full + 8 * matrices  # 64 whole experts a rank: their groups whole
     assert not split.notes and any("dense down_proj (1056 of 2112 columns)" in note for note in whole.notes)
@@ -98,10 +98,10 @@ def test_expert_parallelism_counts_whole_experts(real):
 
 def test_the_largest_rank_decides():
     config = make_config(**dict(PRESETS["test"], vocab_size=1000))  # shards of 512 and 488 rows
-    plans = rank_plans(config, torch.float32, None, None, 4, 256, tensor_parallel_size=2)
+    plans = rank_plans(config, torch.float32, Workload(None, None, 4, 256, tensor_parallel_size=2))
     assert plans[0].weights["embeddings"] == 512 * 64 * 4 and plans[1].weights["embeddings"] == 488 * 64 * 4
     assert plans[0].total > plans[1].total and largest(plans) is plans[0]
-    assert plan_memory(config, torch.float32, None, None, 4, 256, tensor_parallel_size=2) == plans[0]
+    assert plan_memory(config, torch.float32, Workload(None, None, 4, 256, tensor_parallel_size=2)) == plans[0]
 
 
 def test_unsplittable_sizes_are_one_line(real, capsys):
@@ -182,6 +182,6 @@ def test_a_prequantised_checkpoint_is_cut_by_each_ranks_share(real):
     quant = types.SimpleNamespace(scheme="int4", group_size=64)
     facts = CheckpointFacts("real-int4", None, real, quant, {"all": ("U8", (stored,))})
     plans = rank_plans_for(facts, BF16, None, request(24 * 10**9, 2, expert_parallel=True))
-    share = sum(rank_plans(real, BF16, "int4", 64, 8, 8192, tensor_parallel_size=2, expert_parallel=True)[0].weights.values())
+    share = sum(rank_plans(real, BF16, Workload("int4", 64, 8, 8192, tensor_parallel_size=2, expert_parallel=True))[0].weights.values())
     whole = sum(weight_bytes(real, "int4", 64, BF16).values())
     assert [p.weights for p in plans] == [{"stored": stored * share // whole}] * 2 and plans[0].scheme == "int4"

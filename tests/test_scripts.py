@@ -90,9 +90,9 @@ def test_step_breakdown_times_a_quantised_model_per_module():
 
 def test_dgemma_bench_refuses_a_size_that_does_not_fit(monkeypatch, capsys):
     from dgemma.cli import main
-    from dgemma.engine import kv_budget
+    from dgemma.engine.kv import budget
 
-    monkeypatch.setattr(kv_budget, "available_memory", lambda device: 8 << 30)  # dgemma.benchmark asks it there
+    monkeypatch.setattr(budget, "available_memory", lambda device: 8 << 30)  # dgemma.benchmark asks it there
     assert main(["bench", "--size", "real"]) != 0
     err = capsys.readouterr().err
     assert "25.3 B parameters" in err and "8 GiB available" in err and "Traceback" not in err

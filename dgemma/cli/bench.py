@@ -33,16 +33,6 @@ from .common import (
 )  # fmt: skip
 
 
-def __getattr__(name: str):
-    """The measuring code's other names (FIXED_STEPS_CONFIDENCE, ...): `dgemma.bench`, this module's
-    old path (dgemma/moved.py), held them too."""
-    from .. import benchmark
-
-    if name.startswith("__") or not hasattr(benchmark, name):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(benchmark, name)
-
-
 def print_table(rows: list[dict], header: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -146,7 +136,8 @@ def plan_lines(args, config, device) -> list[str]:
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
-    from ..api import dtype_name, load, resolve_device, resolve_dtype
+    from ..api import load
+    from ..devices import dtype_name, resolve_device, resolve_dtype
     from ..kernels import cpu as cpu_kernels
 
     apply_threads(args)

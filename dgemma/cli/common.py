@@ -43,7 +43,7 @@ TURBO_FLAGS = (
 )  # fmt: skip
 SAMPLER_FLAGS = SAMPLER_FLAGS + TURBO_FLAGS
 
-# --device and --dtype of run, chat, serve and bench; `dgemma.api.resolve_device` and
+# --device and --dtype of run, chat, serve and bench; `dgemma.devices.resolve_device` and
 # `resolve_dtype` decide what they mean (the one place "auto" is resolved)
 DEVICE_HELP = "cpu, cuda, cuda:N (the GPU of index N) or auto: cuda when torch sees a GPU (default: cpu)"
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
@@ -293,7 +293,7 @@ def fit_request(args, device):
     canvas K/V buffer."""
     from functools import partial
 
-    from ..api import resolve_dtype
+    from ..devices import resolve_dtype
     from ..hub import FitRequest
     from ..hub.fit import SINGLE_REQUEST_CONTEXT
 
@@ -312,7 +312,8 @@ def resolve_model(args, fit: bool = True):
     """--model (a directory or a hub id, at --revision) as a local checkpoint (`hub.Checkpoint`),
     fetched if need be; with `fit`, its memory plan checked against --device first (--force: a
     warning only). Without --model: the shipped dgemma-tiny."""
-    from ..api import default_model_dir, resolve_device
+    from ..api import default_model_dir
+    from ..devices import resolve_device
     from ..hub import resolve_checkpoint
 
     revision = getattr(args, "revision", None)

@@ -24,8 +24,6 @@ cached prompt tokens as the server's `usage` gives them (`usage.prompt_tokens_de
 
 `--server-arg` (repeatable; write it `--server-arg=--flag` for flags) is appended to the `dgemma serve`
 command line when the script starts the server itself (`--model`).
-
-Its old name, `python -m dgemma.serve.loadtest`, runs this module too (dgemma/moved.py).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 
 @dataclass
@@ -132,19 +130,27 @@ async def run_level(url: str, model: str, clients: int, requests: int, args) -> 
     }
 
 
-def table(rows: list[dict]) -> str:
-    head = (
-        "| clients | requests | tokens | wall s | tokens/s | latency p50 s | p90 s | p99 s "
-        "| first block p50 s | p90 s | tokens/forward |"
-    )
-    lines = [head, "|" + "---|" * 11]
-    for r in rows:
-        lines.append(
-            f"| {r['clients']} | {r['requests']} | {r['tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} "
-            f"| {r['latency_p50']:.2f} | {r['latency_p90']:.2f} | {r['latency_p99']:.2f} "
-            f"| {r['first_block_p50']:.2f} | {r['first_block_p90']:.2f} | {r['tokens_per_forward']:.2f} |"
-        )
+def markdown_table(columns: tuple[tuple[str, str, Callable[[Any], str]], ...], rows: list[dict]) -> str:
+    """`rows` as a Markdown table: one column per (header, the row's key, how its value is written)."""
+    lines = ["| " + " | ".join(head for head, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(write(r[key]) for _, key, write in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def _tenths(x: float) -> str:
+    return f"{x:.1f}"
+
+
+LEVEL_COLUMNS = (
+    ("clients", "clients", str), ("requests", "requests", str), ("tokens", "tokens", str), ("wall s", "wall_s", _tenths),
+    ("tokens/s", "tokens_per_s", _tenths), ("latency p50 s", "latency_p50", _seconds), ("p90 s", "latency_p90", _seconds),
+    ("p99 s", "latency_p99", _seconds), ("first block p50 s", "first_block_p50", _seconds), ("p90 s", "first_block_p90", _seconds),
+    ("tokens/forward", "tokens_per_forward", _seconds),
+)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- multi-turn chat
@@ -303,19 +309,12 @@ def _count(x: float | None) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
 
 
-def chat_table(rows: list[dict]) -> str:
-    head = (
-        "| clients | turn | requests | prompt tokens | cached tokens | reply tokens "
-        "| first block p50 s | p90 s | latency p50 s | p90 s |"
-    )
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        lines.append(
-            f"| {r['clients']} | {r['turn']} | {r['requests']} | {_count(r['prompt_tokens'])} "
-            f"| {_count(r['cached_tokens'])} | {_count(r['completion_tokens'])} "
-            f"| {r['first_block_p50']:.2f} | {r['first_block_p90']:.2f} | {r['latency_p50']:.2f} | {r['latency_p90']:.2f} |"
-        )
-    return "\n".join(lines)
+CHAT_COLUMNS = (
+    ("clients", "clients", str), ("turn", "turn", str), ("requests", "requests", str), ("prompt tokens", "prompt_tokens", _count),
+    ("cached tokens", "cached_tokens", _count), ("reply tokens", "completion_tokens", _count),
+    ("first block p50 s", "first_block_p50", _seconds), ("p90 s", "first_block_p90", _seconds),
+    ("latency p50 s", "latency_p50", _seconds), ("p90 s", "latency_p90", _seconds),
+)  # fmt: skip
 
 
 def run_multi_turn(url: str, args) -> tuple[list[dict], str]:
@@ -432,9 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
     if args.multi_turn:
         print(note)
-        print(chat_table(rows))
+        print(markdown_table(CHAT_COLUMNS, rows))
     else:
-        print(table(rows))
+        print(markdown_table(LEVEL_COLUMNS, rows))
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

@@ -15,7 +15,7 @@ def print_memory_plan(config, args) -> int:
 
     import torch
 
-    from ..api import resolve_dtype
+    from ..devices import resolve_dtype
     from ..hub import FitError, FitRequest
     from ..hub.fit import CheckpointFacts, check_fit, local_facts
 
@@ -87,7 +87,7 @@ def kv_config(config, args):
     --tensor-parallel-size the largest rank's heads (replicated KV heads counted)."""
     if args.tensor_parallel_size == 1:
         return config
-    from ..engine.memory_plan import rank_kv_bytes_per_token
+    from ..memory_plan import rank_kv_bytes_per_token
     from ..parallel.plan import ShardError, ShardPlan
 
     try:
@@ -100,9 +100,9 @@ def kv_config(config, args):
 
 def cmd_memory(args) -> int:
     """KV cache bytes of one request: the paged layout against preallocated rows."""
-    from ..api import resolve_dtype
+    from ..devices import resolve_dtype
     from ..config import load_model_config
-    from ..engine.kv_budget import kv_report
+    from ..memory_plan import kv_report
 
     if args.model:
         config = load_model_config(args.model)

@@ -41,7 +41,7 @@ def fits_here(entry, request) -> str:
 def cmd_list(args: argparse.Namespace) -> int:
     from functools import partial
 
-    from ..api import resolve_device, resolve_dtype
+    from ..devices import resolve_device, resolve_dtype
     from ..hub import FitRequest
     from ..hub.cache import cached_checkpoints
     from ..hub.errors import cache_dir

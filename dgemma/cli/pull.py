@@ -32,7 +32,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from ..api import resolve_device
+    from ..devices import resolve_device
     from ..hub import is_hub_id
     from ..hub.fetch import pull_checkpoint
 

@@ -11,11 +11,11 @@ import logging
 import os
 from pathlib import Path
 
-from ..serve.access import Access
+from ..serve.http.access import Access
 from ..serve.app import create_app
-from ..serve.listener import Limits, bind, uvicorn_config
-from ..serve.media_sources import MediaPolicy
-from ..serve.protocol import Budgets
+from ..serve.http.listener import Limits, bind, uvicorn_config
+from ..serve.media.policy import MediaPolicy
+from ..serve.openai.protocol import Budgets
 from .common import (
     CliError, add_chat_template_flag, add_engine_flags, add_model_flags, add_threads_flag, add_turbo_flags,
     apply_chat_template_file, apply_threads, engine_options, load_model, parse_size, read_chat_template, turbo_knobs,

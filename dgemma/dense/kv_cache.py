@@ -1,6 +1,6 @@
 """The dense KV cache: one preallocated row per sequence (the reference loop, AR mode, `canvas_logits`, training).
 
-The engine keeps its cache in blocks instead (`paged_cache.py`); this one mirrors the reference's
+The engine keeps its cache in blocks instead (`engine/kv/paged_cache.py`); this one mirrors the reference's
 layout, so that `sampling="reference"` calls SDPA on the same tensors transformers does.
 
 One preallocated K and V buffer per layer, [rows, kv_heads, capacity, head_dim]. Row r's committed
@@ -73,6 +73,38 @@ class CachePass:
             setattr(self, name, replace(plan, mask=mask, is_causal=False))
 
 
+
+@dataclass
+class _Placement:
+    """A pass's new positions in the cache: its rows (None: all), their lengths before it, the
+    positions [B, T], the end `hi` of the keys it sees and whether any key before `hi` is padding."""
+
+    cache: "DenseKVCache"
+    rows: torch.Tensor | None
+    row_ids: list[int]
+    lens: list[int]
+    positions: torch.Tensor
+    hi: int
+    padded: bool
+
+    @property
+    def sliding_lo(self) -> int:
+        """The first key a sliding layer may see (the window before the shortest row's new tokens)."""
+        return max(0, min(self.lens) - (self.cache.window - 1))
+
+    def cache_pass(self, uniform: bool, sliding: KeyPlan, full: KeyPlan, advance: list[int] | None) -> CachePass:
+        """The pass, written as one slice per row where every row starts at the same length (`uniform`)."""
+        return CachePass(
+            cache=self.cache,
+            rows=self.rows,
+            row_slice=None if self.rows is None else self.cache._as_slice(self.row_ids),
+            positions=self.positions,
+            write_start=self.lens[0] if uniform else None,
+            sliding=sliding,
+            full=full,
+            advance=advance,
+        )
+
 class DenseKVCache:
     def __init__(
         self,
@@ -143,20 +175,24 @@ class DenseKVCache:
     def _key_valid(self, rows: torch.Tensor | None) -> torch.Tensor:
         return self.key_valid if rows is None else self.key_valid[rows]
 
+    def _placed(self, rows, tokens: int) -> "_Placement":
+        """Where `tokens` new positions go in `rows` (checked to fit): both plans start here."""
+        rows = self._as_rows(rows)
+        row_ids = self._row_list(rows)
+        self._check_room(row_ids, tokens)
+        lens = [self.lengths[r] for r in row_ids]
+        hi = max(lens) + tokens
+        padded = self.has_padding and bool((~self._key_valid(rows)[:, :hi]).any())
+        return _Placement(self, rows, row_ids, lens, self._positions(lens, tokens), hi, padded)
+
     def plan_encoder(
         self, num_tokens: int, rows: torch.Tensor | None = None, new_counts: list[int] | None = None
     ) -> CachePass:
         """Plan a causal pass appending `num_tokens` per row (of which new_counts[r] are real)."""
-        rows = self._as_rows(rows)
-        row_ids = self._row_list(rows)
-        self._check_room(row_ids, num_tokens)
-        lens = [self.lengths[r] for r in row_ids]
-        counts = new_counts if new_counts is not None else [num_tokens] * len(row_ids)
-        positions = self._positions(lens, num_tokens)
+        at = self._placed(rows, num_tokens)
+        rows, lens, positions, hi, padded = at.rows, at.lens, at.positions, at.hi, at.padded
+        counts = new_counts if new_counts is not None else [num_tokens] * len(lens)
         uniform = len(set(lens)) == 1 and all(c == num_tokens for c in counts)
-        hi = max(lens) + num_tokens
-        full_lo, slide_lo = 0, max(0, min(lens) - (self.window - 1))
-        padded = self.has_padding and bool((~self._key_valid(rows)[:, :hi]).any())
 
         def plan(lo: int, window: int | None) -> KeyPlan:
             kv_len = hi - lo
@@ -175,29 +211,14 @@ class DenseKVCache:
                 valid &= torch.arange(self.capacity, device=self.device) < bound[:, None]
             return KeyPlan(lo, hi, encoder_mask(positions, lo, hi, valid, window), False)
 
-        return CachePass(
-            cache=self,
-            rows=rows,
-            row_slice=None if rows is None else self._as_slice(row_ids),
-            positions=positions,
-            write_start=lens[0] if uniform else None,
-            sliding=plan(slide_lo, self.window),
-            full=plan(full_lo, None),
-            advance=counts,
-        )
+        return at.cache_pass(uniform, plan(at.sliding_lo, self.window), plan(0, None), counts)
 
     def plan_decoder(self, canvas_length: int, rows: torch.Tensor | None = None) -> CachePass:
         """Plan a bidirectional pass over a canvas placed right after each row's prefix."""
-        rows = self._as_rows(rows)
-        row_ids = self._row_list(rows)
-        self._check_room(row_ids, canvas_length)
-        lens = [self.lengths[r] for r in row_ids]
-        positions = self._positions(lens, canvas_length)
+        at = self._placed(rows, canvas_length)
+        rows, lens, hi, padded = at.rows, at.lens, at.hi, at.padded
         uniform = len(set(lens)) == 1
-        hi = max(lens) + canvas_length
         w = self.window - 1
-        full_lo, slide_lo = 0, max(0, min(lens) - w)
-        padded = self.has_padding and bool((~self._key_valid(rows)[:, :hi]).any())
 
         def plan(lo: int, sliding: bool) -> KeyPlan:
             if uniform and not padded:
@@ -209,16 +230,7 @@ class DenseKVCache:
                 valid &= idx >= (end - canvas_length - w)
             return KeyPlan(lo, hi, decoder_mask(lo, hi, valid, canvas_length), False)
 
-        return CachePass(
-            cache=self,
-            rows=rows,
-            row_slice=None if rows is None else self._as_slice(row_ids),
-            positions=positions,
-            write_start=lens[0] if uniform else None,
-            sliding=plan(slide_lo, True),
-            full=plan(full_lo, False),
-            advance=None,
-        )
+        return at.cache_pass(uniform, plan(at.sliding_lo, True), plan(0, False), None)
 
     def store_and_view(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_pass: CachePass, plan: KeyPlan

@@ -32,7 +32,7 @@ import torch
 from ..kernels import triton_step
 from .events import Block, GenerationOutput
 from .graphs import cuda_capture, eager_capture
-from .paged_cache import KINDS, PagedKVCache, SequenceBlocks
+from .kv.paged_cache import KINDS, PagedKVCache, SequenceBlocks
 from .prefill import prefill
 
 READ_EVERY = 16  # tokens a row decodes between two reads of the device

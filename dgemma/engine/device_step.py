@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import triton_step
-from .scheduler import DecodeResult
+from .step_plan import DecodeResult
 from .step_inputs import StepLayout, StepTensors, fill, host_buffer
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ def eager_step(runner: "Runner", group: list["Request"], allowed: torch.Tensor |
     layout = StepLayout(len(group), c, width)
     host = host_buffer(layout, runner.net.device)
     fill(layout, host, runner.cache, group)
-    inputs = StepTensors.of(layout, runner._to_device(host), runner.cache, group)
+    inputs = StepTensors.of(layout, runner.to_device(host), runner.cache, group)
     canvas, soft, history = stack_state(runner, group, len(group))
     return run_step(runner, DeviceStep(inputs, canvas, soft, history, allowed))
 
@@ -99,7 +99,7 @@ def device_group(runner: "Runner", group: list["Request"], copy_out: bool) -> li
     """One decoder step of `group` on the device (a graph replay where one is captured), then the
     step's one read (the stop flags) and the log probabilities asked for. `copy_out`: the outputs
     are copied out of the graph's tensors (another group replays the same graph this step)."""
-    allowed = runner._allowed(group)
+    allowed = runner.allowed_masks(group)
     out = runner.graphs.run(runner, group, allowed) if runner.graphs is not None else None
     if out is None:
         out = eager_step(runner, group, allowed)

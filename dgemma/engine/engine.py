@@ -16,11 +16,11 @@ import itertools
 import torch
 
 from ..model.diffusion_gemma import DiffusionGemma
-from ..parallel import runtime
-from .block_manager import BlockManager
-from .kv_budget import plan_blocks
+from .sharded import runtime
+from .kv.block_manager import BlockManager
+from .kv.budget import plan_blocks
 from .options import EngineOptions
-from .paged_cache import SequenceBlocks
+from .kv.paged_cache import SequenceBlocks
 from .prefill import prefill
 from .request import Request
 from .runner import Runner

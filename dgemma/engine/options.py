@@ -1,6 +1,6 @@
 """Engine settings (`EngineOptions`), resolved once for a model, device and dtype (`resolve`).
 
-How big the KV pools are is kv_budget.py's; which kernels run is kernels/choice.py's."""
+How big the KV pools are is kv/budget.py's; which kernels run is kernels/choice.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from ..config import ModelConfig
 from ..inputs.model_inputs import MAX_SOFT_TOKENS
-from .kv_budget import default_kv_memory
+from .kv.budget import default_kv_memory
 
 DEFAULT_PREFILL_CHUNK = 2048
 

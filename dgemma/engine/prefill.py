@@ -1,7 +1,7 @@
 """The one prefill function: every way to generate encodes prompts (and committed blocks) here.
 
 The engine, the reference loop, AR mode, `canvas_logits` and the scripts all call `prefill`; it
-works on either cache (the dense rows of `kv_cache.py`, the block tables of `paged_cache.py`),
+works on either cache (the dense rows of `kv_cache.py`, the block tables of `kv/paged_cache.py`),
 which both plan passes from each row's current length. Image soft tokens (computed by the vision
 tower beforehand) replace their placeholders' embeddings here, and a pass never splits an image.
 """

@@ -21,7 +21,7 @@ from ..config import GenerationConfig
 from ..inputs.model_inputs import ImagePatches, image_token_runs
 from .constraints import CanvasConstraints
 from .events import TokenLogprob
-from .paged_cache import SequenceBlocks
+from .kv.paged_cache import SequenceBlocks
 from .turbo import TurboState
 
 ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstraints | None"], None]
@@ -44,7 +44,7 @@ class Request:
     config: GenerationConfig
     seed: int
     drafts: bool = False
-    # Canvas constraints: fixed tokens and allowed-token masks (see constraints.py), or a function
+    # Canvas constraints: fixed tokens and allowed-token masks (see constraints/__init__.py), or a function
     # of the request called before every decoder pass (grammars update them as positions settle).
     constraints: ConstraintSource = None
     # Images of the prompt, in order: images[i] stands behind the i-th run of image tokens.

@@ -29,17 +29,17 @@ import torch
 from ..kernels import native, triton_step
 from ..kernels.choice import plan_kernels
 from ..model.diffusion_gemma import DiffusionGemma
-from ..parallel import runtime
+from .sharded import runtime
 from . import sampler
 from .constraints.grammar import PassRows
 from .device_step import decides_on_device, device_group
 from .graphs import DecoderGraphs
 from .options import EngineOptions
-from .paged_cache import PagedKVCache, PagedPass
+from .kv.paged_cache import PagedKVCache, PagedPass
 from . import prefill as prefill_pass
 from .prefill import PlacedImage
 from .request import Request
-from .scheduler import DecodeResult, EncodeWork, EngineStats, StepPlan
+from .step_plan import DecodeResult, EncodeWork, EngineStats, StepPlan
 from .turbo_step import turbo_step
 from .vision_cache import VisionCache
 
@@ -129,7 +129,7 @@ class Runner:
             images = [self._images_in(work)] if req.images else None
             prefill_pass.prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A step input built on the host, queued for the device without waiting: a blocking copy
         would make the host wait for every pass already queued."""
         return t.to(self.net.device, non_blocking=True)
@@ -202,9 +202,9 @@ class Runner:
     # ---------------------------------------------------------------- the decoder pass
     def _denoise(self, group: list[Request]) -> tuple[torch.Tensor, ...]:
         canvas = torch.stack([r.canvas for r in group])
-        temps = self._temperatures(group)
+        temps = self.temperatures(group)
         soft = self._soft_inputs(group)
-        allowed = self._allowed(group)
+        allowed = self.allowed_masks(group)
         if self.graphs is not None:
             out = self.graphs.run(self, group, canvas, soft, temps, allowed)
             if out is not None:
@@ -214,7 +214,7 @@ class Runner:
         plan = self.cache.plan_canvas(c, rows) if self.triton else self.cache.plan_decoder(c, rows)
         return self.decoder_step(canvas, soft, temps, plan, allowed)
 
-    def _temperatures(self, group: list[Request]) -> torch.Tensor:
+    def temperatures(self, group: list[Request]) -> torch.Tensor:
         """Each request's temperature at its own step, one per canvas position [n * C, 1]."""
         temps = torch.stack(
             [
@@ -224,7 +224,7 @@ class Runner:
                 for r in group
             ]
         )
-        return self._to_device(temps.repeat_interleave(self.config.canvas_length)[:, None])
+        return self.to_device(temps.repeat_interleave(self.config.canvas_length)[:, None])
 
     def _soft_inputs(self, group: list[Request]) -> torch.Tensor | None:
         if all(r.soft is None for r in group):
@@ -233,14 +233,14 @@ class Runner:
         zeros = torch.zeros(self.config.canvas_length, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
         return torch.stack([zeros if r.soft is None else r.soft for r in group])
 
-    def _allowed(self, group: list[Request]) -> torch.Tensor | None:
+    def allowed_masks(self, group: list[Request]) -> torch.Tensor | None:
         """Packed allowed-token masks [n * C, words] when any request has one (others allow all)."""
         masks = [r.active_constraints.allowed if r.active_constraints is not None else None for r in group]
         if all(m is None for m in masks):
             return None
         c, words = self.config.canvas_length, -(-self.config.vocab_size // 32)
         everything = torch.full((c, words), -1, dtype=torch.int32)
-        return self._to_device(torch.cat([everything if m is None else m for m in masks]))
+        return self.to_device(torch.cat([everything if m is None else m for m in masks]))
 
     def decoder_step(
         self,
@@ -332,9 +332,9 @@ class Runner:
         bound) and from the stopping statistics, and keep their tokens. Outputs of a captured
         graph are copied out: the next replay overwrites them.
         """
-        fixed = self._fixed(group)
+        fixed = self.fixed_tokens(group)
         free = None if fixed is None else fixed < 0
-        bounds = self._to_device(torch.tensor([[r.config.entropy_bound] for r in group], dtype=torch.float32))
+        bounds = self.to_device(torch.tensor([[r.config.entropy_bound] for r in group], dtype=torch.float32))
         accepted = sampler.entropy_bound_accept(entropy if free is None else entropy * free, bounds)
         if free is not None:
             accepted &= free
@@ -373,8 +373,8 @@ class Runner:
         weights, every other position a uniform random token (re-noised)."""
         c, vocab, device = self.config.canvas_length, self.config.vocab_size, self.net.device
         if self.triton:  # the request's Philox stream, at its pass count: drawn on the device
-            seeds = self._to_device(torch.tensor([triton_step.seed_bits(r.seed) for r in group], dtype=torch.long))  # seeds to 2^64 - 1
-            passes = self._to_device(torch.tensor([r.passes + r.block_passes for r in group], dtype=torch.long))
+            seeds = self.to_device(torch.tensor([triton_step.seed_bits(r.seed) for r in group], dtype=torch.long))  # seeds to 2^64 - 1
+            passes = self.to_device(torch.tensor([r.passes + r.block_passes for r in group], dtype=torch.long))
             uniforms, noise = triton_step.philox_draws(seeds, passes, c, vocab)
             sampled = triton_step.sample_rows(weights, total, uniforms.view(-1)).view(len(group), c)
             return torch.where(accepted, sampled, noise)
@@ -432,17 +432,17 @@ class Runner:
             return argmax
         c = self.config.canvas_length
         refined = [
-            self._to_device(r.constraints.refine(argmax[i].cpu(), self.full_rows(weights[i * c : (i + 1) * c])))
+            self.to_device(r.constraints.refine(argmax[i].cpu(), self.full_rows(weights[i * c : (i + 1) * c])))
             if r.refines else argmax[i]
             for i, r in enumerate(group)
         ]  # fmt: skip
         return torch.stack(refined)
 
-    def _fixed(self, group: list[Request]) -> torch.Tensor | None:
+    def fixed_tokens(self, group: list[Request]) -> torch.Tensor | None:
         """[n, C] fixed token per position (-1: free), or None when no request fixes any."""
         fixed = [r.active_constraints.fixed if r.active_constraints is not None else None for r in group]
         if all(f is None for f in fixed):
             return None
         none = torch.full((self.config.canvas_length,), -1, dtype=torch.long)
-        return self._to_device(torch.stack([none if f is None else f for f in fixed]))
+        return self.to_device(torch.stack([none if f is None else f for f in fixed]))
 

@@ -18,50 +18,16 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ModelConfig
 from ..inputs.model_inputs import image_safe_end, splits_image
-from .block_manager import BlockManager, extend_hashes
-from .events import Block, Draft, Finished, TokenLogprob, cut_block, shown_entropy
+from .kv.block_manager import BlockManager, extend_hashes
+from .events import Block, Draft, Finished, cut_block, shown_entropy
 from .options import EngineOptions
 from .request import Request, RequestStatus, image_spans, max_sequence_length
-from .turbo import TurboState
-
-
-@dataclass
-class EncodeWork:
-    """Encode request.sequence[start:end]; the cache length is set back to `start` first."""
-
-    request: Request
-    start: int
-    end: int
-
-
-@dataclass
-class StepPlan:
-    encode: list[EncodeWork] = field(default_factory=list)
-    decode: list[Request] = field(default_factory=list)
-    events: list = field(default_factory=list)  # produced while scheduling (cancellations)
-
-
-@dataclass
-class DecodeResult:
-    """A canvas after one decoder pass and the sampler's decisions."""
-
-    request: Request
-    canvas: torch.Tensor  # [C] the next step's input
-    argmax: torch.Tensor  # [C]
-    soft: torch.Tensor  # [C, H] the next step's self-conditioning input
-    history: torch.Tensor | None
-    stop: bool  # stable and confident
-    logprobs: list[TokenLogprob] | None = None  # [C], when the request asks and the pass ends its block
-    accepted: torch.Tensor | None = None  # [C] bool: keeps its token into the next step (sampled or fixed)
-    entropy: torch.Tensor | None = None  # [C] at the step's temperature (0 at fixed positions)
-    positions: int = 0  # canvas positions the pass computed
-    turbo: "TurboState | None" = None  # turbo: the canvas's state after the pass
+from .step_plan import DecodeResult, EncodeWork, EngineStats, StepPlan
 
 
 def _draft_view(res: DecodeResult) -> tuple[list[bool], list[float]]:
@@ -70,23 +36,6 @@ def _draft_view(res: DecodeResult) -> tuple[list[bool], list[float]]:
     accepted = res.accepted.tolist() if res.accepted is not None else []
     entropy = shown_entropy(res.entropy.tolist()) if res.entropy is not None else []
     return accepted, entropy
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0  # of admitted requests
-    cached_tokens: int = 0  # of those, found in the prefix cache
-    encoded_tokens: int = 0  # every token run through the encoder (prefill, commits, re-encodes)
-    decoder_passes: int = 0  # one per canvas per step
-    decoder_positions: int = 0  # canvas positions computed (C per pass; fewer with turbo)
-    image_tokens: int = 0  # image soft tokens in admitted prompts
-    vision_encodes: int = 0  # images run through the vision tower
-    vision_cache_hits: int = 0  # images whose soft tokens came from the vision cache
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class Scheduler:

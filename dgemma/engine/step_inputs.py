@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sampler
-from .paged_cache import KINDS, PagedKVCache, PagedPass
+from .kv.paged_cache import KINDS, PagedKVCache, PagedPass
 
 _DTYPES = {"int32": torch.int32, "float32": torch.float32, "int64": torch.int64}
 

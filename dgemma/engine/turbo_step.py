@@ -20,9 +20,9 @@ from ..kernels import triton_step
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
 from .constraints.grammar import PassRows, held_rows
-from .paged_cache import PagedKVCache
+from .kv.paged_cache import PagedKVCache
 from .request import Request
-from .scheduler import DecodeResult
+from .step_plan import DecodeResult
 from .turbo import TurboPass, TurboState, freeze
 
 
@@ -36,10 +36,10 @@ class Runner(Protocol):
     triton: bool
 
     def statistics(self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]: ...
-    def _temperatures(self, group: list[Request]) -> torch.Tensor: ...
-    def _allowed(self, group: list[Request]) -> torch.Tensor | None: ...
-    def _fixed(self, group: list[Request]) -> torch.Tensor | None: ...
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor: ...
+    def temperatures(self, group: list[Request]) -> torch.Tensor: ...
+    def allowed_masks(self, group: list[Request]) -> torch.Tensor | None: ...
+    def fixed_tokens(self, group: list[Request]) -> torch.Tensor | None: ...
+    def to_device(self, t: torch.Tensor) -> torch.Tensor: ...
     def sample_rows(self, weights: torch.Tensor, total: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor: ...
     def row_logprobs(self, weights: torch.Tensor, tokens: torch.Tensor, top_logprobs: int) -> list: ...
     def full_rows(self, weights: torch.Tensor) -> torch.Tensor | PassRows: ...
@@ -72,8 +72,8 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
     picks = [live if q.numel() != live.numel() else torch.arange(live.numel(), device=device) for q, live in zip(queries, lives)]
     hidden = torch.cat([hidden[i, pick] for i, pick in enumerate(picks)])[None]
     flat = torch.cat([i * c + live for i, live in enumerate(lives)])  # the live rows among the group's n * C
-    temps = runner._temperatures(group)[flat]
-    allowed = runner._allowed(group)
+    temps = runner.temperatures(group)[flat]
+    allowed = runner.allowed_masks(group)
     allowed = None if allowed is None else allowed[flat]
     argmax_l, entropy_l, weights, total, soft_l = runner.statistics(hidden, temps, allowed)
     results, start = [], 0
@@ -99,7 +99,7 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, resting: torch.Tenso
     pass computed."""
     state, settings, config = r.turbo, r.config.turbo_settings, runner.config
     c, device = config.canvas_length, runner.net.device
-    fixed = runner._fixed([r])
+    fixed = runner.fixed_tokens([r])
     free = None if fixed is None else fixed[0] < 0  # False where the constraints fix the token
     argmax = state.tokens.clone()
     argmax[live] = argmax_l
@@ -161,8 +161,8 @@ def _draws(runner: Runner, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
     """An exact pass's random numbers for `r`: C uniforms and C noise tokens, on the device."""
     c, vocab, device = runner.config.canvas_length, runner.config.vocab_size, runner.net.device
     if runner.triton:
-        seeds = runner._to_device(torch.tensor([triton_step.seed_bits(r.seed)], dtype=torch.long))
-        passes = runner._to_device(torch.tensor([r.passes + r.block_passes], dtype=torch.long))
+        seeds = runner.to_device(torch.tensor([triton_step.seed_bits(r.seed)], dtype=torch.long))
+        passes = runner.to_device(torch.tensor([r.passes + r.block_passes], dtype=torch.long))
         uniforms, noise = triton_step.philox_draws(seeds, passes, c, vocab)
         return uniforms.view(-1), noise.view(-1)
     uniforms = torch.rand(c, generator=r.generator)

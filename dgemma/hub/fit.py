@@ -3,7 +3,7 @@ scheme `--quantization auto` picks, from config.json, the quantisation config an
 headers alone (no weights).
 
 One check for a local directory and for a hub repo before its download: `CheckpointFacts` holds
-what both provide. The plan is engine/memory_plan.py's, made for the device's total memory: a
+what both provide. The plan is memory_plan.py's, made for the device's total memory: a
 GPU's on CUDA, the machine's RAM on a CPU (where the CUDA context's reserve becomes the process's
 own: the interpreter, torch, the tokenizer). A pre-quantised checkpoint's weights are counted from
 its headers as stored, its floating tensors in the dtype they load in; a full-precision one's from
@@ -11,7 +11,7 @@ its config (the headers add nothing there, and are not read). The plan is for on
 SINGLE_REQUEST_CONTEXT positions unless the caller says more (serve: --max-active requests of
 --max-context positions).
 
-With `tensor_parallel_size` N > 1 the plan is the largest rank's (engine/memory_plan.py's
+With `tensor_parallel_size` N > 1 the plan is the largest rank's (memory_plan.py's
 `rank_plans`), checked against one device's memory: each rank has a device of the same size (on
 a CPU the ranks share the machine's RAM, so each gets 1/N of it). A size the model cannot be split
 into is parallel/plan.py's one-line ShardError, before anything else.
@@ -52,7 +52,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class FitRequest:
     """What the caller will load and run: the device; the dtype the weights load in, given the
-    checkpoint directory (`functools.partial(api.resolve_dtype, requested, device)`: the hub does
+    checkpoint directory (`functools.partial(devices.resolve_dtype, requested, device)`: the hub does
     not decide dtypes); the scheme asked for ("auto": the best that fits); the shape of the work
     the plan is for. `memory`: bytes to plan for instead of the device's. `flags`: the command's
     flags a refusal may suggest (--quantization, --max-context, --max-active, --force); () for the
@@ -73,6 +73,15 @@ class FitRequest:
     flags: tuple[str, ...] = ()
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
+
+    def workload(self, scheme: str | None, config: ModelConfig):
+        """The `memory_plan.Workload` of this request for a model of `config`, its weights in `scheme`
+        (the context capped at the model's max_position_embeddings)."""
+        from ..memory_plan import Workload
+
+        longest = config.max_position_embeddings
+        return Workload(scheme, self.group_size, self.max_active, min(self.max_context or longest, longest), self.kv_cache_memory,
+                        self.prefill_chunk, self.turbo, self.tensor_parallel_size, self.expert_parallel)  # fmt: skip
 
     def fix(self, knob: str, value: object) -> str:
         """How the caller changes `knob`: `--max-context 8192`, or `quantization='int4'`."""
@@ -98,7 +107,7 @@ class CheckpointFacts:
 class Fit:
     """The outcome: the plan, the scheme to load with, the device's memory, and whether it fits."""
 
-    plan: object  # engine.memory_plan.MemoryPlan
+    plan: object  # memory_plan.MemoryPlan
     scheme: str | None
     memory: int | None
     where: str
@@ -203,17 +212,14 @@ def stored_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]], dtype: 
 
 
 def plan_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | None, request: FitRequest):
-    """engine/memory_plan.py's plan for this checkpoint and request (a pre-quantised checkpoint's
+    """memory_plan.py's plan for this checkpoint and request (a pre-quantised checkpoint's
     weights from its headers; on a CPU the process's reserve, not CUDA's); split across ranks,
     the largest rank's."""
-    from ..engine import memory_plan
+    from ..memory_plan import largest, plan_memory
 
     if request.tensor_parallel_size != 1:
-        return memory_plan.largest(rank_plans_for(facts, dtype, scheme, request))
-    longest = facts.config.max_position_embeddings
-    context = min(request.max_context or longest, longest)
-    plan = memory_plan.plan_memory(facts.config, dtype, scheme, request.group_size, request.max_active, context,
-                                   request.kv_cache_memory, request.prefill_chunk, request.turbo)  # fmt: skip
+        return largest(rank_plans_for(facts, dtype, scheme, request))
+    plan = plan_memory(facts.config, dtype, request.workload(scheme, facts.config))
     if facts.quant is not None and facts.tensors is not None:
         plan = replace(plan, weights={"stored": stored_weight_bytes(facts.tensors, dtype)}, scheme=facts.quant.scheme)
     if request.device.type == "cpu":
@@ -222,24 +228,21 @@ def plan_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | None, req
 
 
 def rank_plans_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | None, request: FitRequest) -> list:
-    """Each rank's plan (engine.memory_plan.rank_plans) for this checkpoint and request. A
+    """Each rank's plan (memory_plan.rank_plans) for this checkpoint and request. A
     pre-quantised checkpoint's stored bytes are cut by the share of its scheme's weights each rank
     holds (the headers name tensors, not what a split keeps of them)."""
-    from ..engine import memory_plan
+    from ..memory_plan import rank_plans, weight_bytes
 
-    longest = facts.config.max_position_embeddings
-    context = min(request.max_context or longest, longest)
-    shape = (request.max_active, context, request.kv_cache_memory, request.prefill_chunk, request.turbo,
-             request.tensor_parallel_size, request.expert_parallel)  # fmt: skip
+    work = request.workload(scheme, facts.config)
     if facts.quant is not None and facts.tensors is not None:
         stored, known = stored_weight_bytes(facts.tensors, dtype), facts.quant.scheme
         known = known if known in AUTO_ORDER else None  # "mixed": the unquantised shares
-        plans = memory_plan.rank_plans(facts.config, dtype, known, facts.quant.group_size, *shape)
-        whole = sum(memory_plan.weight_bytes(facts.config, known, facts.quant.group_size, dtype).values())
+        plans = rank_plans(facts.config, dtype, replace(work, scheme=known, group_size=facts.quant.group_size))
+        whole = sum(weight_bytes(facts.config, known, facts.quant.group_size, dtype).values())
         plans = [replace(p, weights={"stored": stored * sum(p.weights.values()) // whole}, scheme=facts.quant.scheme)
                  for p in plans]  # fmt: skip
     else:
-        plans = memory_plan.rank_plans(facts.config, dtype, scheme, request.group_size, *shape)
+        plans = rank_plans(facts.config, dtype, work)
     if request.device.type == "cpu":
         plans = [replace(p, reserve=CPU_RESERVE) for p in plans]
     return plans
@@ -249,7 +252,7 @@ def variant(plan, facts: CheckpointFacts, dtype: torch.dtype, request: FitReques
             context: int | None = None):  # fmt: skip
     """`plan` for another batch or context: the same weights, memory_plan's KV pool and step buffers
     for the new shape (without building the model again, as plan_memory does)."""
-    from ..engine import memory_plan
+    from ..memory_plan import kv_bytes, step_buffer_bytes
 
     batch, context = batch or plan.batch, context or plan.context
     config = facts.config
@@ -258,8 +261,8 @@ def variant(plan, facts: CheckpointFacts, dtype: torch.dtype, request: FitReques
 
         config = ShardPlan.build(config, plan.ranks, plan.expert_parallel).rank_config(plan.rank)
     kv = request.kv_cache_memory
-    kv = int(kv if kv is not None else memory_plan.kv_bytes(config, 1, context, dtype))
-    steps = memory_plan.step_buffer_bytes(config, batch, request.prefill_chunk, dtype, request.turbo)
+    kv = int(kv if kv is not None else kv_bytes(config, 1, context, dtype))
+    steps = step_buffer_bytes(config, batch, request.prefill_chunk, dtype, request.turbo)
     return replace(plan, kv_cache=kv, step_buffers=steps, batch=batch, context=context)
 
 

@@ -1,2 +1,2 @@
 """Images and video in: decoding (decode.py), the Gemma 4 processor (processor.py) and the
-inputs it hands the model (inputs.py)."""
+inputs it hands the model (model_inputs.py)."""

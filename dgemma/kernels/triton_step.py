@@ -42,7 +42,7 @@ import torch
 
 from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
 
-from ..engine.sampler import EXP_FLOOR
+from . import EXP_FLOOR
 
 
 if HAVE_TRITON:

@@ -18,7 +18,7 @@ experts [r E / size, (r + 1) E / size) per rank. The router, the norms and the s
 replicated.
 
 For the memory plans: `ShardPlan.rank_config` (a rank's shapes, to size its KV cache); the
-bytes a rank holds are counted in engine/memory_plan.py (`rank_parameter_counts`,
+bytes a rank holds are counted in dgemma/memory_plan.py (`rank_parameter_counts`,
 `rank_weight_bytes`, `rank_kv_bytes_per_token`: replicated KV heads on every rank that holds them).
 """
 

@@ -17,7 +17,7 @@ parallelism needs no all-to-all: each rank runs the routed rows of its own exper
 all-reduce combines them (Megatron-LM's tensor parallelism; vLLM's `--enable-expert-parallel`).
 
 `lm_head` / `logits` give the rank's own vocabulary columns [.., Vs]: the sampler reduces its
-statistics across ranks (sampling.py) and only tests and reference mode gather them
+statistics across ranks (engine/sharded/sampling.py) and only tests and reference mode gather them
 (`gather_logits`).
 
 The reduce points sit in `Layer` and `DiffusionGemma`, outside the linear, MLP and expert modules

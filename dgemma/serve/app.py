@@ -2,12 +2,12 @@
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`,
 `GET /metrics` (Prometheus text), the playground page at `GET /` (playground/), and an
-ollama-compatible API under `/api/` over the same engine (ollama.py). One request's path: its body
-is read (connection.py) and checked, strictly, so that anything a client sends gets a 4xx with an
-OpenAI-style error body naming the problem (protocol.py, errors.py); its prompt is rendered
+ollama-compatible API under `/api/` over the same engine (ollama/routes.py). One request's path: its body
+is read (http/connection.py) and checked, strictly, so that anything a client sends gets a 4xx with an
+OpenAI-style error body naming the problem (openai/protocol.py, errors.py); its prompt is rendered
 (prompts.py); it runs on the engine (pipeline.py, service.py) and its answer is shaped, whole or
-streamed (responses.py). Chat messages may carry images and video (media_sources.py: where they
-may come from; the checkpoint's processor: what they become), tools (tools.py) and Gemma 4's
+streamed (openai/responses.py). Chat messages may carry images and video (media/: where they
+may come from; the checkpoint's processor: what they become), tools (tools/) and Gemma 4's
 thinking (reasoning.py). See docs/server.md for the fields and the streaming extension,
 docs/media.md for media, and "Client compatibility" for other clients' fields.
 """
@@ -24,17 +24,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.engine import EngineOptions
-from .access import Access, AccessGuard
-from .connection import ClientGone, read_json
+from .http.access import Access, AccessGuard
+from .http.connection import ClientGone, read_json
 from .errors import ApiError, error_response, json_response
-from .listener import Limits
-from .media_sources import MediaPolicy
+from .http.listener import Limits
+from .media.policy import MediaPolicy
 from .metrics import Metrics
-from .ollama import add_ollama_routes, is_ollama_path, ollama_error_response
+from .ollama.routes import add_ollama_routes, is_ollama_path, ollama_error_response
 from .pipeline import parse_params, prepare
 from .playground import add_playground
-from .protocol import Budgets, ChatParams, CompletionParams
-from .responses import Responder, insertion_response
+from .openai.protocol import Budgets, ChatParams, CompletionParams
+from .openai.responses import Responder, insertion_response
 from .service import Service
 
 log = logging.getLogger("dgemma.serve")
@@ -80,7 +80,7 @@ def create_app(
     max_position_embeddings; the KV cache's size decides what fits at once). `media_policy`:
     where images and video may come from and how large (default: data URLs only). `ui`: the
     playground page at `GET /` (playground/). `access`: API key, Host and Origin rules
-    (access.py; default: no key, local names, no cross-site pages). `budgets`: denoising steps
+    (http/access.py; default: no key, local names, no cross-site pages). `budgets`: denoising steps
     and seconds per request. `limits`: the listener's read timeout and connection cap (read by
     ServerThread and `dgemma serve` from `app.state.limits`). `docs`: `/openapi.json` and `/docs`.
     `sampler`: GenerationConfig fields over the checkpoint's, the defaults of requests that do not
@@ -119,7 +119,7 @@ def create_app(
     async def _gone(request: Request, err: ClientGone) -> Response:
         return Response(status_code=400)  # nobody reads it
 
-    def refusal(request: Request, err: ApiError) -> Response:  # ollama's error shape on its routes (ollama.py)
+    def refusal(request: Request, err: ApiError) -> Response:  # ollama's error shape on its routes (ollama/routes.py)
         return (ollama_error_response if is_ollama_path(request.url.path) else error_response)(err)
 
     @app.exception_handler(ApiError)
@@ -165,7 +165,7 @@ def create_app(
 
     if ui:
         add_playground(app)
-    add_ollama_routes(app, service, limits.read_timeout, ui)  # /api/*, and HEAD / (ollama.py)
+    add_ollama_routes(app, service, limits.read_timeout, ui)  # /api/*, and HEAD / (ollama/routes.py)
 
     @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
@@ -181,7 +181,7 @@ def create_app(
 
 async def answer(service: Service, request: Request, read_timeout: float, chat: bool) -> Response:
     """One completion (`chat` False) or chat completion request, from its body to its answer
-    (pipeline.py runs it; responses.py shapes the answer)."""
+    (pipeline.py runs it; openai/responses.py shapes the answer)."""
     deadline = service.budgets.deadline()
     params = parse_params(await read_json(request, read_timeout), chat)
     run = await prepare(service, request, params, chat, deadline)

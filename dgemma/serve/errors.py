@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from ..inputs.model_inputs import MediaError
-from .media_sources import PartError
+from .media.policy import PartError
 
 
 class ApiError(Exception):

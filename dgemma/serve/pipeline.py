@@ -1,7 +1,7 @@
 """One request's way from a checked body to its running generation, whatever API it came in by.
 
-The OpenAI routes (app.py) and the ollama ones (ollama.py) differ in their bodies and answers
-only: each turns its body into `ChatParams` / `CompletionParams` (protocol.py), and `prepare`
+The OpenAI routes (app.py) and the ollama ones (ollama/routes.py) differ in their bodies and answers
+only: each turns its body into `ChatParams` / `CompletionParams` (openai/protocol.py), and `prepare`
 does the rest the same way for both (the checks, the prompt, the grammar, the engine requests),
 so that the same request gets the same prompt, sampler settings and text on either API.
 """
@@ -17,9 +17,9 @@ from starlette.requests import Request
 from ..inputs.model_inputs import ModelInputs
 from .engine_thread import Generation
 from .errors import ApiError, validation_error
-from .insert import Insertion
+from .openai.insert import Insertion
 from .prompts import has_media
-from .protocol import (
+from .openai.protocol import (
     ChatParams,
     CompletionParams,
     RequestParams,
@@ -31,7 +31,7 @@ from .protocol import (
     soft_token_budgets,
 )
 from .service import Service
-from .tool_specs import ToolSpec
+from .tools.specs import ToolSpec
 
 
 @dataclass

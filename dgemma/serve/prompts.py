@@ -1,8 +1,8 @@
 """A request's prompt as the engine takes it: a completion's text or token ids, a chat rendered.
 
 A chat goes through the checkpoint's chat template (the tokenizer's; with images or video, the
-processor's, after media_sources.py has fetched and checked them), with tools declared and tool
-calls rendered in Gemma 4's format (tools.py) and thinking switched on where asked (reasoning.py).
+processor's, after media/ has fetched and checked them), with tools declared and tool
+calls rendered in Gemma 4's format (tools/) and thinking switched on where asked (reasoning.py).
 Text that cannot fit the context is refused before any of it is rendered or tokenized.
 """
 
@@ -13,13 +13,13 @@ from typing import Any
 
 from ..inputs.model_inputs import MediaError, ModelInputs
 from ..inputs.tokenizer import ChatTemplateError
-from . import media_sources as media
+from .media import sources as media
 from .errors import ApiError, excerpt, media_error
-from .media_sources import MediaPolicy, MediaRef
-from .protocol import ChatMessage, ChatParams, RequestParams
+from .media.policy import MediaPolicy, MediaRef
+from .openai.protocol import ChatMessage, ChatParams, RequestParams
 from .reasoning import THINK, template_thinks, think_in_system_turn
-from .tool_render import render_chat
-from .tool_specs import ToolError, ToolSpec, check_messages
+from .tools.render import render_chat
+from .tools.specs import ToolError, ToolSpec, check_messages
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 

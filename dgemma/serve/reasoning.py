@@ -10,7 +10,7 @@ none). A thinking model then writes its thoughts in a channel before the answer:
 `<|channel>` and `<channel|>` are special tokens (plain decoding drops them), and `thought\n` is
 the channel's label, like `user\n` after `<|turn>`. As vLLM's `gemma4` reasoning parser does, the
 channel's text without the label is the reasoning and the rest is the content; tool calls are
-parsed from the content only (tools.py runs after this). The server wires it in (docs/server.md,
+parsed from the content only (tools/calls.py runs after this). The server wires it in (docs/server.md,
 "Thinking").
 """
 
@@ -20,9 +20,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
-from .tool_calls import _partial_tail
-from .tool_format import TOOL_CALL
-from .tool_render import _join
+from .tools.calls import partial_tail
+from .tools.syntax import TOOL_CALL
+from .tools.render import join_contents
 
 THINK = "<|think|>"
 CHANNEL, CHANNEL_END = "<|channel>", "<channel|>"
@@ -40,7 +40,7 @@ def think_in_system_turn(messages: list[dict]) -> list[dict]:
     """`<|think|>` at the start of the first system message (one is added when there is none), as
     Gemma 4's template writes it, for a template that knows nothing of thinking."""
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": _join(THINK, messages[0]["content"])}, *messages[1:]]
+        return [{**messages[0], "content": join_contents(THINK, messages[0]["content"])}, *messages[1:]]
     return [{"role": "system", "content": THINK}, *messages]
 
 
@@ -109,7 +109,7 @@ class ReasoningParser:
             self.thinking, self._after = False, True
             return True
         # trailing whitespace waits: dropped if the channel closes after it
-        end = len(self.buffer) if final else len(self.buffer) - _partial_tail(self.buffer, 0, (CHANNEL_END, TOOL_CALL))
+        end = len(self.buffer) if final else len(self.buffer) - partial_tail(self.buffer, 0, (CHANNEL_END, TOOL_CALL))
         body = self.buffer[:end].rstrip(_SPACE)
         _emit(out, Thought(body))
         self.buffer = self.buffer[len(body) :]
@@ -130,7 +130,7 @@ class ReasoningParser:
             if marker == CHANNEL:
                 self.thinking = self.thought = self._label = True
             return True
-        end = len(self.buffer) if final else len(self.buffer) - _partial_tail(self.buffer, 0, (CHANNEL, CHANNEL_END))
+        end = len(self.buffer) if final else len(self.buffer) - partial_tail(self.buffer, 0, (CHANNEL, CHANNEL_END))
         _emit(out, self.buffer[:end])
         self.buffer = self.buffer[end:]
         return False

@@ -1,9 +1,9 @@
 """`Service`: what the routes share, and a request's run on the engine.
 
 It owns the engine thread, the metrics, the grammar cache and the worker pools; it turns a checked
-request (protocol.py) and its prompt (prompts.py) into a generation config that fits the context,
+request (openai/protocol.py) and its prompt (prompts.py) into a generation config that fits the context,
 then into engine requests, one per choice (`start`), or into an insertion (`insert`). Responses
-are shaped from their updates in responses.py.
+are shaped from their updates in openai/responses.py.
 """
 
 from __future__ import annotations
@@ -24,22 +24,22 @@ from ..engine.constraints.grammar import Grammar, GrammarError
 from ..engine.engine import Engine, EngineOptions
 from ..engine.request import SEED_MAX, random_seed
 from ..inputs.model_inputs import ModelInputs
-from .connection import watch_disconnect
+from .http.connection import watch_disconnect
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
 from .errors import ApiError, excerpt
-from .insert import InsertError, Insertion, fixed_canvas, insert, span_lengths
-from .logprobs import TokenTexts
-from .media_sources import MediaPolicy
+from .openai.insert import InsertError, Insertion, fixed_canvas, insert, span_lengths
+from .openai.logprobs import TokenTexts
+from .media.policy import MediaPolicy
 from .metrics import Metrics
 from .prompts import PromptBuilder
-from .protocol import MAX_CHOICES_PER_REQUEST, Budgets, CompletionParams, RequestParams, parse_stop, request_top_logprobs
+from .openai.protocol import MAX_CHOICES_PER_REQUEST, Budgets, CompletionParams, RequestParams, parse_stop, request_top_logprobs
 from .reasoning import keeping_channel
-from .structured import GrammarCache, OutputFormat, StructuredError
+from .structured.formats import GrammarCache, OutputFormat, StructuredError
 from .text import TextStream
 from .threads import CompileWorker
-from .tool_grammar import lark_string, tool_call_grammar
-from .tool_calls import keeping_decoder
-from .tool_specs import ToolError, ToolSpec
+from .tools.grammar import lark_string, tool_call_grammar
+from .tools.calls import keeping_decoder
+from .tools.specs import ToolError, ToolSpec
 
 MEDIA_WORKERS = 4  # requests whose media is fetched and decoded at once
 
@@ -94,7 +94,7 @@ class Service:
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
         # grammars are checked, written and compiled on one thread with a 64 MiB stack (llguidance
-        # compiles recursively: see grammar_limits.py), off the event loop
+        # compiles recursively: see structured/limits.py), off the event loop
         self.compile_worker = CompileWorker()
         self._token_texts: TokenTexts | None = None
 
@@ -264,7 +264,7 @@ class Service:
 
     async def insert(self, request: Request, params: CompletionParams, prompt: ModelInputs,
                      deadline: float | None = None) -> Insertion | None:  # fmt: skip
-        """Insert mode: the span between the prompt and `suffix` (insert.py); responses.py shapes
+        """Insert mode: the span between the prompt and `suffix` (openai/insert.py); openai/responses.py shapes
         it. Its candidate spans are engine requests of their own: at most --max-active of them,
         all cancelled when the client goes away (then None: nobody reads an answer); past
         `deadline` the best candidate that finished wins (finish_reason "timeout")."""

@@ -4,7 +4,7 @@ llguidance compiles grammars (and computes token masks) with recursive Rust code
 stack is what bounds how deep a grammar it survives, and overflowing it is a segfault that takes
 the whole server down. The main thread and the default thread pool get the platform's default
 (8 MiB on Linux); the engine thread and the grammar compile thread are started here with
-`STACK_BYTES`, and serve/grammar_limits.py refuses grammars above a quarter of what crashes at
+`STACK_BYTES`, and serve/structured/limits.py refuses grammars above a quarter of what crashes at
 that size (scripts/grammar_limits.py measures it).
 
 `threading.stack_size` is process-global: it is set, the thread started, and the old value put

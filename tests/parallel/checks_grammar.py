@@ -14,7 +14,7 @@ from dgemma.engine.constraints.grammar import CANDIDATES, held_rows, pass_rows
 from dgemma.engine.sampler import pack_token_mask
 from dgemma.engine.turbo import TurboState
 from dgemma.engine.turbo_step import _full_weights
-from dgemma.parallel import sampling
+from dgemma.engine.sharded import sampling
 from dgemma.parallel.group import ShardGroup
 from dgemma.parallel.plan import vocab_shard
 

@@ -17,7 +17,7 @@ from dgemma.dense.kv_cache import DenseKVCache
 from dgemma.model.checkpoint import make_config, random_model
 from dgemma.model.presets import PRESETS
 from dgemma.parallel.group import ShardGroup
-from dgemma.engine.memory_plan import rank_kv_bytes_per_token, rank_weight_bytes
+from dgemma.memory_plan import rank_kv_bytes_per_token, rank_weight_bytes
 from dgemma.parallel.plan import ShardError, ShardPlan
 from dgemma.parallel.shard import gather_logits, shard_model, soft_embed_from_logits
 from dgemma.quant.modules import weight_bytes as held_bytes

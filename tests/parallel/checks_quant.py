@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 import dgemma
 from checks_model import TOL, _passes
 from dgemma.config import GLOBAL, SLIDING
-from dgemma.engine.memory_plan import rank_weight_bytes
+from dgemma.memory_plan import rank_weight_bytes
 from dgemma.model import weights as weights_module
 from dgemma.model.checkpoint import make_config, random_model, save_checkpoint
 from dgemma.model.weights import load_weights
@@ -276,7 +276,7 @@ def check_load_quantizing_while_reading(group: ShardGroup) -> None:
 
 def _modelopt(src: Path, out: Path) -> None:
     """dgemma's nvfp4 checkpoint as ModelOpt writes NVFP4 (`weight` uint8, `weight_scale_2` the
-    reciprocal global scale; tests/test_quant_checkpoint.py's `modelopt_from`)."""
+    reciprocal global scale; tests/quant/test_quant_checkpoint.py's `modelopt_from`)."""
     reader, tensors = TensorReader(src), {}
     for name in reader.files:
         t, (module, _, part) = reader.get(name), name.rpartition(".")

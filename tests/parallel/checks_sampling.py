@@ -1,4 +1,4 @@
-"""The sampler over a vocabulary split across ranks (dgemma/parallel/sampling.py) against the
+"""The sampler over a vocabulary split across ranks (dgemma/engine/sharded/sampling.py) against the
 single-process sampler on the full rows: every rank builds the same full logits (same seed) and
 keeps its shard's columns. Run by worker.py on 2 gloo ranks; each check raises on failure."""
 
@@ -8,7 +8,7 @@ import torch
 
 from dgemma.engine import sampler
 from dgemma.engine.constraints.grammar import best_allowed, best_allowed_candidate, top_candidates
-from dgemma.parallel import sampling
+from dgemma.engine.sharded import sampling
 from dgemma.parallel.plan import vocab_shard
 
 CAP = 30.0  # the final logit softcap

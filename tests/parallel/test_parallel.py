@@ -64,7 +64,7 @@ def test_serve_tensor_parallel_answers_like_one_process_and_ends_when_a_rank_die
     import torch
 
     import dgemma
-    from hostile.serve_process import ServeProcess
+    from serve_process import ServeProcess
     from servers import openai_client
 
     # float32 on both sides: in bf16 the two ranks' partial sums round differently from one

@@ -48,4 +48,4 @@ if __name__ == "__main__":
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # gloo's threads can abort the interpreter's teardown (tests/fsdp_worker.py says why)
+    os._exit(0)  # gloo's threads can abort the interpreter's teardown (tests/train/fsdp_worker.py says why)

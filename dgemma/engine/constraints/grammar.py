@@ -5,7 +5,7 @@ answers two questions about a grammar state: which tokens may come next (a packe
 layout the engine's statistics read), and how many of a list of tokens it accepts. An
 autoregressive engine asks once per token. A canvas is C positions decided together, so a
 `CanvasGrammar` asks before every decoder pass (it is the request's constraint source, see
-constraints.py):
+constraints/__init__.py):
 
 - the committed prefix fixes the grammar state: the matcher is advanced only by `commit`;
 - the previous pass's argmax canvas is walked left to right from that state. Each position whose
@@ -25,7 +25,7 @@ constraints.py):
 A walk reads a pass's weights only through `PassRows`: each position's top candidates (once per
 pass, at the first rejection) and, where they cannot settle a position, its whole row's best
 allowed token. On a model cut by vocabulary every rank walks the same canvas from the same state,
-and both reads are collectives over the shards (parallel/sampling.py), never a gathered [C, V].
+and both reads are collectives over the shards (engine/sharded/sampling.py), never a gathered [C, V].
 
 Every pass thus masks a valid prefix of the canvas that grows as the draft settles, instead of
 fixing one position per pass; scripts/grammar_speed.py measures tokens per forward with and
@@ -135,7 +135,7 @@ class GrammarCompiler:
 
         llguidance compiles recursively: a deep enough grammar overflows the native stack of the
         calling thread. The server calls this on a big-stack thread, after its limits
-        (serve/grammar_limits.py)."""
+        (serve/structured/limits.py)."""
         import llguidance
 
         text = grammar_text(kind, spec, lenient)
@@ -271,7 +271,7 @@ CANDIDATES = 64
 @dataclass(frozen=True)
 class PassRows:
     """What a grammar's walk reads of a pass's weights [C, V], as two functions, so that rows cut
-    across ranks (parallel/sampling.py) can answer without gathering them: `candidates()`, each
+    across ranks (engine/sharded/sampling.py) can answer without gathering them: `candidates()`, each
     position's heaviest tokens (`top_candidates`' format; called at most once per walk, at its
     first rejection), and `best_allowed(i, mask)`, position i's allowed token of highest weight
     (`best_allowed` of its whole row; only where the candidates cannot settle it)."""

@@ -1,4 +1,4 @@
-"""Infill and in-place editing: one canvas seeded with fixed tokens (engine/constraints.py).
+"""Infill and in-place editing: one canvas seeded with fixed tokens (constraints/__init__.py).
 
 The decoder is bidirectional, so a canvas whose positions are partly *fixed* (never re-noised,
 no part of acceptance or stopping, committed as given) denoises its free positions seeing the

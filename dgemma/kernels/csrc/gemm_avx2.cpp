@@ -499,6 +499,31 @@ void gemm_direct(const float* xp, int64_t ldx, int64_t M, int64_t N, int64_t K, 
   });
 }
 
+// Direct over a row-major [N, K] weight read as stored (T: uint16_t for bf16, int8_t): each
+// block's rows in place, the K tail copied into the zero-padded storage the kernel reads.
+template <class Src, class T>
+void gemm_direct_stored(const float* xp, int64_t ldx, int64_t M, int64_t N, int64_t K, const Plan& plan, const Store& store,
+                        const T* wp) {
+  gemm_direct<Src>(
+      xp, ldx, M, N, K, plan, store,
+      [&](int64_t n, int nr, int64_t k0) {
+        Src s;
+        for (int j = 0; j < NR; ++j) s.row[j] = wp + (n + std::min(j, nr - 1)) * K + k0;
+        return s;
+      },
+      [&](int64_t n, int nr, int64_t k0, int64_t kl, unsigned char* storage) {
+        auto* t = reinterpret_cast<T*>(storage);
+        Src s;
+        for (int j = 0; j < NR; ++j) {
+          T* r = t + j * CS;
+          const T* src = wp + (n + std::min(j, nr - 1)) * K + k0;
+          for (int64_t k = 0; k < CS; ++k) r[k] = k < kl ? src[k] : 0;
+          s.row[j] = r;
+        }
+        return s;
+      });
+}
+
 // Panel: a block of W rows x a K chunk decoded into float32 (per thread), then the float32
 // kernel over all of the task's x rows.
 template <class Decoder>
@@ -621,24 +646,7 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w, at::Tensor out, i
   const PreparedX xp(x, K, /*split=*/true);
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const Store store{out.data_ptr<float>(), N, nullptr, ScaleKind::f32};
-  gemm_direct<Bf16Src>(
-      xp.data, xp.ld, M, N, K, plan, store,
-      [&](int64_t n, int nr, int64_t k0) {
-        Bf16Src s;
-        for (int j = 0; j < NR; ++j) s.row[j] = wp + (n + std::min(j, nr - 1)) * K + k0;
-        return s;
-      },
-      [&](int64_t n, int nr, int64_t k0, int64_t kl, unsigned char* storage) {
-        auto* t = reinterpret_cast<uint16_t*>(storage);
-        Bf16Src s;
-        for (int j = 0; j < NR; ++j) {
-          uint16_t* r = t + j * CS;
-          const uint16_t* src = wp + (n + std::min(j, nr - 1)) * K + k0;
-          for (int64_t k = 0; k < CS; ++k) r[k] = k < kl ? src[k] : 0;
-          s.row[j] = r;
-        }
-        return s;
-      });
+  gemm_direct_stored<Bf16Src>(xp.data, xp.ld, M, N, K, plan, store, wp);
   return out;
 }
 
@@ -666,24 +674,7 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const PreparedX xp(x, K, /*split=*/false);
   const int8_t* wp = w.data_ptr<int8_t>();
   const Store store{out.data_ptr<float>(), N, scale.data_ptr(), kind};
-  gemm_direct<Int8Src>(
-      xp.data, xp.ld, M, N, K, plan, store,
-      [&](int64_t n, int nr, int64_t k0) {
-        Int8Src s;
-        for (int j = 0; j < NR; ++j) s.row[j] = wp + (n + std::min(j, nr - 1)) * K + k0;
-        return s;
-      },
-      [&](int64_t n, int nr, int64_t k0, int64_t kl, unsigned char* storage) {
-        auto* t = reinterpret_cast<int8_t*>(storage);
-        Int8Src s;
-        for (int j = 0; j < NR; ++j) {
-          int8_t* r = t + j * CS;
-          const int8_t* src = wp + (n + std::min(j, nr - 1)) * K + k0;
-          for (int64_t k = 0; k < CS; ++k) r[k] = k < kl ? src[k] : 0;
-          s.row[j] = r;
-        }
-        return s;
-      });
+  gemm_direct_stored<Int8Src>(xp.data, xp.ld, M, N, K, plan, store, wp);
   return out;
 }
 

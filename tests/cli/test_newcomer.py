@@ -1,0 +1,159 @@
+"""The newcomer's path through the command line: no silent no-ops (an empty prompt, `-`,
+--temperature in diffusion mode, a file as --model), errors that name the flags as typed, the
+knobs users reach for (--prompt-file, --threads, --chat-template, a timing line, --quiet), help
+for every argument, and weights written with the mode of any new file."""
+
+import argparse
+import io
+import os
+import stat
+import sys
+
+import httpx
+import pytest
+
+import dgemma
+from dgemma.cli import build_parser, main
+from dgemma.cli.run import DEMO_MODEL_NOTE
+
+FAST = ["--max-new-tokens", "8", "--seed", "3", "--steps", "4"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["run", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line_error(capsys, *argv: str) -> str:
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err.startswith("dgemma: error:") and err.count("\n") == 1 and not out, (code, out, err)
+    return err
+
+
+# ------------------------------------------------------------------------------------ the prompt
+@pytest.mark.parametrize("prompt", ["", "   ", "\n"])
+def test_an_empty_prompt_is_an_error(capsys, prompt):
+    assert "the prompt is empty" in one_line_error(capsys, prompt)
+
+
+def test_no_prompt_says_how_to_give_one(capsys):
+    err = one_line_error(capsys)
+    assert "'-'" in err and "--prompt-file" in err
+
+
+@pytest.mark.slow
+def test_dash_reads_standard_input_and_prompt_file_reads_a_file(capsys, monkeypatch, tmp_path):
+    code, direct, _ = run(capsys, "def add(a, b):", *FAST, "-q")
+    assert code == 0 and direct.strip()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):"))
+    code, piped, _ = run(capsys, "-", *FAST, "-q")
+    assert code == 0 and piped == direct
+    (tmp_path / "p.txt").write_text("def add(a, b):", encoding="utf-8")
+    code, filed, _ = run(capsys, "--prompt-file", str(tmp_path / "p.txt"), *FAST, "-q")
+    assert code == 0 and filed == direct
+    assert "not both" in one_line_error(capsys, "x", "--prompt-file", str(tmp_path / "p.txt"))
+    assert "cannot read" in one_line_error(capsys, "--prompt-file", str(tmp_path / "nope.txt"))
+
+
+# ------------------------------------------------------------------------------------ flags
+def test_temperature_belongs_to_ar_mode(capsys):
+    err = one_line_error(capsys, "x", "--temperature", "0.7")
+    assert "--mode ar" in err and "--t-max" in err and "--t-min" in err
+    assert ">= 0" in one_line_error(capsys, "x", "--mode", "ar", "--temperature", "-1")
+    code, out, _ = run(capsys, "def f", "--mode", "ar", "--temperature", "0.7", "--max-new-tokens", "4", "--seed", "1")
+    assert code == 0 and out.strip()
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--steps", "0"], "--steps must be"), (["--max-new-tokens", "0"], "--max-new-tokens must be"),
+    (["--t-min", "0.9", "--t-max", "0.5"], "--t-max must be greater than --t-min"),
+    (["--entropy-bound", "-1"], "--entropy-bound must be"),
+])  # fmt: skip
+def test_sampler_errors_name_the_flags_as_typed(capsys, flags, words):
+    err = one_line_error(capsys, "x", *flags)
+    assert words in err and "max_denoising_steps" not in err and "t_min" not in err
+
+
+def test_seed_takes_the_range_of_the_api_and_the_server(capsys):
+    for seed in ("-1", str(2**64)):  # dgemma.engine.request.check_seed, before the model loads
+        assert "--seed must be an integer in [0, 2**64)" in one_line_error(capsys, "x", "--seed", seed)
+
+
+def test_a_file_as_model_is_called_a_file(capsys, tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    assert "is a file" in one_line_error(capsys, "x", "--model", str(tmp_path / "weights.bin"))
+    assert "does not exist" in one_line_error(capsys, "x", "--model", str(tmp_path / "missing"))
+
+
+def test_threads(capsys):
+    assert "--threads must be at least 1" in one_line_error(capsys, "x", "--threads", "0")
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        code, out, _ = run(capsys, "def f", *FAST, "--threads", "1", "-q")
+        assert code == 0 and out.strip() and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_the_timing_line_and_the_demo_note_go_to_stderr(capsys):
+    code, out, err = run(capsys, "def add(a, b):", *FAST)
+    assert code == 0 and "tokens in" not in out and DEMO_MODEL_NOTE not in out
+    lines = err.strip().splitlines()
+    assert lines[0] == DEMO_MODEL_NOTE
+    assert lines[-1].startswith("dgemma: ") and "tok/s" in lines[-1] and "decoder passes" in lines[-1]
+    code, quiet_out, quiet_err = run(capsys, "def add(a, b):", *FAST, "--quiet")
+    assert code == 0 and quiet_out == out and quiet_err == ""
+    code, _, err = run(capsys, "def add(a, b):", "--model", str(dgemma.default_model_dir()), *FAST)
+    assert code == 0 and DEMO_MODEL_NOTE not in err and "tok/s" in err
+
+
+def test_every_argument_has_help():
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    walk(subparser, f"{name} {sub}")
+            elif action.help is None and not isinstance(action, argparse._HelpAction):
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "dgemma")
+    assert not missing
+
+
+# ------------------------------------------------------------------------------------ serve --chat-template
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_serve_takes_a_chat_template(tmp_path):
+    from serve_process import ServeProcess
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}model:", encoding="utf-8")
+    body = {"model": "dgemma-tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+    tok = dgemma.load().tokenizer
+    with ServeProcess(["--served-model-name", "dgemma-tiny", "--chat-template", str(template), "--threads", "1"]) as s:
+        usage = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert usage["prompt_tokens"] == len(tok.encode("user: hello there\nmodel:", add_special_tokens=False))
+
+
+# ------------------------------------------------------------------------------------ file modes
+def _modes(directory) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir() if p.is_file()}
+
+
+def test_written_weights_get_the_mode_of_new_files(tmp_path, capsys):
+    old = os.umask(0o022)
+    try:
+        assert main(["make-tiny", str(tmp_path / "tiny")]) == 0
+        assert main(["quantize", "--model", str(tmp_path / "tiny"), "--scheme", "int8", "--out", str(tmp_path / "q")]) == 0
+    finally:
+        os.umask(old)
+    for directory in (tmp_path / "tiny", tmp_path / "q"):
+        modes = _modes(directory)
+        assert any(name.endswith(".safetensors") for name in modes)
+        assert set(modes.values()) == {0o644}, modes

@@ -1,0 +1,84 @@
+"""Kernel launches of one engine step at the released size, counted on the meta device
+(tests/launch_count.py: ATen ops at their CUDA kernel counts, host copies and reads, Triton
+launches; block sizes, grids and split counts as on an H200), per layer and outside the layers.
+
+Each count is pinned as a ceiling (the counts of this commit): a change that adds a launch to the
+step fails here, and says where. Before the fused layer (kernels/gpu.py) and the device step
+(engine/device_step.py) a bf16 step took 3,452 launches at batch 1 (111-112 a layer, 97 outside)
+and 3,778 at batch 8; fp8 5,632; int4 and nvfp4 4,892.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
+pytestmark = pytest.mark.triton
+
+from launch_count import PINNED, encode_launches, released_net, step_launches  # noqa: E402
+
+LAYERS = 30
+PER_LAYER, OUTSIDE = 20, 40  # the GPU issue's bound: 640 a step
+# this commit's counts: (per layer at most, outside the layers, whole step)
+ENCODE_PINNED = (35, 18, 1068)  # a 256-token block after a 512-token prompt (attention: gathered SDPA, meta's math path)
+
+
+@pytest.fixture(scope="module")
+def bf16_net():
+    return released_net(None)
+
+
+def check(launches, key):
+    per, outside, total = PINNED[key]
+    print(f"\n{key}: {launches.summary()}\n  layer 0: {launches.detail('layer 0')}\n  outside: {launches.detail('outside')}")
+    layers = launches.layers
+    assert len(layers) == LAYERS
+    assert max(layers) <= per, f"a layer launches {max(layers)} kernels (pinned {per}): {launches.detail('layer 0')}"
+    assert launches.outside <= outside, f"{launches.outside} launches outside the layers (pinned {outside}): {launches.detail('outside')}"
+    assert launches.total <= total
+    return launches
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_bf16_step_launches_a_few_kernels_a_layer(bf16_net, batch):
+    launches = check(step_launches(bf16_net, batch), ("bf16", batch))
+    assert max(launches.layers) <= PER_LAYER and launches.outside <= OUTSIDE and launches.total <= 640
+    assert launches.eager <= 6  # the step's inputs (one copy up, three stacks) and its one read: the rest replays
+    assert launches.kernels("outside")["d2h:tolist"] == 1  # the stop flags, whatever the batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["fp8", "int4", "nvfp4"])
+def test_quantised_steps_launch_what_bf16_does(bf16_net, scheme):
+    """Quantised weights add no launch: every format is one GEMM kernel (kernels/triton_quant.py)."""
+    launches = check(step_launches(released_net(scheme), 1), (scheme, 1))
+    assert launches.total <= PINNED[("bf16", 1)][2] + 30
+
+
+def test_an_encode_pass_is_counted_and_pinned(bf16_net):
+    launches = encode_launches(bf16_net)
+    per, outside, total = ENCODE_PINNED
+    print(f"\nencode: {launches.summary()}\n  layer 0: {launches.detail('layer 0')}\n  outside: {launches.detail('outside')}")
+    assert len(launches.layers) == LAYERS and max(launches.layers) <= per and launches.outside <= outside
+    assert launches.total <= total and launches.captured == 0
+
+
+def test_the_counter_sees_every_kind_of_launch():
+    """What the counter counts and what it does not: views and allocations nothing; a multi-kernel
+    op its kernels; a host read one; a Triton launch one."""
+    import torch
+
+    from launch_count import count_launches
+    from dgemma.kernels import triton_layer
+
+    x = torch.empty(8, 4, device="meta")
+    with count_launches() as launches:
+        y = x.view(32).reshape(4, 8).t()  # views
+        torch.empty(3, device="meta")  # an allocation
+        (y + 1).sum()  # two kernels
+        torch.sort(torch.empty(100, device="meta"))  # a small sort: copy, fill, bitonic sort
+        triton_layer.gelu_mul(torch.empty(4, 8, device="meta"))  # a Triton launch (stubbed)
+    assert launches.total == 2 + 3 + 1, launches.detail("outside")
+    assert launches.kernels("outside")["triton:_gelu_mul_kernel"] == 1

@@ -1,0 +1,407 @@
+"""Compiling Triton kernels for sm90 without a GPU (to a cubin with triton's bundled ptxas), in a
+subprocess without TRITON_INTERPRET: the check that a kernel the interpreter accepts also builds
+for a Hopper GPU, without spilling registers or overflowing shared memory.
+
+- `compile_for_sm90(script, tmp_path)`: runs `script`, which prints "compiled" and exits 0, or
+  exits 3 with a reason to skip.
+- `released_variants(tmp_path, reports)`: runs this file as a script (`main`), one subprocess for
+  all the compiles. Every Triton launch that the released model's shapes make
+  (presets.PRESETS["real"], bf16) is captured from the kernels' own wrappers, called as the
+  engine calls them on meta tensors (nothing runs, no GPU), and specialised as triton's launcher
+  would (its binder and `_pack_args`: pointer dtypes, constexprs, ints equal to 1 or divisible by
+  16, num_warps / num_stages), then compiled for sm90. Returns one dict per variant: kernel,
+  constexprs, options, the launches that use it, registers and spill bytes (from `ptxas -v`: a
+  CompiledKernel's n_spills is filled only when a driver loads the binary), shared bytes, whether
+  the PTX uses tensor cores. Skips (exit 3) where triton lacks the ahead-of-time API.
+
+A variant is a kernel with its constexprs, pointer dtypes and options: launches that differ only
+in the launcher's integer hints (a stride divisible by 16 or not, e.g. int4's packed rows of K / 8
+words) share one compile, of the first launch (the decoder pass's shapes come first); `--all`
+compiles each such specialisation too (their registers differ by a few; none spilled when this
+was written). Compiles run in a fork pool, one worker per CPU (at most 4), and each report is
+kept under `reports` by triton's own cache key of the compile (kernel source and the jit
+functions it calls, constexprs, hints, options, triton and ptxas versions), so a rerun compiles
+only what changed.
+
+    python tests/kernels/triton_compile.py [--list | --all] [--json] [--reports DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+HOPPER_SHARED = 227 * 1024  # bytes of shared memory one block may use on an H100 / H200
+H200_SMS = 132  # what triton_attention.pick_splits sees on an H200
+REGISTERS_PER_SM = 65536  # a block of num_warps * 32 threads must fit: registers x threads <= this
+MAX_WORKERS = 4
+
+
+def _env(tmp_path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launchers' enable_fp_fusion=True; quiets 3.9's warning
+    return env
+
+
+def compile_for_sm90(script: str, tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-c", script], env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    if done.returncode == 3:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def released_variants(tmp_path, reports=None, arch: int = 90, only: str | None = None) -> list[dict]:
+    """Every kernel variant of the released model's launches (`only`: those of one kernel, e.g.
+    "_gemm_kernel:SCHEME=2"), compiled for sm`arch` (see the module)."""
+    cmd = [sys.executable, __file__, "--json", "--arch", str(arch)] + (["--reports", str(reports)] if reports else [])
+    cmd += ["--only", only] if only else []
+    done = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=1200)
+    if done.returncode == 3:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def table(variants: list[dict], uses: bool = True) -> str:
+    """The variants as a text table (for reports and failing asserts)."""
+    rows = [("kernel", "constexprs", "warps/stages", "regs", "spill st/ld", "shared", "used by" if uses else "")]
+    for v in variants:
+        rows.append((
+            v["kernel"], " ".join(f"{k}={x}" for k, x in v["constexprs"].items()), f"{v['num_warps']}/{v['num_stages']}",
+            str(v.get("registers", "-")), f"{v.get('spill_stores', '-')}/{v.get('spill_loads', '-')}",
+            str(v.get("shared", "-")), "; ".join(v["used_by"]) if uses else "",
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join(("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in rows)
+
+
+# ------------------------------------------------------------------------------ the subprocess
+PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+TENSOR_CORES = re.compile(r"\b(?:wgmma|mma)\.")
+
+
+LABEL = re.compile(r"^(\$L__\w+):")
+BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
+GLOBAL_LOAD = re.compile(r"\bld\.global\S*")
+CP_ASYNC = re.compile(r"\bcp\.async\.\S+\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-fA-F]+|\d+)")
+WIDTH = re.compile(r"\.[bsuf](8|16|32|64)\b")
+VECTOR = re.compile(r"\.v(2|4|8)\.")
+
+
+def load_bytes(op: str) -> int:
+    """Bytes one thread requests with a PTX global load (`ld.global.v4.b32` -> 16)."""
+    width = WIDTH.findall(op)
+    vector = VECTOR.search(op)
+    return (int(vector.group(1)) if vector else 1) * int(width[-1]) // 8 if width else 0
+
+
+def k_loop(ptx: str) -> dict | None:
+    """The innermost loop of the PTX that holds a tensor-core instruction (a matmul's K loop):
+    its global loads' count and bytes per thread per iteration (ld.global and cp.async), the
+    smallest load, and its MMA instructions. None where no loop holds one."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line.strip()))}
+    loops = []
+    for j, line in enumerate(lines):
+        m = BRANCH.search(line)
+        if m and m.group(1) in labels and labels[m.group(1)] < j:
+            loops.append((labels[m.group(1)], j))
+    found = [(end - start, start, end) for start, end in loops if any(TENSOR_CORES.search(x) for x in lines[start:end])]
+    if not found:
+        return None
+    _, start, end = min(found)
+    body = lines[start:end]
+    sizes = [load_bytes(m.group(0)) for x in body for m in GLOBAL_LOAD.finditer(x)]
+    sizes += [int(m.group(1), 0) for x in body for m in CP_ASYNC.finditer(x)]
+    return dict(loads=len(sizes), bytes=sum(sizes), smallest=min(sizes) if sizes else 0,
+                mma=sum(bool(TENSOR_CORES.search(x)) for x in body))  # fmt: skip
+
+
+def _ptxas_report(log: str, name: str) -> dict:
+    """Registers, spills, stack and static shared bytes of kernel `name` from a `ptxas -v` log."""
+    out = {}
+    for m in PTXAS_FUNCTION.finditer(log):
+        if m.group(1) == name:
+            out.update(stack=int(m.group(2)), spill_stores=int(m.group(3)), spill_loads=int(m.group(4)))
+    start = log.find(f"Compiling entry function '{name}'")
+    m = PTXAS_USED.search(log, max(start, 0))
+    if m:
+        out.update(registers=int(m.group(1)), static_shared=int(m.group(2) or 0))
+    return out
+
+
+def _run_ptxas(ptx: str, name: str, arch: str, fp_fusion: bool) -> dict:
+    """ptxas -v on the kernel's PTX, as triton's make_cubin runs it (for a triton cache hit,
+    which builds no cubin and so logs nothing)."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        fmad = [] if fp_fusion else ["--fmad=false"]
+        cmd = [get_ptxas(90).path, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", src, "-o", src + ".o"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return _ptxas_report(done.stderr + done.stdout, name)
+
+
+class Launches:
+    """Stands in for the kernels' launcher: each launch is specialised as triton's JITFunction.run
+    would (its own binder and _pack_args, for an sm90 target) and recorded, not run."""
+
+    def __init__(self, target, exact: bool = False):
+        from triton.compiler import make_backend
+
+        self.target = target
+        self.backend = make_backend(target)
+        self.exact = exact  # one variant per launcher specialisation, integer hints included
+        self.variants: dict[str, dict] = {}
+        self.label = ""
+
+    def capture(self, fn) -> None:
+        from triton import knobs
+        from triton.runtime.jit import create_function_from_signature
+
+        binder = create_function_from_signature(fn.signature, fn.params, self.backend)
+        declared = {i for i, p in enumerate(fn.params) if p.is_constexpr}
+
+        def run(*args, grid, warmup, **kwargs):
+            kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+            kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+            bound, specialization, options = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization, options)
+            if self.exact:
+                key = (sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items()))
+            else:  # the kernel's own constexprs and pointer dtypes
+                pointers = sorted((k, t) for k, t in signature.items() if t.startswith("*"))
+                key = (pointers, sorted((k, v) for k, v in constexprs.items() if k[0] in declared))
+            key = repr((fn.__name__, key, options))
+            entry = self.variants.setdefault(key, dict(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs,
+                                                       options=options, used_by=[], grids={}))  # fmt: skip
+            if self.label not in entry["used_by"]:
+                entry["used_by"].append(self.label)
+            g = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+            entry["grids"].setdefault(self.label, []).append([int(v) for v in g])
+
+        fn.run = run
+
+    def summary(self, entry: dict) -> dict:
+        fn, options = entry["fn"], entry["options"]
+        declared = {p.name for p in fn.params if p.is_constexpr}
+        names = fn.arg_names
+        constexprs = {names[k[0]]: entry["constexprs"][k] for k in sorted(entry["constexprs"]) if names[k[0]] in declared}
+        pointers = {n: t for n, t in entry["signature"].items() if t.startswith("*")}
+        plain = (int, float, str, bool, type(None))
+        return dict(kernel=fn.__name__, constexprs={k: v if isinstance(v, plain) else str(v) for k, v in constexprs.items()},
+                    num_warps=options.num_warps, num_stages=options.num_stages, pointers=pointers,
+                    used_by=entry["used_by"], grids=entry.get("grids", {}))  # fmt: skip
+
+    def cache_key(self, entry: dict) -> str:
+        """triton's own key of this compile (triton.compile's cache key, hashed)."""
+        import hashlib
+
+        from triton.compiler import ASTSource
+        from triton.compiler.compiler import (
+            get_cache_invalidating_env_vars,
+            get_cache_key,
+        )
+
+        src = ASTSource(entry["fn"], entry["signature"], entry["constexprs"], entry["attrs"])
+        options = self.backend.parse_options(entry["options"].__dict__)
+        return hashlib.sha256(get_cache_key(src, self.backend, options, get_cache_invalidating_env_vars()).encode()).hexdigest()
+
+    def compile(self, entry: dict) -> dict:
+        """Compile one variant for sm90: registers, spills and stack (ptxas -v), shared bytes
+        (triton's allocation plus any static), tensor-core instructions in the PTX."""
+        import contextlib
+        import io
+        import time
+
+        import triton
+        from triton import knobs
+        from triton.compiler import ASTSource
+
+        began = time.perf_counter()
+        fn, options = entry["fn"], entry["options"]
+        log = io.StringIO()
+        knobs.nvidia.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):  # make_cubin prints the ptxas -v log there
+            kernel = triton.compile(ASTSource(fn, entry["signature"], entry["constexprs"], entry["attrs"]),
+                                    target=self.target, options=options.__dict__)  # fmt: skip
+        name, ptx = kernel.metadata.name, kernel.asm["ptx"]
+        report = _ptxas_report(log.getvalue(), name)
+        if "registers" not in report or "spill_stores" not in report:
+            arch = f"sm_{self.target.arch}a" if self.target.arch >= 90 else f"sm_{self.target.arch}"
+            report = _run_ptxas(ptx, name, arch, options.enable_fp_fusion)
+        if "registers" not in report or "spill_stores" not in report:
+            raise RuntimeError(f"no registers / spills for {name} in ptxas -v's log:\n{log.getvalue()}")
+        report.update(shared=kernel.metadata.shared + report.get("static_shared", 0),
+                      tensor_cores=bool(TENSOR_CORES.search(ptx)), seconds=round(time.perf_counter() - began, 2),
+                      k_loop=k_loop(ptx), arch=self.target.arch)  # fmt: skip
+        if os.environ.get("DGEMMA_PTX_DIR"):  # the PTX itself, for reading (gpu_check writes it under its output folder)
+            os.makedirs(os.environ["DGEMMA_PTX_DIR"], exist_ok=True)
+            with open(os.path.join(os.environ["DGEMMA_PTX_DIR"], f"{name}.sm{self.target.arch}.ptx"), "w") as f:
+                f.write(ptx)
+        return report
+
+
+_LAUNCHES: Launches | None = None  # the fork pool's workers read the entries from here
+
+
+def _compile_index(index: int) -> dict:
+    return _LAUNCHES.compile(list(_LAUNCHES.variants.values())[index])
+
+
+def _launch_released(launches: Launches) -> None:
+    """Every Triton launch the engine makes at the released model's shapes (presets "real") on
+    meta tensors, captured, nothing run: whole engine steps (tests/launch_count.py's driver, with
+    an H200's choices) for each weight format at batch 1 and a larger batch, an encoder pass, and
+    the wrappers the steps do not reach (the unfused LoRA path's kernels, turbo's separate draws
+    and sampling, quantised linears at a short prefill chunk's rows)."""
+    import torch
+
+    from launch_count import encode_launches, h200, released_net, step_launches
+
+    from dgemma.kernels import triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
+    from dgemma.model.checkpoint import make_config
+    from dgemma.model.diffusion_gemma import Experts
+    from dgemma.model.presets import PRESETS
+    from dgemma.quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, quantize
+
+    modules = (triton_step, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
+    for fn in [getattr(m, name) for m in modules for name in dir(m) if name.endswith("_kernel")]:
+        launches.capture(fn)
+
+    for scheme in (None, "fp8", "int4", "nvfp4"):
+        net = released_net(scheme)
+        for batch in ((1, 4) if scheme in (None, "nvfp4") else (1,)):  # the decoder pass's shapes first
+            launches.label = f"prompts {scheme or 'bf16'} batch {batch}"
+            step_launches(net, batch, on_counted=lambda b=batch: setattr(launches, "label", f"step {scheme or 'bf16'} batch {b}"))
+        launches.label = f"encode {scheme or 'bf16'}"
+        encode_launches(net)
+
+    cfg = make_config(**PRESETS["real"])
+    dt, meta, c = torch.bfloat16, torch.device("meta"), cfg.canvas_length
+    h, v = cfg.hidden_size, cfg.vocab_size
+
+    def empty(*shape, dtype=dt):
+        return torch.empty(*shape, dtype=dtype, device=meta)
+
+    with h200():
+        launches.label = "turbo's draws and sampling"
+        uniforms, _ = triton_step.philox_draws(empty(1, dtype=torch.long), empty(1, dtype=torch.long), c, v)
+        triton_step.sample_rows(empty(c, v), None, uniforms.view(-1))
+        # the unfused path (a layer with LoRA adapters): norm_rope, gelu_mul, the MoE block with combine_topk
+        for d in (256, 512):
+            launches.label = f"norm_rope D={d}"
+            x = empty(c, 2, d)
+            triton_layer.norm_rope(x, empty(d), empty(c, d), empty(c, d), 1e-6)
+            triton_layer.norm_rope(x, None, None, None, 1e-6)
+        with torch.device(meta):
+            experts = Experts(cfg).to(dt)
+        launches.label = "moe_experts (unfused)"
+        triton_layer.moe_experts(experts, empty(c, h), empty(c, cfg.top_k_experts, dtype=torch.long),
+                                 empty(c, cfg.top_k_experts, dtype=torch.float32))  # fmt: skip
+        # quantised linears at a prefill chunk's and a short pass's rows
+        for scheme in SCHEMES:
+            q = quantize(empty(cfg.intermediate_size, h, dtype=torch.float32), scheme, DEFAULT_GROUP_SIZE, dt)
+            for tokens in (16, 64, 2048):
+                launches.label = f"{scheme} linear M={tokens}"
+                triton_quant.quant_linear(empty(tokens, h), q)
+
+
+def _compile_all(launches: Launches, reports: str | None) -> list[dict]:
+    """Each variant's summary and compile report: from `reports` where a compile with the same
+    triton cache key was reported before, the rest compiled in a fork pool."""
+    import multiprocessing
+
+    global _LAUNCHES
+    entries = list(launches.variants.values())
+    keys = [launches.cache_key(entry) for entry in entries] if reports else [None] * len(entries)
+    found: dict[int, dict] = {}
+    for index, key in enumerate(keys):
+        path = key and os.path.join(reports, key + ".json")
+        if path and os.path.exists(path):
+            with open(path) as f:
+                found[index] = dict(json.load(f), cached=True)
+    todo = [index for index in range(len(entries)) if index not in found]
+    workers = min(MAX_WORKERS, len(os.sched_getaffinity(0)), len(todo))
+    _LAUNCHES = launches
+    if workers > 1:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            done = pool.map(_compile_index, todo, chunksize=1)
+    else:
+        done = [_compile_index(index) for index in todo]
+    for index, report in zip(todo, done):
+        found[index] = report
+        if reports:
+            os.makedirs(reports, exist_ok=True)
+            path = os.path.join(reports, keys[index] + ".json")
+            with open(f"{path}.{os.getpid()}", "w") as f:
+                json.dump(report, f)
+            os.replace(f"{path}.{os.getpid()}", path)  # whole or absent, for a concurrent reader
+    return [dict(launches.summary(entry), **found[index]) for index, entry in enumerate(entries)]
+
+
+def main(argv: list[str]) -> int:
+    import inspect
+
+    try:
+        import triton  # noqa: F401
+        from triton import knobs
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.compiler import ASTSource
+        from triton.compiler.compiler import (  # noqa: F401
+            get_cache_invalidating_env_vars,
+            get_cache_key,
+        )
+        from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: F401
+
+        assert {"constexprs", "attrs"} <= set(inspect.signature(ASTSource).parameters), "ASTSource(constexprs, attrs)"
+        assert hasattr(JITFunction, "_pack_args"), "JITFunction._pack_args"
+        assert hasattr(knobs.nvidia, "dump_ptxas_log"), "knobs.nvidia.dump_ptxas_log"
+        assert os.path.exists(get_ptxas(90).path), "triton's bundled ptxas"
+    except Exception as e:  # noqa: BLE001
+        print(f"no ahead-of-time compile API here: {e!r}")
+        return 3
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("TRITON_INTERPRET is set: the kernels would be built for the interpreter")
+        return 3
+    arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
+    only = argv[argv.index("--only") + 1] if "--only" in argv else None  # e.g. "_gemm_kernel:SCHEME=2"
+    launches = Launches(GPUTarget("cuda", arch, 32), exact="--all" in argv)
+    _launch_released(launches)
+    if only is not None:  # compile only the variants of one kernel (and constexpr) named
+        kernel, _, constexpr = only.partition(":")
+        for key, entry in list(launches.variants.items()):
+            summary = launches.summary(entry)
+            name, _, value = constexpr.partition("=")
+            if summary["kernel"] != kernel or (name and str(summary["constexprs"].get(name)) != value):
+                del launches.variants[key]
+    reports = argv[argv.index("--reports") + 1] if "--reports" in argv else None
+    if "--list" in argv:
+        out = [launches.summary(entry) for entry in launches.variants.values()]
+    else:
+        out = _compile_all(launches, reports)
+    if "--json" in argv:
+        for row in out:
+            print(json.dumps(row))
+    else:
+        print(table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sys.exit(main(sys.argv[1:]))
