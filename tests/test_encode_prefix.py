@@ -26,6 +26,7 @@ def real_meta_engine() -> Engine:
     return Engine(net, options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [4096, 16384])
 def test_long_prefix_at_the_released_sizes_holds_only_the_window(real_meta_engine, length):
     engine = real_meta_engine
