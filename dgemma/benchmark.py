@@ -170,13 +170,17 @@ class BenchEngine:
 
     def warm_up(self, prompts, cfg) -> None:
         """With CUDA graphs, the first run of each batch size (and turbo or not) first runs one
-        canvas of the same requests untimed: its graphs are captured there, not in a timed run."""
-        key = (len(prompts), bool(getattr(cfg, "turbo", False)))
+        canvas of the same requests untimed: its graphs are captured there, not in a timed run
+        (one decoder step captures the default path's; turbo's canvas runs all its steps, whose
+        active rows change from pass to pass)."""
+        turbo = bool(getattr(cfg, "turbo", False))
+        key = (len(prompts), turbo)
         if not self.engine.options.cuda_graphs or key in self.warm:
             return
         from .engine.request import Request
 
-        short = cfg.with_overrides(max_new_tokens=self.engine.runner.config.canvas_length)
+        short = cfg.with_overrides(max_new_tokens=self.engine.runner.config.canvas_length,
+                                   **({} if turbo else {"max_denoising_steps": 1}))  # fmt: skip
         _drain(self.engine, [Request(list(p), short, seed) for seed, p in enumerate(prompts)])
         self.warm.add(key)
 

@@ -98,6 +98,27 @@ def test_bench_engine_holds_the_batch_at_once_and_no_more():
         run_dgemma(model, prompts + prompts[:1], 3 * c, 2, False, "diffusion", engine=bench)
 
 
+def test_with_cuda_graphs_the_first_run_of_a_batch_warms_up_untimed():
+    """The graphs a run replays are captured by an untimed warm-up the first time an engine runs
+    that batch size (turbo or not), never in a timed run: counted here in decoder passes (on a
+    CPU the captures themselves fall back to eager steps)."""
+    model = random_model("test", "cpu", torch.float32)
+    model.configure_engine(cuda_graphs=True, batch_invariant=False)
+    c = model.config.canvas_length
+    bench = BenchEngine.build(model, 2, 20, 2 * c)
+    prompts = [list(range(5, 25)), list(range(6, 26))]
+    passes = []
+    for turbo in (None, None, {}):
+        before = bench.engine.stats.decoder_passes
+        result = run_dgemma(model, prompts, 2 * c, 2, False, "diffusion", turbo=turbo, engine=bench)
+        passes.append(bench.engine.stats.decoder_passes - before)
+        assert result.tokens == 2 * 2 * c and result.decoder_passes == 2 * 2  # the timed run: 2 canvases of 2 passes
+    # 2 rows x 2 canvases x 2 passes timed; the first default run warms up with one pass of one
+    # canvas per row, turbo's first with a whole canvas (its active rows change from pass to pass)
+    assert passes == [8 + 2, 8, 8 + 4]
+    assert bench.warm == {(2, False), (2, True)}
+
+
 @pytest.mark.parametrize("scheme", ["fp8", "int4"])  # bf16 and nvfp4: the CLI's test below
 def test_random_weights_of_the_released_size_are_built_on_the_device_asked_for(scheme):
     """Built where they run (the meta device here: shapes only), never drawn on the CPU first
