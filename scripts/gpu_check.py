@@ -595,6 +595,8 @@ def profile_replay(engine: Engine, kv, buckets: DecoderGraphs, scheme, s: Settin
         step()
         synchronize(s.device)
     kernels = kernel_times(prof, s.cuda)
+    if not kernels:
+        raise RuntimeError("the profiler saw no kernels in the replay")
     total = sum(us for _, _, us in kernels)
     where = "GPU" if s.cuda else "CPU (self)"
     print(f"{name_of(scheme)}: one graph replay at batch 1, prompt {kv.length}: {ms:.2f} ms (median of {s.replays}, "
@@ -866,11 +868,14 @@ def run_all(args) -> None:
             check_fn(s.device)
     print(f"checks: {len(FAILED)} failed ({time.perf_counter() - start:.0f} s)", flush=True)
     report = {"device": name, "step": {}, "decode": {}, "profile": {}, "targets": []}
+    s.out.mkdir(parents=True, exist_ok=True)
     measure(s, report)
-    with section("PTX"):
-        write_ptx(s, report)
-    with section("targets"):
-        print_targets(report, s)
+    for what, fn in (("PTX", write_ptx), ("targets", lambda s, report: print_targets(report, s))):
+        with section(what):
+            try:
+                fn(s, report)
+            except Exception as e:  # noqa: BLE001 - a FAIL with its reason; the figures are still written
+                check(what, False, f"{type(e).__name__}: {str(e)[:300]}")
     report["failed"] = list(FAILED)
     (s.out / "gpu_check.json").write_text(json.dumps(jsonable(report), indent=1))
     print(f"done in {time.perf_counter() - start:.0f} s; {'FAILED: ' + ', '.join(FAILED) if FAILED else 'all checks passed'}")

@@ -131,21 +131,28 @@ def test_random_weights_of_the_released_size_are_built_on_the_device_asked_for(s
 
 
 def test_bench_of_the_real_size_builds_on_its_device_and_writes_no_checkpoint_without_the_reference(monkeypatch, capsys):
-    """`dgemma bench --size real --device meta`: the weights are built on that device (the runs
-    are faked: meta tensors hold no values) and no checkpoint is written (the old path built a
-    float32 copy on the CPU and wrote ~50 GB before its first step)."""
-    from dgemma.cli import bench as cli_bench
+    """`dgemma bench --size real --device meta`: the weights are built on that device and no
+    checkpoint is written (the old path built a float32 copy on the CPU and wrote ~50 GB before
+    its first step). The runs go through run_dgemma and its bench engine, also on meta; only the
+    engine's steps and the AR loop are faked (meta tensors hold no values)."""
+    from dgemma import benchmark
     from dgemma.cli import main
+    from dgemma.engine.events import Finished
     from dgemma.model import checkpoint
 
     written, runs = [], []
     monkeypatch.setattr(checkpoint, "save_checkpoint", lambda *a, **k: written.append(a))
 
-    def fake_run(model, prompts, new_tokens, steps, adaptive, mode, progress=None, turbo=None, engine=None):
-        runs.append((mode, {t.device.type for t in model.net.parameters()}, engine))
-        return RunResult("dgemma-ar" if mode == "ar" else "dgemma", 1.0, 0.1, new_tokens, 16, 0.2, 1.0, len(prompts))
+    def fake_steps(engine, requests, on_step=None):
+        runs.append(("diffusion", {t.device.type for t in engine.runner.net.parameters()}))
+        return [Finished(r.request_id, "length", [5] * r.config.max_new_tokens, 48, 16.0) for r in requests]
 
-    monkeypatch.setattr(cli_bench, "run_dgemma", fake_run)
+    def fake_ar(model, prompts, new_tokens, progress):
+        runs.append(("ar", {t.device.type for t in model.engine_net.parameters()}))
+        return RunResult("dgemma-ar", 1.0, 0.1, new_tokens, new_tokens, 0.0, 1.0, len(prompts))
+
+    monkeypatch.setattr(benchmark, "_drain", fake_steps)
+    monkeypatch.setattr(benchmark, "_run_ar", fake_ar)
     for scheme in ([], ["--quantization", "nvfp4"]):
         argv = ["bench", "--size", "real", "--device", "meta", "--peers", "default,ar", "--runs", "1", "--no-warmup", "--json"]
         assert main(argv + scheme) == 0, capsys.readouterr().err
@@ -156,8 +163,7 @@ def test_bench_of_the_real_size_builds_on_its_device_and_writes_no_checkpoint_wi
         assert sum(memory["weights"].values()) > (40 if not scheme else 12) * 2**30
         assert 0 < memory["kv_reserved"] < 2**30
     assert not written
-    assert [(mode, devices) for mode, devices, _ in runs] == [("diffusion", {"meta"}), ("ar", {"meta"})] * 2
-    assert runs[0][2] is not None and runs[0][2].engine.runner.net.device.type == "meta"
+    assert runs == [("diffusion", {"meta"}), ("ar", {"meta"})] * 2
 
 
 def test_a_checkpoint_is_written_only_for_the_reference_peer(tmp_path):
