@@ -1,16 +1,18 @@
-"""The one prepared GPU check: correctness of the GPU path, then its speed, in one run.
+"""The whole device measurement in one call: the GPU path's correctness, then where its time goes.
 
 The device plan: a lent GPU machine is rare and short (a session gets about 15 minutes of device
-time, at most 8 minutes a call, and the machine takes minutes to start), so the check is ONE call,
-from the repository root, under a timeout that leaves time to read what came back:
+time, at most 10 minutes a call, and the machine takes minutes to start), so the check is ONE call,
+from the repository root, with a timeout that leaves time to rerun it:
 
-    PYTHONUNBUFFERED=1 timeout 470 python3 scripts/gpu_check.py     # 3-4 min expected, unmeasured
+    set -o pipefail; PYTHONUNBUFFERED=1 timeout 420 python3 scripts/gpu_check.py --out $OUT 2>&1 | tee $OUT/gpu_check.log
 
-It needs only torch, triton, safetensors and tokenizers (the lent machine's image: torch 2.11,
-triton 3.6) and imports no server code. A hang is not silent: every 120 s (--hang-dump) and on
-`timeout`'s SIGTERM every thread's traceback goes to stderr. Triton's compiled kernels go to
-.cache/triton in the repository (ignored by git; TRITON_CACHE_DIR, unless set), so a second call on
-the same warm machine skips the compiles. Each section's seconds are printed after it. It prints:
+Its measurements stop starting after --budget seconds (330: under 6 minutes with the checks),
+each skipped one saying so. It needs only torch, triton, safetensors and tokenizers (the lent
+machine's image: torch 2.11, triton 3.6) and imports no server code. A hang is not silent: every
+120 s (--hang-dump) and on `timeout`'s SIGTERM every thread's traceback goes to stderr. Triton's
+compiled kernels go to .cache/triton in the repository (ignored by git; TRITON_CACHE_DIR, unless
+set), so a second call on the same warm machine skips the compiles. Each section's seconds are
+printed after it ("[12.3 s] step table bf16"). It prints:
 
 1. checks, each PASS or FAIL with its error: the Triton kernels against the torch code they
    replace, on the device (step statistics, sampling, norm + RoPE, the MoE block in bf16 against
@@ -21,15 +23,31 @@ the same warm machine skips the compiles. Each section's seconds are printed aft
    against eager steps, both on the bucket's padded inputs (the capture itself: near-exact) and on
    the group's own (padding changes bf16 rounding). A bucket that did not capture is a FAIL with
    the capture's error, never a timing of nothing;
-2. a table: copy bandwidth; ms per decoder step of the real-size model at batch 1, 4 and 8 in bf16
-   and FP8 (eager and CUDA graph) next to the weight-read floor (weight bytes / copy bandwidth);
-   the first eager step of each runs under torch.cuda.set_sync_debug_mode("error"), so a host sync
-   inside the step is a FAIL with its stack; decode tokens/s at 16 fixed steps after a 4096-token
-   prompt (a FAIL if the engine's graphs did not capture); peak memory.
+2. per weight scheme (bf16, nvfp4, fp8, int4: random weights of the released size built on the
+   device, measured, freed):
+   - the step table: ms per decoder step after prompts of 512 and 4096 tokens (each encoded as
+     the scheduler encodes it, in prefill chunks), eager at batch 1 (its first step under
+     torch.cuda.set_sync_debug_mode("error"): a host sync in it is a FAIL with its stack) and
+     under a CUDA graph at batch 1, 4 and 8 (median of CUDA-event-timed steps), each next to its
+     floor (weight bytes / the measured copy bandwidth) and their ratio;
+   - bf16 and nvfp4: a profile of one graph replay at batch 1 (torch.profiler sees the kernels
+     inside a graph): the top 15 kernels by GPU time, their count, the achieved GB/s of each GEMM
+     whose weight bytes one eager step attributes to its kernel's name (Triton kernels; cuBLAS
+     GEMMs only together, the others "n/a"); the replay's median time over 20 CUDA-event-timed
+     replays after warm-up;
+   - engine decode tokens/s through `dgemma.benchmark.run_dgemma` (tokens after every row's first
+     block over the time after it, as vLLM counts; 16 fixed steps, 512-token prompt, 512 new
+     tokens; one engine reused, its graphs captured by an untimed warm-up): bf16's default, turbo
+     and AR peers at batch 1 and 16 (AR: 64 tokens), the other schemes' default at batch 1;
+3. the PTX of every quantised GEMM variant the run compiled (read from Triton's JIT cache: what
+   this machine's triton made), gzipped under --out (default ./gpu_check_out);
+4. one line per target of the open GPU issues (46 and 47, "Targets on an H200"): met or not, with
+   the figure; and every figure as JSON in --out/gpu_check.json.
 
-`--smoke` runs the same code on a CPU in under a minute (Triton's interpreter, the "test" size,
-graph replays run eagerly): the test suite does, so the script cannot rot between the rare
-sessions with a GPU. Exit code 1 when a check fails.
+`--smoke` runs the same code on a CPU (Triton's interpreter, the "test" size, graphs replayed
+eagerly, bf16 and nvfp4, prompts of 24 and 96 tokens in 16-token prefill chunks so the sliding
+window's reservation binds): the test suite does, so the script cannot rot between the rare
+sessions with a GPU. Exit code 1 when a check or a section fails.
 """
 
 from __future__ import annotations
@@ -38,32 +56,41 @@ import argparse
 import contextlib
 import copy
 import faulthandler
+import json
 import os
+import re
 import signal
+import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels run on the CPU
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the test suite's processes share 2 cores: one thread each
 # compiled kernels kept in the repository (ignored by git): a second call on the same machine skips the compiles
 os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / ".cache" / "triton"))
 
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from dgemma.api import Model  # noqa: E402
+from dgemma.benchmark import BenchEngine, bench_kv_memory, random_weights, run_dgemma  # noqa: E402
 from dgemma.config import GenerationConfig  # noqa: E402
 from dgemma.engine import sampler  # noqa: E402
-from dgemma.engine.client import EngineClient  # noqa: E402
-from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.engine.device_step import eager_step, run_step  # noqa: E402
+from dgemma.engine.engine import Engine, EngineOptions  # noqa: E402
 from dgemma.engine.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
 from dgemma.dense.kv_cache import DenseKVCache  # noqa: E402
+from dgemma.engine.options import DEFAULT_PREFILL_CHUNK  # noqa: E402
 from dgemma.engine.prefill import prefill  # noqa: E402
 from dgemma.kernels import triton_layer, triton_step  # noqa: E402
 from dgemma.model import rope  # noqa: E402
@@ -196,6 +223,15 @@ def random_masks(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
+def compare(got, want) -> tuple[float, float]:
+    """(argmax agreement, worst relative L2 difference of the float outputs) of two decoder steps'
+    outputs (argmax, entropy, weights, total, self-conditioning input)."""
+    agree = float((got[0] == want[0]).float().mean())
+    return agree, max(float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)) for a, b in zip(got[1:], want[1:]))
+
+
+@guarded
+@torch.no_grad()
 def requests_at(net, kvs, canvas, soft, seed: int) -> list:
     """Requests as the device step reads them (engine/step_inputs.py, device_step.py): row i of
     `canvas` / `soft` after prefix kvs[i], mid-block, no history, nothing fixed."""
@@ -212,15 +248,6 @@ def device_outputs(out, n: int, c: int) -> tuple:
     return argmax[:n], shown[:n], probs[: n * c], soft_next[:n]
 
 
-def compare(got, want) -> tuple[float, float]:
-    """(argmax agreement, worst relative L2 difference of the float outputs) of two decoder steps'
-    outputs (argmax, entropy, weights, total, self-conditioning input)."""
-    agree = float((got[0] == want[0]).float().mean())
-    return agree, max(float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)) for a, b in zip(got[1:], want[1:]))
-
-
-@guarded
-@torch.no_grad()
 def engine_step_and_graphs(device: torch.device) -> None:
     """In bf16 (the path a user runs): the paged attention step against gathered SDPA, and
     bucketed graph replays (three groups in one 4-row bucket at other prefix lengths, the last with
@@ -285,7 +312,58 @@ def engine_step_and_graphs(device: torch.device) -> None:
           f"{own_agree:.1%}; {banned} masked-out tokens picked")  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------ the table
+# ------------------------------------------------------------------------------------ settings
+ALL_SCHEMES = "bf16,nvfp4,fp8,int4"  # bf16 first, then the 4-bit build a 24 GB card holds
+
+
+class Settings(NamedTuple):
+    """What one run measures (the device run's defaults; `--smoke`: the same code at CPU sizes)."""
+
+    device: torch.device
+    size: str
+    schemes: list  # None is bf16; bf16 first: its sections come first if the budget runs out
+    prompts: list[int]  # the step table's prefix lengths; the first one also the engine runs' prompt
+    batches: list[int]  # the step table's batches (graph steps; eager at batch 1)
+    engine_batches: list[int]  # the engine's decode rates (bf16: every peer; other schemes: batch 1)
+    new_tokens: int  # per request of the engine runs
+    steps: int  # fixed denoising steps per canvas
+    ar_tokens: int  # new tokens of an AR run
+    prefill_chunk: int  # below the prompts on --smoke, so the sliding reservation binds
+    group_size: int | None  # int4's
+    iters: int  # timed steps of one table cell (median) ...
+    step_seconds: float  # ... or fewer (at least 2) where they would take longer than this
+    replays: int  # CUDA-event-timed graph replays of the profile (median)
+    out: Path
+    deadline: float  # time.perf_counter() past which the measurements not yet begun are skipped
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
+def settings_from(args) -> Settings:
+    smoke = args.smoke
+    # --smoke: the two schemes the profile covers (fp8 and int4 take the same code with another build)
+    schemes = [None if s == "bf16" else s for s in (args.schemes or ("bf16,nvfp4" if smoke else ALL_SCHEMES)).split(",")]
+    return Settings(
+        device=torch.device("cpu" if smoke else "cuda"), size=args.size or ("test" if smoke else "real"), schemes=schemes,
+        prompts=[int(n) for n in (args.prompt_lens or ("24,96" if smoke else "512,4096")).split(",")],
+        batches=[1] if smoke else [1, 4, 8], engine_batches=[1, 2] if smoke else [1, 16],
+        new_tokens=16 if smoke else 512, steps=1 if smoke else 16, ar_tokens=3 if smoke else 64,
+        prefill_chunk=16 if smoke else DEFAULT_PREFILL_CHUNK, group_size=16 if smoke else None,
+        iters=1 if smoke else 20, step_seconds=0.0 if smoke else 1.0, replays=1 if smoke else 20, out=Path(args.out),
+        deadline=time.perf_counter() + args.budget,
+    )  # fmt: skip
+
+
+def name_of(scheme: str | None) -> str:
+    return scheme or "bf16"
+
+
+# ------------------------------------------------------------------------------------ the step table
 def copy_bandwidth(device: torch.device, gib: float) -> float:
     """Bytes per second moved by a device-to-device copy (read + write counted)."""
     a = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
@@ -300,25 +378,10 @@ def copy_bandwidth(device: torch.device, gib: float) -> float:
     return 2 * a.numel() * 2 * 10 / (time.perf_counter() - start)
 
 
-@torch.no_grad()
-def build(size: str, device: torch.device, scheme: str | None) -> DiffusionGemma:
-    """Random weights of a preset size, in bf16 or built directly quantised (no bf16 copy)."""
-    config = make_config(**PRESETS[size])
-    if scheme is not None:
-        from dgemma.quant.modules import random_quantized_model
-
-        return random_quantized_model(config, scheme, None, torch.bfloat16, device=device).eval()
-    with torch.device("meta"):
-        net = DiffusionGemma(config)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for module in net.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            value = torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02 if p.dim() >= 2 else \
-                torch.ones(p.shape, device=device, dtype=torch.bfloat16)  # fmt: skip
-            module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
-        for name, b in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = torch.ones(b.shape, device=device, dtype=torch.bfloat16)
-    return net.eval()
+def build(size: str, device: torch.device, scheme: str | None, group_size: int | None = None) -> DiffusionGemma:
+    """Random weights of a preset size built on the device, in bf16 or directly quantised (no bf16
+    copy): `dgemma bench`'s own builder."""
+    return random_weights(make_config(**PRESETS[size]), device, torch.bfloat16, scheme, group_size)
 
 
 def weight_bytes(net: DiffusionGemma) -> int:
@@ -327,39 +390,74 @@ def weight_bytes(net: DiffusionGemma) -> int:
     return sum(parts(net).values())
 
 
+def median_ms(step, iters: int, device: torch.device, seconds: float = 0.0) -> float:
+    """Median ms of `step()`: CUDA events around each call on a GPU (no host sync between calls),
+    wall time elsewhere; `iters` calls, or fewer (at least 2) where they would take over `seconds`
+    (judged from the first)."""
+    times, pairs = [], []
+    for i in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            pairs.append((start, end))
+            if i == 0 and seconds:
+                end.synchronize()
+                iters = max(2, min(iters, int(seconds / max(start.elapsed_time(end) / 1000, 1e-6))))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append(1000 * (time.perf_counter() - began))
+            if i == 0 and seconds:
+                iters = max(2, min(iters, int(seconds / max(times[0] / 1000, 1e-6))))
+        if i + 1 >= iters:
+            break
+    if pairs:
+        pairs[-1][1].synchronize()
+        times = [a.elapsed_time(b) for a, b in pairs]
+    return statistics.median(times)
+
+
 @torch.no_grad()
-def step_ms(engine: Engine, kv, batch: int, graphs: bool, iters: int) -> float:
-    """ms per decoder step (engine/device_step.py: its inputs' copy, the pass, LM head,
-    statistics, self-conditioning input, sampling and decisions) of `batch` canvases after the
-    prefix `kv` (rows share it: a decoder pass only reads the cache)."""
+def step_ms(engine: Engine, kv, batch: int, graphs: bool, iters: int, buckets: DecoderGraphs | None = None,
+            seconds: float = 0.0) -> float:
+    """Median ms per decoder step (engine/device_step.py: its inputs' copy, the pass, LM head,
+    statistics, self-conditioning input, sampling and decisions) of `batch` canvases after the prefix `kv` (rows share it: a decoder pass only reads the cache),
+    eager or replaying a CUDA graph (`buckets`' graph of that batch, captured on first use; a
+    capture that fails raises with its reason: never a timing of nothing)."""
+    step = decoder_step(engine, kv, batch, graphs, buckets)
+    for _ in range(0 if SMOKE else 3):  # --smoke: the interpreter's time is the check's; a capture runs the step once
+        step()
+    synchronize(engine.device)
+    return median_ms(step, iters, engine.device, seconds)
+
+
+def decoder_step(engine: Engine, kv, batch: int, graphs: bool, buckets: DecoderGraphs | None = None):
+    """`step()`: one decoder step of `batch` canvases after `kv`, eager or by a graph replay."""
     runner, cfg = engine.runner, engine.runner.config
     device, c = runner.net.device, cfg.canvas_length
     canvas = torch.randint(0, cfg.vocab_size, (batch, c), device=device)
     soft = torch.zeros(batch, c, cfg.hidden_size, device=device, dtype=runner.net.dtype)
     group = requests_at(runner.net, [kv] * batch, canvas, soft, 0)
     if graphs:
-        buckets = DecoderGraphs(buckets=(batch,), capture=cuda_capture if device.type == "cuda" else eager_capture)
+        buckets = buckets or DecoderGraphs(buckets=(batch,), capture=cuda_capture if device.type == "cuda" else eager_capture)
 
         def step():
             out = buckets.run(runner, group)
             if out is None:  # not a timing of nothing
-                raise RuntimeError(f"no CUDA graph for batch {batch}: {buckets.failures.get((batch, False), 'not captured')}")
+                key = (buckets.bucket(batch), False)
+                raise RuntimeError(f"no CUDA graph for batch {batch}: {buckets.failures.get(key, 'not captured')}")
             return out
-    else:
 
-        def step():
-            return eager_step(runner, group, None)
+        return step
 
-        if device.type == "cuda":
-            without_host_sync(step, f"the eager step at batch {batch}")
-    for _ in range(1 if SMOKE else 3):
-        step()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    synchronize(device)
-    return 1000 * (time.perf_counter() - start) / iters
+    def step():
+        return eager_step(runner, group, None)
+
+    if device.type == "cuda":
+        without_host_sync(step, f"the eager step at batch {batch}")
+    return step
 
 
 def without_host_sync(step, what: str) -> None:
@@ -375,80 +473,392 @@ def without_host_sync(step, what: str) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def table(device: torch.device, size: str, prompt_len: int, batches: list[int], iters: int) -> None:
-    bw = copy_bandwidth(device, 4.0 if device.type == "cuda" else 0.1)
-    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; size {size}, prompt {prompt_len}, canvas {PRESETS[size]['canvas_length']}")
-    print(f"{'weights':>8} {'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'graph/floor':>11}")
-    for scheme in (None, "fp8"):
-        with section(f"table, {scheme or 'bf16'}"):
-            table_rows(device, size, prompt_len, batches, iters, bw, scheme)
+def table_engine(net: DiffusionGemma, s: Settings) -> Engine:
+    """An engine whose KV pool holds one prefix of each table prompt (the rows of a batch share it)."""
+    block = net.config.canvas_length
+    memory = bench_kv_memory(net.kv_config, net.dtype, block, len(s.prompts), max(s.prompts) + block)
+    return Engine(net, EngineOptions(triton=True, batch_invariant=False, prefix_cache=False, kv_cache_memory=memory,
+                                     prefill_chunk=s.prefill_chunk))  # fmt: skip
 
 
-def table_rows(device: torch.device, size: str, prompt_len: int, batches: list[int], iters: int, bw: float, scheme) -> None:
-    """The table's rows of one weight scheme (None: bf16), then the engine's decode rate."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        net = build(size, device, scheme)
-        nbytes = weight_bytes(net)
-        engine = Engine(net, EngineOptions(triton=True, batch_invariant=False, prefix_cache=False,
-                                           kv_cache_memory=4 * 2**30 if device.type == "cuda" else 2**26))  # fmt: skip
-        prompt = torch.randint(0, net.config.vocab_size, (prompt_len,)).tolist()
-        kv = engine.encode_prefix(prompt)
-        floor = 1000 * nbytes / bw
-        for batch in batches:
-            eager = step_ms(engine, kv, batch, graphs=False, iters=iters)
+TABLE_HEADER = f"{'weights':>8} {'prompt':>6} {'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'graph/floor':>11}"
+
+
+def table_rows(engine: Engine, s: Settings, scheme, floor: float, buckets: DecoderGraphs, report: dict) -> dict:
+    """The step table's rows of one scheme: each prompt's prefix encoded (in the scheduler's
+    chunks), then the eager step at batch 1 and a graph step at every batch. Returns the prefixes
+    by length (the caller releases them). --smoke: the long prompt in bf16 only, the eager step
+    once (the interpreter's time)."""
+    prefixes = {}
+    for length in s.prompts if not (SMOKE and scheme is not None) else s.prompts[:1]:
+        if s.left() < 0:
+            print(f"{name_of(scheme):>8} {length:6d} skipped: past --budget", flush=True)
+            continue
+        prompt = torch.randint(0, engine.runner.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+        began = time.perf_counter()
+        prefixes[length] = kv = engine.encode_prefix(prompt.tolist())
+        synchronize(s.device)
+        print(f"{name_of(scheme):>8} {length:6d} prefix encoded in {time.perf_counter() - began:.2f} s "
+              f"({-(-length // s.prefill_chunk)} chunks)", flush=True)  # fmt: skip
+        for batch in s.batches:
+            if s.left() < 0:
+                print(f"{name_of(scheme):>8} {length:6d} {batch:5d} skipped: past --budget", flush=True)
+                continue
+            eager = f"{'-':>9}"
+            if batch == 1 and not (SMOKE and length != s.prompts[0]):
+                eager = f"{step_ms(engine, kv, batch, False, s.iters, seconds=s.step_seconds):9.2f}"
             try:
-                graph = f"{step_ms(engine, kv, batch, graphs=True, iters=iters):9.2f}"
-                ratio = f"{float(graph) / floor:11.2f}"
+                ms = step_ms(engine, kv, batch, True, s.iters, buckets, s.step_seconds)
+                graph, ratio = f"{ms:9.2f}", f"{ms / floor:11.2f}"
+                report["step"][(name_of(scheme), length, batch)] = ms
             except Exception as e:  # noqa: BLE001 - a FAIL with its reason; keep measuring
                 graph, ratio = f"{'failed':>9}", f"  ({type(e).__name__}: {str(e)[:300]})"
-                FAILED.append(f"graph {scheme or 'bf16'} batch {batch}")
-            print(f"{scheme or 'bf16':>8} {batch:5d} {eager:9.2f} {graph} {floor:9.2f} {ratio}", flush=True)
-        engine.release_prefix(kv)
-        del engine
-        decode_rate(net, prompt, scheme)
-        if device.type == "cuda":
-            print(f"{'':>8} peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB ({nbytes / 2**30:.1f} GiB of weights)")
-    except Exception as e:  # noqa: BLE001
-        print(f"{scheme or 'bf16':>8} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        FAILED.append(f"table {scheme or 'bf16'}")
+                FAILED.append(f"graph {name_of(scheme)} prompt {length} batch {batch}")
+            print(f"{name_of(scheme):>8} {length:6d} {batch:5d} {eager} {graph} {floor:9.2f} {ratio}", flush=True)
+    return prefixes
+
+
+# ------------------------------------------------------------------------------------ the profile
+GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"}
+GEMM_NAME = re.compile(r"gemm|matmul|xmma|cutlass|nvjet|wgmma|grouped_mm|scaled_mm|aten::(?:mm|addmm|bmm)$", re.I)
+
+
+class WeightReads(TorchDispatchMode):
+    """Weight bytes each kernel reads in one eager step, by the name the profiler gives it: an
+    ATen GEMM's ("aten::mm") weight operands, and a Triton kernel's weight arguments (by its
+    function's name, which is its CUDA kernel's). A weight is a tensor on a parameter's or
+    buffer's storage. The library kernels an ATen GEMM runs on a GPU have other names: those are
+    only attributed together."""
+
+    def __init__(self, net: DiffusionGemma):
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in list(net.parameters()) + list(net.buffers())}
+        self.by_name: Counter = Counter()
+
+    def weight_bytes(self, values) -> int:
+        return sum(t.numel() * t.element_size() for t in values
+                   if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages)  # fmt: skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if name in GEMM_OPS:
+            self.by_name[f"aten::{name}"] += self.weight_bytes(list(args) + list(kwargs.values()))
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Inside: ATen GEMMs and Triton launches (compiled or interpreted) are counted."""
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        saved = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction)]
+
+        def counted(run):
+            def launch(fn, *args, **kwargs):
+                self.by_name[fn.__name__] += self.weight_bytes(list(args) + list(kwargs.values()))
+                return run(fn, *args, **kwargs)
+
+            return launch
+
+        try:
+            for cls, run in saved:
+                cls.run = counted(run)
+            with self:
+                yield self
+        finally:
+            for cls, run in saved:
+                cls.run = run
+
+
+def kernel_times(prof, cuda: bool) -> list[tuple[str, int, float]]:
+    """(name, count, microseconds) per kernel of a profile, most time first: the device's kernels
+    (and copies) on a GPU, each op's own CPU time elsewhere."""
+    from torch.autograd import DeviceType
+
+    rows: dict[str, list] = {}
+    if cuda:
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                row = rows.setdefault(e.name, [0, 0.0])
+                row[0] += 1
+                row[1] += e.time_range.elapsed_us()
+    else:
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0:
+                rows[e.key] = [e.count, e.self_cpu_time_total]
+    return sorted(((k, n, us) for k, (n, us) in rows.items()), key=lambda r: -r[2])
 
 
 @torch.no_grad()
-def decode_rate(net: DiffusionGemma, prompt: list[int], scheme: str | None) -> None:
-    """Decode tokens/s at 16 fixed denoising steps (--smoke: 2), batch 1, through the engine
-    (prefill included)."""
-    c, steps = net.config.canvas_length, 2 if SMOKE else 16
-    cfg = GenerationConfig(max_new_tokens=(1 if SMOKE else 2) * c, max_denoising_steps=steps, confidence_threshold=1e-30,
-                           eos_token_ids=())  # fmt: skip
-    kv_memory = 4 * 2**30 if net.device.type == "cuda" else 2**26
-    client = EngineClient(Engine(net, EngineOptions(triton=True, batch_invariant=False, prefix_cache=False, kv_cache_memory=kv_memory)))
-    if not SMOKE:
-        client.finish([Request(prompt, cfg, 0)])  # warm-up (graph captures)
-    synchronize(net.device)
-    start = time.perf_counter()
-    out = client.finish([Request(prompt, cfg, 0)])[0]
-    synchronize(net.device)
-    seconds = time.perf_counter() - start
-    graphs = getattr(client.engine.runner, "graphs", None)
+def profile_replay(engine: Engine, kv, buckets: DecoderGraphs, scheme, s: Settings, report: dict) -> None:
+    """One graph replay at batch 1 under torch.profiler (which sees the kernels inside a graph):
+    the top 15 kernels by GPU time (CPU time on --smoke), their count, achieved GB/s of each GEMM
+    whose weight bytes one eager step attributes to its name (else n/a), and the replay's median
+    time over `s.replays` CUDA-event-timed replays after warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reads = WeightReads(engine.runner.net)
+    with reads.recording():
+        decoder_step(engine, kv, 1, False)()
+    step = decoder_step(engine, kv, 1, True, buckets)
+    for _ in range(0 if SMOKE else 3):
+        step()
+    synchronize(s.device)
+    ms = median_ms(step, s.replays, s.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(s.device)
+    kernels = kernel_times(prof, s.cuda)
+    if not kernels:
+        raise RuntimeError("the profiler saw no kernels in the replay")
+    total = sum(us for _, _, us in kernels)
+    where = "GPU" if s.cuda else "CPU (self)"
+    print(f"{name_of(scheme)}: one graph replay at batch 1, prompt {kv.length}: {ms:.2f} ms (median of {s.replays}, "
+          f"{'CUDA events' if s.cuda else 'wall'}); profiled {len(kernels)} kernels, {sum(n for _, n, _ in kernels)} "
+          f"launches, {total / 1000:.2f} ms {where} time", flush=True)  # fmt: skip
+    print(f"  {'kernel':60s} {'count':>5} {'ms':>8} {'share':>6} {'GB/s':>8}")
+    top = []
+    for name, count, us in kernels[:15]:
+        nbytes = reads.by_name.get(name, 0)
+        rate = f"{nbytes / (us * 1e-6) / 1e9:8.1f}" if nbytes and us else f"{'n/a' if GEMM_NAME.search(name) else '':>8}"
+        print(f"  {name[:60]:60s} {count:5d} {us / 1000:8.3f} {us / max(total, 1e-9):6.1%} {rate}")
+        top.append({"kernel": name, "count": count, "us": us, "weight_bytes": nbytes or None})
+    named = {name for name, _, _ in kernels}
+    gemm_us = sum(us for name, _, us in kernels if GEMM_NAME.search(name) and name not in reads.by_name)
+    library = sum(v for k, v in reads.by_name.items() if k.startswith("aten::") and k not in named)  # on a GPU: all of them
+    if gemm_us and library:
+        print(f"  library GEMM kernels together (n/a above): {library / 1e9:.2f} GB of weights in {gemm_us / 1000:.3f} ms "
+              f"= {library / (gemm_us * 1e-6) / 1e9:.0f} GB/s")  # fmt: skip
+    report["profile"][name_of(scheme)] = {"replay_ms": ms, "kernels": top, "weight_bytes_by_name": dict(reads.by_name)}
+
+
+# ------------------------------------------------------------------------------------ engine decode rates
+def engine_model(net: DiffusionGemma, s: Settings) -> Model:
+    model = Model(net, GenerationConfig(eos_token_ids=(), pad_token_id=0))
+    model.engine_options = EngineOptions(triton=True, batch_invariant=False, prefill_chunk=s.prefill_chunk)
+    return model
+
+
+def engine_runs(scheme, s: Settings) -> list[tuple[str, str, dict | None, int]]:
+    """(peer, mode, turbo knobs, batch) of a scheme's engine runs: bf16 the default, turbo and AR
+    peers at each engine batch, the others the default at batch 1. --smoke: bf16's default and
+    turbo at the larger batch, AR at 1 (nvfp4 runs the default at 1: the interpreter's time)."""
+    if scheme is not None:
+        return [("dgemma", "diffusion", None, 1)]
+    runs = [(peer, mode, turbo, b) for b in s.engine_batches
+            for peer, mode, turbo in (("dgemma", "diffusion", None), ("dgemma-turbo", "diffusion", {}), ("dgemma-ar", "ar", None))]  # fmt: skip
+    if SMOKE:
+        small, large = s.engine_batches[0], s.engine_batches[-1]
+        runs = [r for r in runs if (r[1] == "ar") == (r[3] == small) or small == large]
+    return runs
+
+
+def engine_rates(net: DiffusionGemma, scheme, s: Settings, report: dict) -> None:
+    """Decode tokens/s through `benchmark.run_dgemma` (vLLM's definition: tokens after every row's
+    first block over the time after it), `s.steps` fixed steps, the first table prompt, one engine
+    reused (its graphs captured by an untimed warm-up, outside the timed runs)."""
+    model = engine_model(net, s)
+    runs = engine_runs(scheme, s)
+    prompt_len, largest = s.prompts[0], max(b for *_, b in runs)
+    bench = BenchEngine.build(model, largest, prompt_len, s.new_tokens)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, net.config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(largest)]
+    for peer, mode, turbo, batch in runs:
+        if s.left() < 0:
+            print(f"{name_of(scheme):>8} {peer} batch {batch}: skipped, past --budget", flush=True)
+            continue
+        new = s.ar_tokens if mode == "ar" else s.new_tokens
+        r = run_dgemma(model, prompts[:batch], new, s.steps, False, mode, turbo=turbo, engine=bench)
+        report["decode"][(name_of(scheme), peer, batch)] = r.decode_tps
+        per_token = f" ({1000 * batch / r.decode_tps:.1f} ms a token)" if mode == "ar" and r.decode_tps else ""
+        print(f"{name_of(scheme):>8} {peer} batch {batch}: decode {r.decode_tps:.0f} tok/s{per_token}, tokens after the "
+              f"first block over the time after it; {r.tokens} tokens in {r.seconds:.2f} s, ttft {r.ttft:.2f} s, "
+              f"encoder {r.encoder_seconds:.2f} s, {r.ms_per_step:.1f} ms a step, {r.decoder_passes} passes", flush=True)  # fmt: skip
+    graphs = getattr(bench.engine.runner, "graphs", None)
     if graphs is not None and graphs.failures:
-        check(f"{scheme or 'bf16'} engine's CUDA graphs", False, "; ".join(f"{k}: {v}" for k, v in graphs.failures.items())[:300])
-    print(f"{scheme or 'bf16':>8} engine: {len(out.tokens)} tokens at {steps} fixed steps after a {len(prompt)}-token prompt: "
-          f"{len(out.tokens) / seconds:.0f} tok/s incl. prefill ({seconds:.2f} s, {out.decoder_passes} passes)", flush=True)  # fmt: skip
+        check(f"{name_of(scheme)} engine's CUDA graphs", False, "; ".join(f"{k}: {v}" for k, v in graphs.failures.items())[:300])
+
+
+# ------------------------------------------------------------------------------------ PTX
+QUANT_KERNEL_MODULES = ("dgemma.kernels.triton_quant",)  # and any other dgemma.kernels module named *quant*
+
+
+def compiled_kernels(functions) -> list[tuple[str, str, object]]:
+    """(function name, cache key, CompiledKernel) of every kernel Triton's JIT compiled for
+    `functions` (JITFunctions, or autotuners / heuristics around one): read from each one's
+    per-device cache, whose first mapping holds the compiled kernels (triton 3.x)."""
+    found = []
+    for fn in functions:
+        while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):
+            fn = fn.fn
+        for caches in getattr(fn, "device_caches", {}).values():
+            table = next((c for c in (caches if isinstance(caches, tuple) else (caches,)) if isinstance(c, dict)), {})
+            for key, kernel in table.items():
+                if hasattr(kernel, "asm"):
+                    found.append((getattr(fn, "__name__", "?"), str(key), kernel))
+    return found
+
+
+def quant_functions() -> list:
+    """The Triton kernels of the quantised GEMMs' modules (whatever their names)."""
+    import importlib
+
+    from triton.runtime.jit import KernelInterface
+
+    for name in QUANT_KERNEL_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    modules = [m for name, m in list(sys.modules.items())
+               if name in QUANT_KERNEL_MODULES or (name.startswith("dgemma.kernels.") and "quant" in name)]  # fmt: skip
+    return [v for m in modules for v in vars(m).values() if isinstance(v, KernelInterface)]
+
+
+def write_ptx(s: Settings, report: dict) -> None:
+    """The PTX of every quantised GEMM variant compiled in this run, in one gzipped text file
+    under --out (what the machine's triton made; a CPU's triton is newer)."""
+    import gzip
+
+    functions = quant_functions()
+    kernels = compiled_kernels(functions)
+    s.out.mkdir(parents=True, exist_ok=True)
+    path = s.out / "quant_gemm_ptx.txt.gz"
+    with gzip.open(path, "wt") as f:
+        for name, key, kernel in kernels:
+            warps = getattr(getattr(kernel, "metadata", None), "num_warps", "?")
+            f.write(f"// ===== {name}  num_warps={warps}  key={key}\n{kernel.asm.get('ptx', '// no ptx')}\n")
+    names = sorted({name for name, _, _ in kernels})
+    report["ptx"] = {"file": str(path), "variants": len(kernels), "kernels": names}
+    if kernels:
+        print(f"PTX of {len(kernels)} quantised GEMM variants ({', '.join(names)}) written to {path}", flush=True)
+        return
+    how = "the Triton interpreter compiles nothing" if SMOKE else "no quantised GEMM kernel was compiled"
+    print(f"PTX: none ({how}); {len(functions)} Triton functions in the quantised GEMMs' modules; {path} is empty", flush=True)
+    if not SMOKE and any(scheme in ("int4", "nvfp4") for scheme in s.schemes):
+        FAILED.append("PTX of the quantised GEMMs")
+
+
+# ------------------------------------------------------------------------------------ targets
+# The open GPU issues' targets on an H200 ("Targets on an H200" of issues 46 and 47): a benchmark,
+# reported here, never a test. (issue, what, kind of figure, its key, comparison, bound, unit)
+TARGETS = [
+    ("46", "bf16 graph step, batch 1", "step", ("bf16", 1), "<=", 14.0, "ms"),
+    ("46", "fp8 graph step, batch 1", "step", ("fp8", 1), "<=", 7.0, "ms"),
+    ("46", "int4 graph step, batch 1", "step", ("int4", 1), "<=", 4.5, "ms"),
+    ("46", "nvfp4 graph step, batch 1", "step", ("nvfp4", 1), "<=", 4.5, "ms"),
+    ("46", "bf16 decode, batch 1", "decode", ("bf16", 1), ">=", 1100, "tok/s"),
+    ("46", "fp8 decode, batch 1", "decode", ("fp8", 1), ">=", 2200, "tok/s"),
+    ("46", "int4 decode, batch 1", "decode", ("int4", 1), ">=", 3400, "tok/s"),
+    ("46", "nvfp4 decode, batch 1", "decode", ("nvfp4", 1), ">=", 3400, "tok/s"),
+    ("47", "AR, bf16, batch 1", "ar_ms", ("bf16", 1), "<=", 4.0, "ms a token"),
+    ("47", "turbo / default decode, bf16, batch 1", "turbo", ("bf16", 1), ">=", 1.0, "x"),
+    ("47", "turbo / default decode, bf16, batch 16", "turbo", ("bf16", 16), ">=", 1.3, "x"),
+]
+
+
+def target_value(report: dict, kind: str, key: tuple, s: Settings) -> float | None:
+    """The figure a target is judged on (None: not measured). --smoke: its small batches stand in
+    for 1 and 16."""
+    scheme, batch = key
+    batch = {1: s.engine_batches[0], 16: s.engine_batches[-1]}.get(batch, batch) if kind != "step" else batch
+    decode = report["decode"]
+    if kind == "step":
+        return report["step"].get((scheme, s.prompts[0], batch))
+    if kind == "decode":
+        return decode.get((scheme, "dgemma", batch))
+    if kind == "ar_ms":
+        rate = decode.get((scheme, "dgemma-ar", batch))
+        return 1000 * batch / rate if rate else None
+    turbo, default = decode.get((scheme, "dgemma-turbo", batch)), decode.get((scheme, "dgemma", batch))
+    return turbo / default if turbo and default else None
+
+
+def print_targets(report: dict, s: Settings) -> None:
+    print(f"targets of the open GPU issues (graph steps at prompt {s.prompts[0]}; decode at {s.steps} fixed steps, "
+          f"prompt {s.prompts[0]}, {s.new_tokens} new tokens):", flush=True)  # fmt: skip
+    for issue, what, kind, key, op, bound, unit in TARGETS:
+        value = target_value(report, kind, key, s)
+        if value is None:
+            verdict = "not measured"
+        else:
+            met = value <= bound if op == "<=" else value >= bound
+            verdict = f"{'met' if met else 'NOT met'} ({value:.2f} {unit})"
+        report["targets"].append({"issue": issue, "target": f"{what} {op} {bound} {unit}", "value": value})
+        print(f"  issue {issue}: {what} {op} {bound} {unit}: {verdict}", flush=True)
+
+
+# ------------------------------------------------------------------------------------ the run
+def measure(s: Settings, report: dict) -> None:
+    """The step table, the profile and the engine's decode rates, one scheme at a time (built on
+    the device, measured, freed)."""
+    bw = copy_bandwidth(s.device, 4.0 if s.cuda else 0.1)
+    report["copy_bandwidth"] = bw
+    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; size {s.size}, canvas {PRESETS[s.size]['canvas_length']}, "
+          f"prefill chunk {s.prefill_chunk}", flush=True)  # fmt: skip
+    print(TABLE_HEADER, flush=True)
+    for scheme in s.schemes:
+        if s.left() < 0:
+            print(f"{name_of(scheme):>8} skipped: past --budget", flush=True)
+            continue
+        if s.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        net = None
+        try:
+            with section(f"build {name_of(scheme)}"):
+                net = build(s.size, s.device, scheme, s.group_size if scheme == "int4" else None)
+                synchronize(s.device)
+            nbytes = weight_bytes(net)
+            floor = 1000 * nbytes / bw
+            engine = table_engine(net, s)
+            buckets = DecoderGraphs(buckets=tuple(s.batches), capture=cuda_capture if s.cuda else eager_capture)
+            with section(f"step table {name_of(scheme)}"):
+                prefixes = table_rows(engine, s, scheme, floor, buckets, report)
+            if scheme in (None, "nvfp4") and s.prompts[0] in prefixes and s.left() > 0:
+                with section(f"profile {name_of(scheme)}"):
+                    guarded_profile(engine, prefixes[s.prompts[0]], buckets, scheme, s, report)
+            for kv in prefixes.values():
+                engine.release_prefix(kv)
+            del engine, buckets, prefixes  # the table's graphs and KV pool go before the engine runs'
+            with section(f"engine decode {name_of(scheme)}"):
+                engine_rates(net, scheme, s, report)
+            if s.cuda:
+                print(f"{name_of(scheme):>8} peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
+                      f"({nbytes / 2**30:.1f} GiB of weights)", flush=True)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a FAIL with its reason; the next scheme is measured
+            print(f"{name_of(scheme):>8} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(traceback.format_exc()[-3000:], flush=True)
+            FAILED.append(f"measurement {name_of(scheme)}")
+        finally:
+            del net  # the next scheme's weights get the memory
+
+
+def guarded_profile(engine, kv, buckets, scheme, s: Settings, report: dict) -> None:
+    try:
+        profile_replay(engine, kv, buckets, scheme, s, report)
+    except Exception as e:  # noqa: BLE001 - a FAIL with its reason; keep measuring
+        check(f"profile {name_of(scheme)}", False, f"{type(e).__name__}: {str(e)[:300]}")
+        print(traceback.format_exc()[-3000:], flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="on a CPU: the interpreter, the 'test' size, graphs replayed eagerly")
-    p.add_argument("--size", default=None, help="table model size (default: real; --smoke: test)")
-    p.add_argument("--prompt-len", type=int, default=None, help="table prompt length (default: 4096; --smoke: 24)")
+    p.add_argument("--size", default=None, help="model size of the measurements (default: real; --smoke: test)")
+    p.add_argument("--prompt-lens", default=None, help="the step table's prompts, comma separated (default: 512,4096; --smoke: 24,96)")
+    p.add_argument("--schemes", default=None, help=f"weights measured, in order (default: {ALL_SCHEMES}; --smoke: bf16,nvfp4)")
+    p.add_argument("--out", default="gpu_check_out", help="folder for the PTX and the figures' JSON (default: ./gpu_check_out)")
+    p.add_argument("--budget", type=float, default=330.0,
+                   help="seconds after which measurements not yet begun are skipped, each with a line (default: 330)")
     p.add_argument("--hang-dump", type=float, default=None,
                    help="seconds between dumps of every thread's traceback, for a hang (default: 120; --smoke: 600)")  # fmt: skip
     args = p.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("scripts/gpu_check.py needs a CUDA GPU (or --smoke for a CPU run)")
+    unknown = sorted(set((args.schemes or ALL_SCHEMES).split(",")) - set(ALL_SCHEMES.split(",")))
+    if unknown:
+        p.error(f"--schemes takes bf16, fp8, int4, nvfp4 (got {', '.join(unknown)})")
     # a hang shows where every thread is: periodically, and when `timeout` kills the run
     faulthandler.dump_traceback_later(args.hang_dump or (600.0 if args.smoke else 120.0), repeat=True)
     if hasattr(faulthandler, "register"):  # not on Windows
@@ -461,22 +871,39 @@ def main() -> None:
 
 
 def run_all(args) -> None:
-    device = torch.device("cpu" if args.smoke else "cuda")
+    s = settings_from(args)
     import triton
 
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    name = torch.cuda.get_device_name() if s.cuda else "cpu (Triton interpreter)"
     cache = os.environ["TRITON_CACHE_DIR"]
     print(f"torch {torch.__version__}, triton {triton.__version__}, {name}; TRITON_CACHE_DIR {cache}", flush=True)
     start = time.perf_counter()
     for check_fn, what in ((kernels_vs_torch, "kernels vs torch"), (pass_vs_cpu, "decoder pass vs cpu"),
                            (engine_step_and_graphs, "engine step and graphs")):  # fmt: skip
         with section(what):
-            check_fn(device)
+            check_fn(s.device)
     print(f"checks: {len(FAILED)} failed ({time.perf_counter() - start:.0f} s)", flush=True)
-    size = args.size or ("test" if args.smoke else "real")
-    prompt_len = args.prompt_len or (24 if args.smoke else 4096)
-    table(device, size, prompt_len, [1] if args.smoke else [1, 4, 8], 1 if args.smoke else 10)
+    report = {"device": name, "step": {}, "decode": {}, "profile": {}, "targets": []}
+    s.out.mkdir(parents=True, exist_ok=True)
+    measure(s, report)
+    for what, fn in (("PTX", write_ptx), ("targets", lambda s, report: print_targets(report, s))):
+        with section(what):
+            try:
+                fn(s, report)
+            except Exception as e:  # noqa: BLE001 - a FAIL with its reason; the figures are still written
+                check(what, False, f"{type(e).__name__}: {str(e)[:300]}")
+    report["failed"] = list(FAILED)
+    (s.out / "gpu_check.json").write_text(json.dumps(jsonable(report), indent=1))
     print(f"done in {time.perf_counter() - start:.0f} s; {'FAILED: ' + ', '.join(FAILED) if FAILED else 'all checks passed'}")
+
+
+def jsonable(value):
+    """The report with tuple keys joined (JSON keys are strings)."""
+    if isinstance(value, dict):
+        return {(" ".join(map(str, k)) if isinstance(k, tuple) else k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,9 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dgemma.api import load  # noqa: E402
 from dgemma.devices import resolve_dtype  # noqa: E402
-from dgemma.benchmark import FIXED_STEPS_CONFIDENCE, quantized_synthetic_model, synthetic_checkpoint  # noqa: E402
+from dgemma.benchmark import FIXED_STEPS_CONFIDENCE, random_model  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
@@ -51,11 +49,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     keep_freed_memory()  # as the CLI does
-    if args.quantization:  # built directly quantised, as `dgemma bench --quantization` (fits the real size)
-        model = quantized_synthetic_model(args.size, args.quantization, None, resolve_dtype(args.dtype))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            model = load(synthetic_checkpoint(args.size, Path(tmp)), dtype=args.dtype)
+    # random weights built directly in the dtype (quantised with --quantization), as `dgemma bench` builds them
+    model = random_model(args.size, "cpu", resolve_dtype(args.dtype), args.quantization)
     net = model.engine_net
     cfg = model.generation_config.with_overrides(
         max_new_tokens=4 * model.config.canvas_length, eos_token_ids=(), max_denoising_steps=16,

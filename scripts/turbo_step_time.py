@@ -18,7 +18,6 @@ import argparse
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dgemma.api import load  # noqa: E402
 from dgemma.devices import resolve_dtype  # noqa: E402
-from dgemma.benchmark import quantized_synthetic_model, synthetic_checkpoint  # noqa: E402
+from dgemma.benchmark import random_model  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.engine.step_plan import StepPlan  # noqa: E402
 from dgemma.engine.turbo import TurboState  # noqa: E402
@@ -85,11 +83,8 @@ def main() -> None:
     p.add_argument("--modules", action="store_true")
     args = p.parse_args()
     keep_freed_memory()
-    if args.quantization:
-        model = quantized_synthetic_model(args.size, args.quantization, None, resolve_dtype(args.dtype))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            model = load(synthetic_checkpoint(args.size, Path(tmp)), dtype=args.dtype)
+    # random weights built directly in the dtype (quantised with --quantization), as `dgemma bench` builds them
+    model = random_model(args.size, "cpu", resolve_dtype(args.dtype), args.quantization)
     net = model.engine_net
     engine = Engine(net, EngineOptions(prefix_cache=False, max_active=2))
     prompt = [(7 * i + 3) % (model.config.vocab_size - 10) + 5 for i in range(args.prompt_len)]

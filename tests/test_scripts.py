@@ -1,9 +1,13 @@
 """The benchmark scripts still run: the GPU check is only ever run for real in rare sessions with a GPU."""
 
+import gzip
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,17 +16,66 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_gpu_check_smoke_run_on_cpu():
-    """scripts/gpu_check.py --smoke: every check and the table's code, on the Triton interpreter."""
-    run = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_gpu_check_smoke_run_on_cpu(tmp_path):
+    """scripts/gpu_check.py --smoke: every check and every measuring section on the Triton
+    interpreter: the step table (the long prompt encoded in chunks the sliding reservation
+    binds), the profile of a graph replay, the engine's decode rates, the PTX file, one line per
+    target of the open GPU issues, the figures' JSON; each section's seconds."""
+    run = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     out = run.stdout
     assert out.count("PASS") == 8 and "FAIL" not in out and "all checks passed" in out
     for what in ("step statistics", "sampling", "norm + rope", "MoE block", "one decoder pass", "paged attention", "graph replay"):
         assert what in out
+    # (a) the table: both prompts in bf16 (96 tokens in 6 chunks of 16: past the 5 sliding blocks of 8 one chunk holds)
     rows = [line.split() for line in out.splitlines()]
-    assert [r[0] for r in rows if len(r) == 6 and r[1] == "1"] == ["bf16", "fp8"]  # a step row per scheme, batch 1
-    assert out.count("engine: 8 tokens at 2 fixed steps") == 2
+    assert [r[:3] for r in rows if len(r) == 7 and r[2] == "1"] == [["bf16", "24", "1"], ["bf16", "96", "1"], ["nvfp4", "24", "1"]]
+    assert "bf16     96 prefix encoded in" in out and "(6 chunks)" in out
+    # (c) the profile of one graph replay, bf16 and nvfp4: its top 15 kernels, GB/s where the weights are attributed
+    for scheme in ("bf16", "nvfp4"):
+        assert f"{scheme}: one graph replay at batch 1, prompt 24:" in out
+    profile = out.split("bf16: one graph replay")[1].split("[")[0].splitlines()[2:]
+    assert len(profile) == 15 and any("aten::mm" in line and line.split()[-1].replace(".", "").isdigit() for line in profile)
+    # (b) decode rates through benchmark.run_dgemma: AR at batch 1, the default and turbo at the larger batch
+    for line in ("bf16 dgemma-ar batch 1: decode", "bf16 dgemma batch 2: decode", "bf16 dgemma-turbo batch 2: decode",
+                 "nvfp4 dgemma batch 1: decode"):  # fmt: skip
+        assert line in out
+    assert "ms a token" in out and out.count("tokens after the first block over the time after it") == 4
+    # (d) the PTX file (nothing is compiled under the interpreter), (e) a line per target
+    assert "PTX: none (the Triton interpreter compiles nothing)" in out and (tmp_path / "quant_gemm_ptx.txt.gz").is_file()
+    targets = [line for line in out.splitlines() if line.startswith("  issue 4")]
+    assert len(targets) == 11 and sum("met (" in t for t in targets) >= 5  # "met (..)" or "NOT met (..)": measured
+    for section in ("kernels vs torch", "build bf16", "step table bf16", "profile nvfp4", "engine decode bf16", "PTX", "targets"):
+        assert re.search(rf"^\[\d+\.\d s\] {section}$", out, re.M), section
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["step"]["bf16 96 1"] > 0 and len(report["targets"]) == 11 and report["failed"] == []
+
+
+def test_gpu_check_writes_the_ptx_of_every_compiled_variant(tmp_path):
+    """The PTX section reads Triton's JIT cache (device_caches: the compiled kernels by key, then
+    the key cache, target, backend, binder), through autotuner-like wrappers; a CPU compiles
+    nothing, so the cache is faked here."""
+    gpu_check = load_gpu_check()
+    compiled = SimpleNamespace(asm={"ptx": ".version 8.7\n.target sm_90a\nld.global.v4.u32"}, metadata=SimpleNamespace(num_warps=4))
+    jit = SimpleNamespace(__name__="_quant_matmul_kernel", device_caches={0: ({"key-a": compiled, "key-b": compiled}, {}, "sm90", None, None)})
+    uncompiled = SimpleNamespace(__name__="_idle", device_caches={})
+    assert [(n, k) for n, k, _ in gpu_check.compiled_kernels([SimpleNamespace(fn=jit), uncompiled])] == [
+        ("_quant_matmul_kernel", "key-a"), ("_quant_matmul_kernel", "key-b")]
+    settings = SimpleNamespace(out=tmp_path, schemes=["nvfp4"])
+    report = {}
+    gpu_check.quant_functions = lambda: [jit]
+    gpu_check.write_ptx(settings, report)
+    text = gzip.open(tmp_path / "quant_gemm_ptx.txt.gz", "rt").read()
+    assert text.count("// ===== _quant_matmul_kernel  num_warps=4") == 2 and "ld.global.v4.u32" in text
+    assert report["ptx"]["variants"] == 2 and not gpu_check.FAILED
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ The reference peer needs `transformers` (a test dependency); it is skipped when 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -23,8 +24,8 @@ from pathlib import Path
 import torch
 
 from ..benchmark import (
-    RunResult, load_reference, memory_figures, memory_report, quantized_synthetic_model, run_dgemma, run_reference,
-    summarize, synthetic_checkpoint,
+    BenchEngine, RunResult, check_room, load_reference, memory_figures, memory_report, random_model, run_dgemma,
+    run_reference, summarize, write_checkpoint,
 )  # fmt: skip
 from ..model.presets import PRESETS
 from .common import (
@@ -133,10 +134,37 @@ def plan_lines(args, config, device) -> list[str]:
     return lines + ([note] if note else [])
 
 
+def bench_model(args, device, dtype, peers: list[str], tmp: Path, say):
+    """The model the peers run and the checkpoint a peer reads (None when no peer reads one).
+    --model: loaded as ever. Random --size weights: built directly on --device in --dtype (or
+    quantised with --quantization), and written to `tmp` only for the transformers reference;
+    the ranks of a tensor-parallel run each read their share from a file, built on the CPU."""
+    from ..api import load
+
+    if args.model:
+        say(f"loading {args.model}")  # its plan was checked once already, by resolve_model (at --batch)
+        return load(args.model, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size,
+                    force=True, **parallel_load_args(args)), Path(args.model)  # fmt: skip
+    if args.tensor_parallel_size > 1:
+        if not args.force:
+            check_room(args.size, "cpu", dtype)
+        say(f"building random weights of --size {args.size} on the cpu, written for the ranks")
+        path = write_checkpoint(random_model(args.size, "cpu", dtype), tmp, dtype)
+        return load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size,
+                    force=args.force, **parallel_load_args(args)), path  # fmt: skip
+    if not args.force:
+        check_room(args.size, device, dtype, args.quantization, args.group_size)
+    say(f"building random {args.quantization or args.dtype} weights of --size {args.size} on {device}")
+    model = random_model(args.size, device, dtype, args.quantization, args.group_size)
+    if "reference" not in peers:
+        return model, None
+    say("writing them as a checkpoint for the transformers reference")
+    return model, write_checkpoint(model, tmp, dtype)
+
+
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
-    from ..api import load
     from ..devices import dtype_name, resolve_device, resolve_dtype
     from ..kernels import cpu as cpu_kernels
 
@@ -165,17 +193,10 @@ def cmd_bench(args) -> int:
         if args.quantization is not None and "reference" in peers:
             say("transformers runs full-precision weights only: skipping the reference peer with --quantization")
             peers.remove("reference")
-        if args.quantization is not None and not args.model and args.tensor_parallel_size == 1:
-            say(f"building random {args.quantization} weights of --size {args.size}")
-            path, model = None, quantized_synthetic_model(args.size, args.quantization, args.group_size, dtype)
-        else:
-            if not args.model:
-                say(f"building random weights of --size {args.size} (in a child process)")
-            path = Path(args.model) if args.model else synthetic_checkpoint(args.size, Path(tmp), dtype=dtype)
-            say(f"loading {path if args.model else 'them'}")
-            # --model's plan was checked once already, by resolve_model (at --batch); random weights' here
-            model = load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size,
-                         force=bool(args.model) or args.force, **parallel_load_args(args))  # fmt: skip
+        if "reference" in peers and importlib.util.find_spec("transformers") is None:
+            say("transformers is not installed: skipping the reference peer")
+            peers.remove("reference")
+        model, path = bench_model(args, device, dtype, peers, Path(tmp), say)
         if "reference" in peers:
             say("loading the transformers reference")
             ref = load_reference(path, device, dtype)
@@ -186,6 +207,8 @@ def cmd_bench(args) -> int:
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
         per_run = args.batch * args.new_tokens
+        diffusion = [p for p in peers if p in ("default", "turbo")]
+        engine = BenchEngine.build(model, args.batch, args.prompt_len, args.new_tokens) if diffusion else None
         rounds = ["warm-up"] * args.warmup + [f"round {i + 1}/{args.runs}" for i in range(args.runs)]
 
         say(f"running ({'the warm-up round pays for allocation and kernel selection' if args.warmup else 'no warm-up'})")
@@ -206,7 +229,7 @@ def cmd_bench(args) -> int:
             else:
                 mode = "ar" if peer == "ar" else "diffusion"
                 result = run_dgemma(model, prompts, args.new_tokens, args.steps, args.adaptive, mode, progress,
-                                    turbo=turbo if peer == "turbo" else None)  # fmt: skip
+                                    turbo=turbo if peer == "turbo" else None, engine=engine)  # fmt: skip
             bar.update(per_run - credited)  # a row that ended early (EOS) still counts as its whole run
             return result
 
@@ -226,7 +249,7 @@ def cmd_bench(args) -> int:
                 each = ", ".join(f"{k} {v:.1f} s" for k, v in times.items())
                 say(f"{name}: {each}" + (f"; estimate ~{guess:.0f} s for the {left} round{'s' * (left > 1)} left" if left else ""))
     rows = summarize(results)
-    memory = memory_figures(model)
+    memory = memory_figures(model, engine, results)
     header = (
         f"{args.model or args.size} | {device} {args.dtype} | batch {args.batch} | prompt {args.prompt_len} | "
         f"{args.new_tokens} new | {'adaptive' if args.adaptive else f'{args.steps} fixed'} steps | "

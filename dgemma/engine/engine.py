@@ -42,6 +42,22 @@ def make_current(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def prompt_chunks(length: int, chunk: int, block_size: int, invariant: bool) -> list[tuple[int, int]]:
+    """The (start, end) passes the scheduler encodes a `length`-token prompt in when it runs
+    alone (`Scheduler._encode_work`): `chunk` tokens a step, cut at a whole block when batch
+    invariant (resolved options make `chunk` a multiple of the block then)."""
+    if chunk < 1 or (invariant and chunk % block_size):
+        raise ValueError(f"a prefill chunk of {chunk} tokens is not whole blocks of {block_size}")
+    spans, start = [], 0
+    while start < length:
+        end = min(length, start + chunk)
+        if invariant and end < length:
+            end = end // block_size * block_size
+        spans.append((start, end))
+        start = end
+    return spans
+
+
 class Engine:
     def __init__(self, net: DiffusionGemma, options: EngineOptions | None = None):
         self.device = net.device
@@ -91,13 +107,25 @@ class Engine:
     def encode_prefix(self, tokens: list[int]) -> SequenceBlocks:
         """A sequence holding `tokens`' keys/values outside any request, encoded as a prompt is
         (tests and step timings: `runner.cache.plan_decoder(c, [kv])` then decodes after it).
-        Its blocks stay taken until `release_prefix(kv)`."""
+        Its blocks stay taken until `release_prefix(kv)`.
+
+        Encoded in the scheduler's chunks (`prefill_chunk` tokens, whole blocks when batch
+        invariant), each followed by the release of the sliding blocks its window no longer sees:
+        the sliding reservation holds a window and one chunk, so a prompt of any length up to the
+        model's positions fits. ValueError for an empty or too long prompt, RuntimeError when
+        the pools cannot hold it now."""
         make_current(self.device)
+        cfg, o = self.runner.config, self.options
+        if not tokens or len(tokens) > cfg.max_position_embeddings:
+            raise ValueError(f"a prefix takes 1 to {cfg.max_position_embeddings} tokens (got {len(tokens)})")
+        blocks = self.scheduler.blocks
         kv, owner = SequenceBlocks(), next(self._prefix_owners)
-        if self.scheduler.blocks.admit(owner, kv, [], len(tokens)) is None:
+        if blocks.admit(owner, kv, [], len(tokens)) is None:
             raise RuntimeError(f"no room for a {len(tokens)}-token prefix in the KV cache")
-        self.scheduler.blocks.allocate(owner, kv, len(tokens))
-        prefill(self.runner.net, self.runner.cache, [kv], [tokens], self.runner.pass_tokens)
+        for start, end in prompt_chunks(len(tokens), o.prefill_chunk, o.block_size, bool(o.batch_invariant)):
+            blocks.allocate(owner, kv, end)
+            prefill(self.runner.net, self.runner.cache, [kv], [tokens[start:end]], self.runner.pass_tokens)
+            blocks.release_behind_window(owner, kv, kv.length - (cfg.sliding_window - 1))
         self._prefixes[id(kv)] = owner
         return kv
 
