@@ -23,8 +23,16 @@ COMMANDS = (run, make_tiny, memory, serve, bench, train, quantize, chat, pull, m
 BACKGROUND_BUILDS = ("run", "chat")  # the commands that do not wait for the native kernels' build
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser (and its subcommands' parsers) whose errors are one line, as every other error of
+    `dgemma` is, with where the flags are listed, rather than argparse's usage block first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma.")
+    parser = OneLineErrors(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma.")
     parser.add_argument("--verbose", "-v", action="store_true", help="log loading details")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
