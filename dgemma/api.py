@@ -56,8 +56,10 @@ class Model:
         tokenizer: Tokenizer | None = None,
         path: Path | None = None,
         name: str | None = None,
+        ranks=None,
     ):
         self.net = net
+        self.ranks = ranks  # the ranks this process started (load(tensor_parallel_size=N) outside torchrun), or None
         # what `serve` calls it: the hub id of a hub checkpoint, else the directory's name
         self.name = name or (Path(os.path.abspath(path)).name if path else "dgemma")
         self.config: ModelConfig = net.config
@@ -95,6 +97,7 @@ class Model:
         """AR mode's events (a `Block` of one token per row per step): on the engine's Triton path
         (a GPU) the device loop of engine/device_ar.py, one captured graph a token; elsewhere
         dense/ar.py's loop on the engine's network."""
+        self._outside_the_engine("mode='ar'")
         on_gpu_path = self.engine_options.triton or (self.engine_options.triton is None and self.device.type == "cuda")
         if on_gpu_path and self.engine.runner.triton:
             from .engine.device_ar import device_ar_events
@@ -114,8 +117,30 @@ class Model:
     def _engine_client(self) -> EngineClient:
         if self._client is None:  # the Triton path makes its own copy of the network (kernels/gpu.py)
             net = self.net if self.engine_options.triton else self.engine_net
-            self._client = EngineClient(Engine(net, self.engine_options))
+            # ranks this process leads make the engine with it and replay its steps (parallel/leader.py)
+            engine = Engine(net, self.engine_options) if self.ranks is None else self.ranks.engine(net, self.engine_options)
+            self._client = EngineClient(engine)
         return self._client
+
+    def close(self) -> None:
+        """End the ranks `load(..., tensor_parallel_size=N)` started for this model (they end at
+        the process's exit too); nothing for a model in one process or started by torchrun."""
+        if self.ranks is not None:
+            self._client = None
+            self.ranks.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _outside_the_engine(self, what: str) -> None:
+        """Refuse work that runs the net outside the engine when this process leads its ranks:
+        they replay only the engine's steps (under torchrun every rank makes the same calls)."""
+        if self.ranks is not None:
+            raise ValueError(f"{what} runs the network outside the engine, which the ranks that dgemma.load started do "
+                             "not replay: use the engine's sampling, or start the ranks with torchrun (docs/parallel.md)")  # fmt: skip
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -223,8 +248,8 @@ class Model:
         config = self.generation_config.with_overrides(**overrides)
         if seed is None:
             seeds = [random_seed() for _ in range(num_prompts)]
-            if self.net.shards is not None:  # every rank's engine replica must draw the same numbers
-                seeds = self.net.shards.broadcast_object(seeds)
+            if self.net.shards is not None and self.ranks is None:  # every rank's engine replica must draw the same
+                seeds = self.net.shards.broadcast_object(seeds)  # numbers (led ranks get them with each request)
         elif isinstance(seed, int) and not isinstance(seed, bool):
             seeds = [seed] * num_prompts
         elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
@@ -252,6 +277,7 @@ class Model:
         images = images or [[] for _ in prompt_ids]
         initial = self._initial_canvas(canvas, len(prompt_ids))
         if request.sampling == "reference":
+            self._outside_the_engine("sampling='reference'")
             if request.config.turbo:
                 raise ValueError("sampling='reference' reproduces transformers step for step: turbo denoising approximates it; drop one of them")
             if constraints is not None:
@@ -477,6 +503,7 @@ class Model:
         Each prompt keeps its own positions (as if run alone); the canvas follows it. Prompts
         may be processor `ModelInputs` (with images).
         """
+        self._outside_the_engine("canvas_logits")
         prompts, images = self._split_prompts(prompt_ids)
         validate_prompts(prompts, self.config.vocab_size)
         canvas = torch.as_tensor(canvas_ids, dtype=torch.long, device=self.device)
@@ -528,9 +555,12 @@ def load(
 
     `tensor_parallel_size` N > 1 cuts the model across N ranks (dgemma/parallel: attention heads,
     MLPs, experts and vocabulary split, all-reduces where the partial sums meet; `expert_parallel`
-    places whole experts per rank instead of splitting each): call it in every one of N processes
-    started by `torchrun --nproc-per-node N` (or dgemma's launcher), each then running the same
-    calls; a rank on a GPU takes cuda:LOCAL_RANK. Sizes that cannot be split are a one-line
+    places whole experts per rank instead of splitting each). In a plain process this one becomes
+    rank 0 and starts the other N - 1 on this host itself (parallel/leader.py): they replay its
+    engine's steps, and end at `model.close()` or the process's exit; its torch threads become
+    its share of the cores. Several hosts: call it in every one of N processes started by
+    `torchrun` (or dgemma's launcher), each then making the same calls. A rank on a GPU takes
+    cuda:LOCAL_RANK (or cuda:RANK of the ranks started here). Sizes that cannot be split are a one-line
     `ShardError` before any weights are read. Each rank reads only its share of each tensor; quantised
     weights (`quantization`, or a pre-quantised checkpoint) are split in their own layout
     (parallel/shard.py says where a split would cut a quantisation group)."""
@@ -553,7 +583,7 @@ def load(
     # cuda:N current on this thread for what runs outside the engine too (AR mode, canvas_logits:
     # quantised linears launch Triton kernels on the current device); the engine makes it current itself
     engine_core.make_current(dev)
-    shard = None
+    shard, ranks = None, None
     if tensor_parallel_size != 1 or expert_parallel:
         from .parallel.group import join_ranks
         from .parallel.plan import ShardPlan
@@ -562,9 +592,24 @@ def load(
         plan = ShardPlan.build(config, tensor_parallel_size, expert_parallel)  # a size that cannot be split: one line, now
         if quantization is not None:  # ... and quantisation groups a split would cut (a pre-quantised file's: at read)
             RankLayout.build(plan, 0, scheme_groups(quantization, group_size))
-        group, dev = join_ranks(tensor_parallel_size, dev)
+        if tensor_parallel_size > 1 and "WORLD_SIZE" not in os.environ:  # a plain process: it leads the ranks
+            from .parallel.leader import LedRanks
+
+            dtype_name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+            ranks = LedRanks.start(tensor_parallel_size, {
+                "path": str(path), "device": str(device), "dtype": dtype_name, "quantization": quantization, "group_size": group_size,
+                "force": True, "tensor_parallel_size": tensor_parallel_size, "expert_parallel": expert_parallel,
+            }, dev)  # fmt: skip
+            group, dev = ranks.group, ranks.device
+        else:
+            group, dev = join_ranks(tensor_parallel_size, dev)
         shard = ShardedLoad(group, expert_parallel)  # each rank reads its share of each tensor, on the meta model's cut
     split = {} if shard is None else {"shard": shard}  # one process: load_weights as ever
-    net = weights.load_weights(config, path, dev, devices.resolve_dtype(dtype, dev, path), quantization, group_size, **split)
+    try:
+        net = weights.load_weights(config, path, dev, devices.resolve_dtype(dtype, dev, path), quantization, group_size, **split)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
-    return Model(net, generation_config, tokenizer, path, checkpoint.name)
+    return Model(net, generation_config, tokenizer, path, checkpoint.name, ranks)

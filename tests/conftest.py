@@ -56,8 +56,8 @@ def _native_kernels_built():
     serve, scripts) then imports the built libraries."""
     from dgemma.kernels import avx2, native
 
-    native.amx()
-    avx2.extension()
+    native.amx(wait=True)  # (in the foreground, whatever DGEMMA_NATIVE says: the tests need them now)
+    avx2.extension(wait=True)
     yield
 
 

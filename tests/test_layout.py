@@ -130,3 +130,16 @@ def test_ci_runs_the_readme_test_command_verbatim():
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert ci in [line for block in blocks for line in block.splitlines()]
     assert "&& python -m pytest " in ci and ci.endswith(" --durations=25")
+
+
+def test_the_readme_says_which_torch_beside_the_commands_ci_runs():
+    """The CPU wheel index for CPU-only users, the default for GPU users, in a note beside the two
+    commands CI runs, which stay as they are (CI cannot reach PyTorch's index)."""
+    readme = (ROOT / "README.md").read_text()
+    start = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e "
+    commands = [line for line in readme.splitlines() if line.startswith(start)]
+    assert commands == [start + '. && dgemma run "def fibonacci(n):"', (ROOT / ".ci/run").read_text().strip().splitlines()[-1]]
+    note = readme[readme.index(commands[1]) :][:1500]  # the lines after the test command
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in note
+    assert "CUDA build" in note and "GPU" in note and "verbatim" in note
+    assert all("download.pytorch.org" not in command for command in commands)

@@ -20,10 +20,19 @@ from . import bench, chat, make_tiny, memory, models, pull, quantize, run, serve
 from .common import CliError, flag_names
 
 COMMANDS = (run, make_tiny, memory, serve, bench, train, quantize, chat, pull, models)
+BACKGROUND_BUILDS = ("run", "chat")  # the commands that do not wait for the native kernels' build
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser (and its subcommands' parsers) whose errors are one line, as every other error of
+    `dgemma` is, with where the flags are listed, rather than argparse's usage block first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma.")
+    parser = OneLineErrors(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma.")
     parser.add_argument("--verbose", "-v", action="store_true", help="log loading details")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
@@ -67,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from ..config import ConfigError
     from ..kernels.cpu import keep_freed_memory
+    from ..kernels.native import POLICY_VARIABLE
     from ..model.weights import WeightsError
 
     keep_freed_memory()  # a long-running process: no page faults for every step's temporaries
@@ -76,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet_hub = "HF_HUB_VERBOSITY" not in os.environ
     if quiet_hub:
         os.environ["HF_HUB_VERBOSITY"] = "info" if args.verbose else "error"
+    # `run` and `chat` start on torch's kernels while native ones not built yet build in the
+    # background (kernels/native.py, OnDemand): the first text in seconds on a fresh machine; the
+    # others build them in the foreground. DGEMMA_NATIVE, where set, wins; unset when main returns.
+    background = args.command in BACKGROUND_BUILDS and POLICY_VARIABLE not in os.environ
+    if background:
+        os.environ[POLICY_VARIABLE] = "background"
     try:
         launched = _launch_ranks(args, argv)
         if launched is not None:
@@ -93,3 +109,5 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if quiet_hub:
             os.environ.pop("HF_HUB_VERBOSITY", None)
+        if background:
+            os.environ.pop(POLICY_VARIABLE, None)

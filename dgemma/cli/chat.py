@@ -30,6 +30,7 @@ import json
 import re
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,8 +67,8 @@ HELP = """commands:
                       recomputing canvas positions that have converged)
                       (VALUE "default": the checkpoint's generation_config.json)
   /help               this text
-Ctrl-C stops a generation (the partial answer stays in the conversation) or clears the line;
-Ctrl-D leaves."""
+Ctrl-C stops a generation at its next step (a second Ctrl-C at once; the partial answer stays in
+the conversation) or clears the line; Ctrl-D leaves."""
 
 
 def entropy_style(entropy: float) -> str:
@@ -298,7 +299,9 @@ class Session:
         self.messages.append({"role": "user", "content": content if self.images else text})
         try:
             prompt, prompt_text = self.prompt()
-            events = self.model.stream(prompt, drafts=self.canvas, seed=self.seed, **self.knobs)
+            # on a terminal a step's draft comes back even with no canvas to draw: a Ctrl-C then
+            # stops the answer within a step, not at its block's end
+            events = self.model.stream(prompt, drafts=self.tty, seed=self.seed, **self.knobs)
         except ValueError as e:  # MediaError and ConfigError are ValueErrors: the message is not sent
             self.messages.pop()
             return self.say(f"error: {e}", "red")
@@ -306,7 +309,7 @@ class Session:
         stats = self.model.engine.stats
         before = (stats.prompt_tokens, stats.cached_tokens, stats.encoded_tokens)
         tokens: list[int] = []
-        passes, first_block, interrupted = 0, None, False
+        passes, first_block = 0, None
         start = time.perf_counter()
         live = None
         if self.canvas:
@@ -316,28 +319,33 @@ class Session:
             live = Live(Text(""), console=self.console, refresh_per_second=20, transient=False)
             live.start()
         printed = ""
+        ctrl_c, cut = CtrlC(self.tty), False
         try:
-            for ev in events:
-                if isinstance(ev, Block):
-                    first_block = first_block if first_block is not None else time.perf_counter() - start
-                    tokens += ev.tokens
-                    passes += ev.decoder_passes
-                    answer = self.tok.decode(tokens)
-                    if live is not None:
-                        live.update(Text(answer))
-                    elif self.tty:  # the answer as blocks commit
-                        printed = print_growing(answer, printed)
-                elif isinstance(ev, Draft) and live is not None:
-                    view = Text(self.tok.decode(tokens))
-                    view.append_text(canvas_frame(token_pieces(self.tok, ev.canvas), ev.accepted, ev.entropy, ev.frozen))
-                    frozen = f", {sum(ev.frozen)} frozen" if ev.frozen else ""
-                    view.append(f"\n[block {ev.block + 1}, step {ev.step}: {sum(ev.accepted)}/{len(ev.accepted)} accepted{frozen}]",
-                                style="dim")  # fmt: skip
-                    live.update(view)
-        except KeyboardInterrupt:
-            interrupted = True
-            events.close()  # cancels the request in the engine
+            with ctrl_c:
+                for ev in events:
+                    if ctrl_c.pressed:
+                        break
+                    if isinstance(ev, Block):
+                        first_block = first_block if first_block is not None else time.perf_counter() - start
+                        tokens += ev.tokens
+                        passes += ev.decoder_passes
+                        answer = self.tok.decode(tokens)
+                        if live is not None:
+                            live.update(Text(answer))
+                        elif self.tty:  # the answer as blocks commit
+                            printed = print_growing(answer, printed)
+                    elif isinstance(ev, Draft) and live is not None:
+                        view = Text(self.tok.decode(tokens))
+                        view.append_text(canvas_frame(token_pieces(self.tok, ev.canvas), ev.accepted, ev.entropy, ev.frozen))
+                        frozen = f", {sum(ev.frozen)} frozen" if ev.frozen else ""
+                        view.append(f"\n[block {ev.block + 1}, step {ev.step}: {sum(ev.accepted)}/{len(ev.accepted)} accepted{frozen}]",
+                                    style="dim")  # fmt: skip
+                        live.update(view)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one without the terminal's handler: at once
+            cut = True
         finally:
+            interrupted = cut or ctrl_c.pressed > 0
+            events.close()  # cancels the request in the engine (nothing when it has finished)
             if live is not None:
                 if interrupted:
                     live.update(Text(self.tok.decode(tokens)))
@@ -368,6 +376,29 @@ class Session:
             f"{encoded} encoder tokens in all",
         ]
         self.say("[" + ", ".join(figures) + "]", "dim")
+
+
+class CtrlC:
+    """Ctrl-C during an answer (on a terminal), as a request: the answer stops at its stream's
+    next event (a denoising step), never inside the engine's step, whose state a KeyboardInterrupt
+    could leave half-updated; a second Ctrl-C stops it at once. The trainer stops the same way."""
+
+    def __init__(self, terminal: bool):
+        self.terminal, self.pressed, self.previous = terminal, 0, None
+
+    def __enter__(self) -> "CtrlC":
+        if self.terminal and threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def _press(self, signum, frame) -> None:
+        self.pressed += 1
+        if self.pressed > 1:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def read_lines(session: Session):

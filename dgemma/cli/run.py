@@ -77,17 +77,17 @@ def run_grammar(model, args):
     if args.mode == "ar" or args.sampling == "reference":
         raise CliError(f"{flag} works with the engine's sampler only (not with --mode ar or --sampling reference)")
     if flag == "--regex":
-        kind, spec = "regex", value
+        kind, spec, where = "regex", value, flag
     else:
         try:
             spec = Path(value).read_text(encoding="utf-8")
-        except OSError as e:
-            raise CliError(f"{flag}: cannot read {value}: {e.strerror or e}") from None
-        kind = "json_schema" if flag == "--json-schema" else "lark"
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"{flag}: cannot read {value}: {getattr(e, 'strerror', None) or e}") from None
+        kind, where = "json_schema" if flag == "--json-schema" else "lark", f"{flag} {value}"  # errors name the file
     try:
         return model.compile_grammar(kind, spec)
     except GrammarError as e:
-        raise CliError(f"{flag}: {e}") from None
+        raise CliError(f"{where}: {e}") from None
 
 
 def run_suffix(args) -> str | None:

@@ -158,6 +158,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"cannot allocate the engine's KV cache ({args.kv_cache_memory or 'default size'}): {first}") from None
     host, port = sock.getsockname()[:2]
     engine = app.state.service.engine_thread.engine
+    # what runs (as `dgemma bench` reports it), not what does not; asking builds what the model
+    # needs and is not built yet, before the server says it serves
+    from ..kernels.cpu import describe
+
+    kernels = describe(model.engine_net) if model.device.type == "cpu" else None
     usage = engine.kv_usage()
     kv = ", ".join(f"{k} {u['total']}" for k, u in usage.items())
     print(
@@ -169,6 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         + f"; API key {'required' if access.api_key else 'off'}",
         flush=True,
     )
+    if kernels is not None:  # (after the line scripts wait for)
+        print(f"dgemma: kernels: {kernels}", flush=True)
     if access.api_key is None and not _loopback(args.host):
         print(f"dgemma: warning: listening on {args.host} without --api-key: anyone who can reach this address can use "
               "the model (docs/security.md)", flush=True)  # fmt: skip

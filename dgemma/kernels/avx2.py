@@ -4,16 +4,16 @@ and GEMMs that read such a weight as stored (`csrc/gemm_avx2.cpp`, `linear`): fl
 W converted inside the microkernel (bf16, int8) or a block at a time (int4, fp8, nvfp4).
 
 A separate extension from `native.py`'s (`dgemma_dequant`), built with AVX2 + FMA + F16C only,
-so it runs on AVX2-only CPUs (AMD Zen 2/3) as well as on AVX-512 ones. Where the CPU lacks one of
-those, no compiler is found, the build fails or `DGEMMA_NATIVE=0`, `extension()` is None (reason
-logged once) and `dequantize_into` / `widen_into` use torch (`formats.dequantize`, `copy_`), with
-the same values: the kernel equals `formats.dequantize` bit for bit.
+so it runs on AVX2-only CPUs (AMD Zen 2/3) as well as on AVX-512 ones; built when a model first
+needs it (native.OnDemand: an unquantised model on a CPU with native bf16 never does). Where the
+CPU lacks one of those flags, no compiler is found, the build fails (said in one line),
+`DGEMMA_NATIVE=0`, or while it builds in the background, `extension()` is None and
+`dequantize_into` / `widen_into` use torch (`formats.dequantize`, `copy_`), with the same
+values: the kernel equals `formats.dequantize` bit for bit.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -22,7 +22,6 @@ import torch
 from ..quant import formats
 from ..quant.formats import QTensor
 from . import native
-from .native import build, log
 
 NAME = "dgemma_dequant"
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("dequant.cpp", "gemm_avx2.cpp")]
@@ -31,29 +30,22 @@ CPU_FLAGS = {"avx2", "fma", "f16c"}
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
-def extension() -> ModuleType | None:
-    """The built kernels, or None where they cannot run here (reason logged once)."""
-    if os.environ.get("DGEMMA_NATIVE", "1") == "0":
-        return None
-    missing = CPU_FLAGS - native._cpu_flags()
-    if missing:
-        log.info("native dequantisation off: this CPU lacks %s", ", ".join(sorted(missing)))
-        return None
-    try:
-        return build(NAME, SOURCES, CFLAGS, "native dequantisation kernels", "under a minute")
-    except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
-        lines = str(e).strip().splitlines() or ["?"]
-        first_error = next((line for line in lines if "error" in line), lines[-1])
-        log.warning("native dequantisation off: the build failed (%s)", first_error.strip())
-        return None
+KERNELS = native.OnDemand(NAME, SOURCES, CFLAGS, "native AVX2 GEMM and dequantisation kernels", "about 40 s of a core",
+                          frozenset(CPU_FLAGS), "in use from now on")  # fmt: skip
+
+
+def extension(wait: bool | None = None) -> ModuleType | None:
+    """The built kernels, or None where they cannot run here, or while they build in the
+    background (`native.OnDemand`); `wait` builds or waits here."""
+    return KERNELS.module(wait)
 
 
 def bf16_extension() -> ModuleType | None:
     """The kernels that dequantise into a bf16 `out` here: native.py's AVX-512 ones
     (`csrc/dequant_avx512.cpp`: the same functions, 1.3-2.8x these AVX2 ones) where this CPU has
-    AVX-512 BF16 (the CPUs where bf16 activations run), else this module's."""
-    return native.extension() or extension()
+    AVX-512 BF16 (the CPUs where bf16 activations run; None while they build), else this module's."""
+    kernel = native.extension()
+    return kernel if kernel is not None or native.KERNELS.building() else extension()
 
 
 def _native_target(out: torch.Tensor) -> bool:

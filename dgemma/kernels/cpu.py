@@ -252,15 +252,18 @@ def widened_copy(net: DiffusionGemma) -> DiffusionGemma:
 
 
 def describe(net: nn.Module) -> str:
-    """Which kernels an engine net runs on, for benchmark reports (a ratio means little without it)."""
+    """What an engine net runs on, as what runs (a benchmark's ratio means little without it;
+    `dgemma serve` says it when it starts). Asks only for the kernels this net runs, so that
+    asking builds nothing else; kernels building in the background are named as such."""
     if net.device.type != "cpu":
         return f"torch ({net.device.type})"
     from . import avx2
-    from .avx2 import extension as dequant_kernel
 
-    native_gemm = dequant_kernel() is not None and net.dtype == torch.float32  # (quant/modules, widened.py)
-    tiles = "native AVX2" if dequant_kernel() is not None else "torch"
+    modules = list(net.modules())
     quant = getattr(net, "quantization", None)
+    widened_net = net.dtype == torch.float32 and any(isinstance(m, widened.WidenedLinear) for m in modules)
+    # (float32 activations on bf16 or quantised weights: quant/modules, widened.py)
+    native_gemm = (widened_net or bool(quant) and net.dtype == torch.float32) and avx2.extension() is not None
     parts = []
     if quant and net.dtype == torch.bfloat16 and avx2.fused_bf16_extension() is not None:
         # (quant/modules.cpu_quant_linear; avx2.linear says where the row limit comes from)
@@ -270,15 +273,23 @@ def describe(net: nn.Module) -> str:
         # (bf16 activations without the AVX-512 kernels: each weight dequantised whole for its
         # GEMM; float32 without the native GEMM: a tile at a time)
         unit = "weight" if net.dtype == torch.bfloat16 else "tile"
+        kernel = avx2.bf16_extension() if net.dtype == torch.bfloat16 else avx2.extension()
+        tiles = "native" if kernel is not None else "torch"
         parts.append(f"{quant[0]} weights decoded inside the native AVX2 GEMM" if native_gemm
                      else f"{quant[0]} weights dequantised per {unit} ({tiles})")  # fmt: skip
-    if getattr(net, "compute_dtype", None) == torch.float32 and any(isinstance(m, widened.WidenedLinear) for m in net.modules()):
-        how = "inside the native AVX2 GEMM" if native_gemm else "per tile (torch)"
+    if widened_net:
+        how = "inside the native AVX2 GEMMs" if native_gemm else "a tile at a time for torch's GEMMs"
         parts.append(f"bf16 weights widened to float32 {how} (this CPU has no native bf16)")
-    amx = any(isinstance(m, (native.AMXExperts, native.AMXGatedMLP, native.AMXLinear)) for m in net.modules())
-    parts.append("AMX GEMMs" if amx else "oneDNN GEMMs")
-    stats = "native statistics + RMSNorm" if native.extension() is not None else "torch statistics + RMSNorm"
-    return " + ".join(parts) + ", " + stats
+    if any(isinstance(m, (native.AMXExperts, native.AMXGatedMLP, native.AMXLinear)) for m in modules):
+        parts.append("AMX GEMMs")
+    if any(isinstance(m, (PackedLinear, PackedExperts, LeanDenseMLP)) for m in modules):
+        parts.append("oneDNN GEMMs")
+    norms = "native" if any(isinstance(m, LeanRMSNorm) and m.kernel is not None for m in modules) else "torch"
+    statistics = "native" if native.extension() is not None else "torch"
+    rest = f"{statistics} statistics + RMSNorm" if statistics == norms else f"{statistics} statistics + {norms} RMSNorm"
+    text = " + ".join(parts or ["torch GEMMs"]) + ", " + rest
+    building = [kernels.what for kernels in (avx2.KERNELS, native.KERNELS) if kernels.building()]
+    return text + (f" (building in the background: dgemma's {' and '.join(building)})" if building else "")
 
 
 def packed_copy(net: DiffusionGemma) -> DiffusionGemma:

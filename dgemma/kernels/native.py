@@ -9,29 +9,41 @@
   over its AVX2 kernels for a bf16 output).
 
 All are optional. Where the CPU lacks AVX-512 (BF16) or AMX, no C++ compiler is found, or the
-build fails, `extension()` / `amx()` return None and the engine keeps its torch / oneDNN path,
-with one logged line saying why. `DGEMMA_NATIVE=0` keeps them off. The build (~1 min, once) is
+build fails, `extension()` / `amx()` return None and the engine keeps its torch / oneDNN path
+(a failed build says why in one line). `DGEMMA_NATIVE=0` keeps them off. The build (once) is
 cached under `~/.cache/torch_extensions` (or `TORCH_EXTENSIONS_DIR`), in a directory named by a
 hash of what the library depends on (`build_directory`: the sources' content, flags, compiler,
 torch and Python), never by where the checkout or venv lives, so that every checkout and venv
 of the same code loads one build. `build` says so in one line whenever it builds, rebuilds or
-waits for another process's build; `DGEMMA_REBUILD_NATIVE=1` forces a rebuild.
+waits for another process's build; `DGEMMA_REBUILD_NATIVE=1` forces a rebuild. The sources
+include ATen's tensor header, never torch/extension.h (~45 s of compiler time a file on its own).
+
+An extension is built when a model first needs it (`OnDemand`), in one of two ways
+(`build_policy`): in the foreground, the caller waiting (the default: what a benchmark measures
+is what runs), or, for `dgemma run` and `dgemma chat` (the first text in seconds on a fresh
+machine), by a process of its own in the background while the caller goes on with torch's
+kernels: `extension()` is None until the build is done, then the kernels, said in one line.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -197,38 +209,218 @@ def _build_and_publish(name: str, sources: list[Path], cflags: list[str], direct
     return module
 
 
-@functools.cache
-def extension() -> ModuleType | None:
-    """The built kernels, or None where they cannot run here (reason logged once)."""
-    if os.environ.get("DGEMMA_NATIVE", "1") == "0":
+POLICY_VARIABLE = "DGEMMA_NATIVE"  # 0: off; wait: foreground builds; background: background builds
+POLL_SECONDS = 0.5  # how often a caller on torch's kernels looks whether a background build is done
+BUILDER_NICENESS = 19  # the builder yields the CPU to generation (and compiles a file at a time: MAX_JOBS=1)
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding `dgemma` (the builder imports it)
+
+
+def build_policy() -> str:
+    """How kernels not built yet come when a process first needs them: "off"
+    (`DGEMMA_NATIVE=0`), "background" (`DGEMMA_NATIVE=background`, which `dgemma run` and
+    `dgemma chat` set when it is unset) or "wait" (anything else: built in the foreground)."""
+    value = os.environ.get(POLICY_VARIABLE, "").strip().lower()
+    return "off" if value == "0" else "background" if value == "background" else "wait"
+
+
+def _first_error(text: str) -> str:
+    """The line of a failed build's output that says what failed (else its last line)."""
+    lines = text.strip().splitlines() or ["?"]
+    return next((line for line in lines if "error" in line), lines[-1]).strip()
+
+
+@dataclass
+class OnDemand:
+    """One native extension, built when a model first needs it (`module`) and then imported by
+    every later call. Where its library is built already, it is imported at once. Otherwise, by
+    `build_policy`: built here, the caller waiting; or built by a process of its own (niced, in
+    its own session), while `module` returns None and the caller runs torch's kernels: a look
+    every POLL_SECONDS whether the builder is done, then one line and the kernels. The builder
+    outlives a run shorter than the build, so that the next run has the kernels.
+    `dataclasses.replace(kernels)` is a copy that has not asked yet (the tests')."""
+
+    name: str
+    sources: list[Path]
+    cflags: list[str]
+    what: str  # what the lines call the kernels
+    duration: str  # how long a build takes, as the lines say it
+    cpu_flags: frozenset[str]  # what the CPU needs for them
+    takes_effect: str  # which work uses them once a background build is done
+    _module: ModuleType | None = field(default=None, init=False, repr=False)
+    _settled: bool = field(default=False, init=False, repr=False)
+    _builder: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _started: float = field(default=0.0, init=False, repr=False)
+    _next_look: float = field(default=0.0, init=False, repr=False)
+    _lent_thread: bool = field(default=False, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def module(self, wait: bool | None = None) -> ModuleType | None:
+        """The kernels, or None where they cannot run here (or their build failed), or while they
+        build in the background; `wait` (default: `build_policy`) builds or waits here."""
+        if self._settled:
+            return self._module
+        if not wait and self._builder is not None and time.monotonic() < self._next_look:
+            return None  # a generation's every linear asks: no lock, no system call
+        with self._lock:
+            if not self._settled:
+                self._advance(build_policy() == "wait" if wait is None else wait)
+            return self._module
+
+    def building(self) -> bool:
+        """A background build of these kernels runs for this process."""
+        return not self._settled and self._builder is not None
+
+    def _settle(self, module: ModuleType | None) -> None:
+        if self._builder is not None and self._lent_thread:
+            torch.set_num_threads(torch.get_num_threads() + 1)  # the builder's core, back to the caller's work
+        self._module, self._settled, self._builder = module, True, None
+
+    def _advance(self, wait: bool) -> None:
+        """One step towards the kernels: import a built library, build it here, start or look at
+        the background builder. Called under the lock."""
+        if self._builder is None:
+            missing = self.cpu_flags - _cpu_flags()
+            if missing:  # (debug: what runs is what is said, cpu.describe; not what does not)
+                log.debug("dgemma's %s do not run here: this CPU lacks %s", self.what, ", ".join(sorted(missing)))
+            if missing or build_policy() == "off":
+                return self._settle(None)
+            built = self._built()
+            if built is not None:
+                return self._settle(built)
+            if wait:
+                return self._settle(self._build_here())
+            return self._start_builder()
+        if wait and self._builder.poll() is None:
+            log.warning("waiting for the background build of dgemma's %s (started %.0f s ago)", self.what,
+                        time.monotonic() - self._started)  # fmt: skip
+            self._builder.wait()
+        if self._builder.poll() is None:
+            self._next_look = time.monotonic() + POLL_SECONDS
+            return None
+        return self._settle(self._builder_result())
+
+    def _directory(self) -> Path:
+        return build_directory(self.name, self.sources, self.cflags)
+
+    def _built(self) -> ModuleType | None:
+        """The library in its build directory, imported, where it is there and loads (and no
+        rebuild is forced): nothing is built."""
+        if os.environ.get(REBUILD_VARIABLE, "") not in ("", "0"):
+            return None
+        library = self._directory() / f"{self.name}.so"
+        try:
+            return _import(self.name, library) if library.exists() else None
+        except ImportError:
+            return None  # built again (`build` says why)
+
+    def _build_here(self) -> ModuleType | None:
+        try:
+            return build(self.name, self.sources, self.cflags, self.what, self.duration)
+        except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
+            log.warning("dgemma's %s are off: the build failed (%s)", self.what, _first_error(str(e)))
+            return None
+
+    def _start_builder(self) -> None:
+        spec = json.dumps({"name": self.name, "sources": [str(s) for s in self.sources], "cflags": self.cflags,
+                           "what": self.what, "duration": self.duration})  # fmt: skip
+        path = os.pathsep.join([str(PACKAGE_ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+        try:
+            directory = self._directory()
+            directory.mkdir(parents=True, exist_ok=True)
+            with open(directory / "background.log", "w") as output:
+                self._builder = subprocess.Popen(
+                    [sys.executable, "-c", BUILDER, spec], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                    env={"MAX_JOBS": "1", **os.environ, "PYTHONPATH": path}, start_new_session=True,
+                )  # fmt: skip
+        except OSError as e:
+            log.warning("dgemma's %s are off: their build could not start (%s)", self.what, e)
+            return self._settle(None)
+        self._started = time.monotonic()
+        self._next_look = self._started + POLL_SECONDS
+        atexit.register(self._say_still_building)
+        # the compiler's core is lent by the caller's torch threads: on a small CPU two threads waiting
+        # on each other's turns with a compiler ran a generation 5-20x slower (docs/performance.md)
+        threads = torch.get_num_threads()
+        self._lent_thread = threads > 1
+        if self._lent_thread:
+            torch.set_num_threads(threads - 1)
+        log.warning("building dgemma's %s in the background on one core (%s, once; cached in %s); torch's kernels on "
+                    "%d thread%s meanwhile", self.what, self.duration, directory, max(1, threads - 1),
+                    "s" if threads > 2 else "")  # fmt: skip
+
+    def _builder_result(self) -> ModuleType | None:
+        """The finished builder's kernels (one line: ready, or why not)."""
+        took, code = time.monotonic() - self._started, self._builder.returncode
+        directory = self._directory()
+        if code == 0:
+            try:
+                module = _import(self.name, directory / f"{self.name}.so")
+                log.warning("dgemma's %s are built (%.0f s): %s", self.what, took, self.takes_effect)
+                return module
+            except ImportError as e:
+                reason = _first_error(str(e))
+        else:
+            try:
+                reason = _first_error((directory / "background.log").read_text(errors="replace"))
+            except OSError as e:
+                reason = f"exit status {code}; no log: {e}"
+        log.warning("dgemma's %s are off: the build failed (%s; the log: %s)", self.what, reason, directory / "background.log")
         return None
-    missing = AVX512_FLAGS - _cpu_flags()
-    if missing:
-        log.info("native CPU kernels off: this CPU lacks %s", ", ".join(sorted(missing)))
-        return None
+
+    def _say_still_building(self) -> None:
+        """At exit, a builder still at work (it goes on: the next run has the kernels)."""
+        builder = self._builder
+        if builder is not None and builder.poll() is None:
+            log.warning("dgemma's %s are still building in the background (process %d; %s): the next run uses them",
+                        self.what, builder.pid, self._directory() / "background.log")  # fmt: skip
+
+
+# the background builder: a fresh interpreter that builds (niced) and exits 0 once the library is in place
+BUILDER = "import sys; from dgemma.kernels.native import build_main; sys.exit(build_main(sys.argv[1]))"
+
+
+def build_main(spec: str) -> int:
+    """The background builder's work: `build` from the JSON `spec` (OnDemand's fields), niced,
+    its lines and any error on stderr (the log its parent reads). 0 when the library is built."""
     try:
-        return build("dgemma_native", SOURCES, CFLAGS, "native CPU kernels")
-    except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
-        lines = str(e).strip().splitlines() or ["?"]
-        first_error = next((line for line in lines if "error" in line), lines[-1])
-        log.warning("native CPU kernels off: the build failed (%s)", first_error.strip())
-        return None
+        os.nice(BUILDER_NICENESS)
+    except OSError:
+        pass
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    fields = json.loads(spec)
+    try:
+        build(fields["name"], [Path(s) for s in fields["sources"]], fields["cflags"], fields["what"], fields["duration"])
+    except Exception as e:  # noqa: BLE001 - reported by the parent, from this log
+        sys.stderr.write(f"{e}\n")
+        return 1
+    return 0
+
+
+KERNELS = OnDemand("dgemma_native", SOURCES, CFLAGS, "native CPU kernels", "about a minute of a core", frozenset(AVX512_FLAGS),
+                   "models loaded from now on use them (the next run)")  # fmt: skip
+
+
+def extension(wait: bool | None = None) -> ModuleType | None:
+    """The built kernels, or None where they cannot run here, or while they build in the
+    background (`OnDemand`); `wait` builds or waits here."""
+    return KERNELS.module(wait)
+
+
+def amx(wait: bool | None = None) -> ModuleType | None:
+    """The kernels if this CPU and kernel also let the process use AMX tiles, else None."""
+    module = extension(wait)
+    return module if module is not None and amx_runs(module) else None
 
 
 @functools.cache
-def amx() -> ModuleType | None:
-    """The kernels if this CPU and kernel also let the process use AMX tiles, else None."""
-    module = extension()
-    if module is None:
-        return None
-    missing = AMX_FLAGS - _cpu_flags()
-    if missing:
-        log.info("AMX kernels off: this CPU lacks %s", ", ".join(sorted(missing)))
-        return None
+def amx_runs(module: ModuleType) -> bool:
+    """This CPU has AMX and the OS grants this process its tile state (asked once)."""
+    if AMX_FLAGS - _cpu_flags():
+        return False
     if not module.amx_init():
         log.warning("AMX kernels off: the OS refused AMX tile state to this process")
-        return None
-    return module
+        return False
+    return True
 
 
 def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,17 @@ def describe(code: int) -> str:
     return f"exit status {code}"
 
 
+def wait_or_kill(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """Wait `grace_s` (in all) for the processes to end, then kill the rest."""
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def launch(argv: list[str], size: int, poll_s: float = 0.2) -> int:
     """Run `python -m dgemma *argv` as `size` ranks; returns rank 0's exit status, or the status of
     the first rank that failed (after stopping the others)."""
@@ -67,13 +78,7 @@ def launch(argv: list[str], size: int, poll_s: float = 0.2) -> int:
         for p in ranks:
             if p.poll() is None:
                 p.send_signal(sig)
-        deadline = time.monotonic() + grace_s
-        for p in ranks:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        wait_or_kill(ranks, grace_s)
 
     def forward(signum, frame) -> None:
         for p in ranks:

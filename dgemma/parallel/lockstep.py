@@ -71,9 +71,21 @@ class Operations:
     ops: list[tuple[str, Any]] = field(default_factory=list)
 
 
-def _store():
-    """The process group's key-value store, under dgemma's prefix."""
-    return dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+def _store(channel: str = ""):
+    """The process group's key-value store, under dgemma's prefix (and a channel's: one per
+    engine of ranks a process leads, parallel/leader.py)."""
+    return dist.PrefixStore(PREFIX + channel, dist.distributed_c10d._get_default_store())
+
+
+def _wait(store, key: str, poll_s: float) -> bytes:
+    """`key`'s value once rank 0 has set it, waiting on the store (not in a collective)."""
+    while True:
+        try:
+            store.wait([key], timedelta(seconds=poll_s))
+            return store.get(key)
+        except RuntimeError as e:  # a wait that timed out: poll again; anything else (rank 0 gone) ends the wait
+            if "timeout" not in str(e).lower():
+                raise
 
 
 class LeaderEngine:
@@ -82,11 +94,11 @@ class LeaderEngine:
 
     leads_ranks = True  # the server's engine thread cannot replace it after a failure (the ranks would disagree)
 
-    def __init__(self, engine: Engine, group: ShardGroup):
+    def __init__(self, engine: Engine, group: ShardGroup, channel: str = ""):
         self.engine, self.group = engine, group
         self._pending = Operations()
         self._sequence = 0
-        self._store = _store()
+        self._store = _store(channel)
 
     def __getattr__(self, name: str):  # scheduler, runner, stats, options, kv_usage, has_work ...
         return getattr(self.engine, name)
@@ -117,22 +129,14 @@ class LeaderEngine:
             self._store.delete_key(f"step/{self._sequence - 2}")
 
 
-def follow(engine: Engine, model, poll_s: float = 30.0) -> None:
+def follow(engine: Engine, model, poll_s: float = 30.0, channel: str = "") -> None:
     """A worker rank's loop: wait for rank 0's next step (on the store, not in a collective),
     apply its operations to this rank's engine, run the step; until rank 0 says stop. Events are
     rank 0's to deliver: here they are dropped."""
-    store, sequence = _store(), 0
+    store, sequence = _store(channel), 0
     while True:
         sequence += 1
-        key = f"step/{sequence}"
-        while True:
-            try:
-                store.wait([key], timedelta(seconds=poll_s))
-                break
-            except RuntimeError as e:  # a wait that timed out: poll again; anything else ends the loop
-                if "timeout" not in str(e).lower():
-                    raise
-        what = pickle.loads(store.get(key))
+        what = pickle.loads(_wait(store, f"step/{sequence}", poll_s))
         if what == STOP:
             return
         for op, arg in what.ops:
@@ -141,3 +145,26 @@ def follow(engine: Engine, model, poll_s: float = 30.0) -> None:
             else:
                 engine.cancel(arg)
         engine.step()
+
+
+ENGINES = "engines/"  # the channel where rank 0 of ranks it leads announces each engine it makes
+
+
+def announce_engine(number: int, options: Any) -> str:
+    """Rank 0 of ranks it leads (parallel/leader.py): engine `number` is made now on every rank,
+    with these EngineOptions (its collectives pair up with the others'), or STOP: the ranks end.
+    Returns the channel of that engine's steps."""
+    _store(ENGINES).set(str(number), pickle.dumps(options))
+    return f"{number}/"
+
+
+def follow_engines(model, poll_s: float = 30.0) -> None:
+    """A rank that rank 0 leads: make each engine rank 0 announces and follow its steps, until
+    rank 0 says stop (`announce_engine`)."""
+    store, number = _store(ENGINES), 0
+    while True:
+        number += 1
+        options = pickle.loads(_wait(store, str(number), poll_s))
+        if options == STOP:
+            return
+        follow(Engine(model.engine_net, options), model, poll_s, channel=f"{number}/")

@@ -49,6 +49,13 @@ def insertion_reason(found: Insertion) -> str:
     return "timeout" if found.timed_out else "stop"
 
 
+def listed_name(served: str) -> str:
+    """The served model's name as ollama lists it (/api/tags): `NAME:latest`, unless NAME has a
+    tag of its own. Both APIs take it as well as NAME, as ollama takes a name with or without
+    `:latest`."""
+    return served if ":" in served.rsplit("/", 1)[-1] else f"{served}:latest"
+
+
 class Service:
     """What the routes share: model, tokenizer, prompts, the engine thread, metrics and limits."""
 
@@ -67,6 +74,7 @@ class Service:
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
         self.model, self.tokenizer, self.name = model, model.tokenizer, served_model_name
+        self.names = frozenset({served_model_name, listed_name(served_model_name)})  # what requests may call it, either API
         self.tool_decode = keeping_decoder(self.tokenizer)
         self.prompts = PromptBuilder(model, max_context, media_policy or MediaPolicy())
         self.budgets = budgets or Budgets()
@@ -144,7 +152,7 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self.media_pool, functools.partial(fn, *args))
 
     def check_model(self, name: str) -> None:
-        if name != self.name:
+        if name not in self.names:
             raise ApiError(404, f"model {excerpt(name)} does not exist; this server serves '{self.name}'", "model", "model_not_found")
 
     def check_choices(self, params: RequestParams) -> None:

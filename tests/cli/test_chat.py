@@ -266,3 +266,53 @@ def test_chat_template_and_threads_flags(tmp_path):
         out = subprocess.run(base + flags, input="", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))
         assert out.returncode == 2 and why in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("dgemma: error: "), out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ctrl_d_leaves_after_a_stopped_answer(tmp_path):
+    """Issue 48's sequence: a message, Ctrl-C within a second, another message and its answer,
+    then Ctrl-D at the empty prompt leaves (exit 0). The Ctrl-C stops the answer at its next
+    step, never inside the engine's step."""
+    env = {**chat_env(tmp_path), "TERM": "xterm", "COLUMNS": "250"}
+    child = pexpect.spawn(CHAT[0], [*CHAT[1:], "--max-new-tokens", "512"], env=env, encoding="utf-8", timeout=60,
+                          dimensions=(40, 250))  # fmt: skip
+    try:
+        child.expect_exact(PROMPT)
+        child.sendline("/set eos off")  # the answer cannot end before the Ctrl-C
+        child.expect_exact(PROMPT)
+        child.sendline("Tell me a long story.")
+        child.expect(r"\[block 1, step")  # the answer is under way
+        child.sendintr()
+        child.expect_exact("generation stopped")
+        child.expect_exact("encoder tokens in all")  # its figures (no block committed)
+        child.expect_exact(PROMPT)
+        child.sendline("/set eos default")
+        child.expect_exact(PROMPT)
+        child.sendline("/set max-new-tokens 32")
+        child.expect_exact(PROMPT)
+        child.sendline("And then?")
+        figures(child)
+        child.expect_exact(PROMPT)
+        child.sendeof()
+        child.expect(pexpect.EOF, timeout=20)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_chat_answers_a_file_on_standard_input_on_a_terminal(tmp_path):
+    """`dgemma chat < questions.txt` with its output on a terminal: an answer for each line (and
+    the commands' lines), exit 0."""
+    questions = tmp_path / "questions.txt"
+    questions.write_text("Hello there\n/set steps 3\nHow are you?", encoding="utf-8")  # (no final newline)
+    command = " ".join(f"'{part}'" for part in [*CHAT, "--no-canvas"]) + f" < '{questions}'; echo exit=$?"
+    child = pexpect.spawn("/bin/sh", ["-c", command], env={**chat_env(tmp_path), "TERM": "xterm"}, encoding="utf-8", timeout=120)
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    out = child.before
+    assert "exit=0" in out and "steps = 3" in out and len(FIGURES.findall(out)) == 2, out[-2000:]

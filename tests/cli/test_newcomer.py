@@ -157,3 +157,35 @@ def test_written_weights_get_the_mode_of_new_files(tmp_path, capsys):
         modes = _modes(directory)
         assert any(name.endswith(".safetensors") for name in modes)
         assert set(modes.values()) == {0o644}, modes
+
+
+# ------------------------------------------------------------------------------------ bad arguments in one line
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--size", "nosuch"], "dgemma bench: error: argument --size: invalid choice: 'nosuch'"),
+    (["memory", "--card", "24XB"], "dgemma memory: error: argument --card: '24XB' is not a size"),
+    (["run", "--steps", "x", "y"], "dgemma run: error: argument --steps: invalid int value: 'x'"),
+    (["nosuch"], "dgemma: error: argument command: invalid choice: 'nosuch'"),
+])  # fmt: skip
+def test_bad_arguments_are_one_line_without_the_usage_block(capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and not out.out and out.err.count("\n") == 1, out.err
+    assert out.err.startswith(words) and "usage:" not in out.err
+    assert out.err.rstrip().endswith(f"(see `{words.split(':')[0]} --help`)")
+
+
+def test_grammar_errors_say_what_is_wrong_and_name_the_file(capsys, tmp_path):
+    err = one_line_error(capsys, "x", "--regex", "(")
+    assert 'regex parse error: unclosed group at character 1 of "("' in err and "at 1(8)" not in err and "^" not in err
+    assert "the start must be <= the end at character 2" in one_line_error(capsys, "x", "--regex", "a{2,1}")
+    schema = tmp_path / "schema.json"
+    for text, words in (('{"type": "objec', "is not valid JSON"), ('{"type": "nosuch"}', "Invalid type")):
+        schema.write_text(text)
+        err = one_line_error(capsys, "x", "--json-schema", str(schema))
+        assert err.startswith(f"dgemma: error: --json-schema {schema}: ") and words in err
+    schema.write_bytes(b"\xff\xfe{")
+    assert f"--json-schema: cannot read {schema}: " in one_line_error(capsys, "x", "--json-schema", str(schema))
+    grammar = tmp_path / "g.lark"
+    grammar.write_text("start: nowhere")
+    assert f"--grammar {grammar}: " in one_line_error(capsys, "x", "--grammar", str(grammar))

@@ -4,11 +4,13 @@ processes. A tiny C++ module of the tests' own goes through the same `build` (se
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,79 @@ def test_test_subprocesses_import_the_session_build(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(avx2.extension() is not None), str(native.extension() is not None)]
     assert [line for line in done.stderr.splitlines() if line.startswith(LINES)] == []
+
+
+# ------------------------------------------------------------------------------------ builds in the background
+def _on_demand(tmp_path: Path, monkeypatch, source: str = TINY_CPP) -> native.OnDemand:
+    """The tiny module as an OnDemand extension, built in the background, in a fresh directory."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tiny.cpp").write_text(source)
+    (src / "tiny.h").write_text("#define ANSWER 42\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setenv(native.POLICY_VARIABLE, "background")
+    monkeypatch.delenv(native.REBUILD_VARIABLE, raising=False)
+    return native.OnDemand(NAME, [src / "tiny.cpp"], ["-O1"], "tiny test kernels", "seconds", frozenset(), "in use from now on")
+
+
+def _asked_until_settled(kernels: native.OnDemand, timeout_s: float = 240.0):
+    """Ask as a generation does (every linear) until the builder is done; the answer then."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        module = kernels.module()
+        if not kernels.building():
+            return module
+        assert module is None  # torch's kernels meanwhile
+        time.sleep(0.05)
+    raise AssertionError(f"the background build took over {timeout_s} s")
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_background_build_lets_the_caller_go_on_then_switches(tmp_path, monkeypatch, caplog, two_threads):
+    """What `dgemma run` and `chat` do on a fresh machine: the first ask returns None at once (a
+    process of its own compiles, on a core the caller's torch threads lend it), a later ask gets
+    the kernels, said in one line, and the threads come back; the builder is gone. A process that
+    finds the library built imports it, silently."""
+    kernels = _on_demand(tmp_path, monkeypatch)
+    with caplog.at_level("WARNING", logger="dgemma"):
+        assert kernels.module() is None and kernels.building()  # not compiled here: the caller goes on
+        builder = kernels._builder
+        assert torch.get_num_threads() == 1  # one of the two lent to the compiler
+        module = _asked_until_settled(kernels)
+    assert module is not None and module.answer() == 42
+    assert builder.poll() == 0 and torch.get_num_threads() == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("building dgemma's tiny test kernels in the background on one core (seconds, once; cached in ")
+    assert lines[0].endswith("torch's kernels on 1 thread meanwhile")
+    assert lines[1].startswith("dgemma's tiny test kernels are built (") and lines[1].endswith("s): in use from now on")
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="dgemma"):
+        again = dataclasses.replace(kernels)
+        assert again.module() is not None and not again.building() and not caplog.records
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_failed_background_build_says_why_in_one_line(tmp_path, monkeypatch, caplog):
+    kernels = _on_demand(tmp_path, monkeypatch, TINY_CPP.replace("PyLong_FromLong(ANSWER)", "PyLong_FromLong(ANSWER"))
+    with caplog.at_level("WARNING", logger="dgemma"):
+        assert kernels.module() is None
+        assert _asked_until_settled(kernels) is None
+    last = caplog.records[-1].getMessage()
+    assert last.startswith("dgemma's tiny test kernels are off: the build failed (") and "error" in last
+    assert "background.log" in last and len(caplog.records) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_wait_takes_over_a_background_build(tmp_path, monkeypatch, caplog):
+    """A caller that needs the kernels now (a benchmark; `wait=True`) waits for the builder that
+    runs, rather than building a second time."""
+    kernels = _on_demand(tmp_path, monkeypatch)
+    with caplog.at_level("WARNING", logger="dgemma"):
+        assert kernels.module() is None
+        module = kernels.module(wait=True)
+    assert module is not None and module.answer() == 42 and not kernels.building()
+    assert any(r.getMessage().startswith("waiting for the background build of dgemma's tiny test kernels") for r in caplog.records)

@@ -13,6 +13,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 from checks import all_checks  # noqa: E402
+from processes import processes_with  # noqa: E402
 
 NAMES = [name for name, _ in all_checks()]
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -35,12 +36,47 @@ def test_two_ranks(group_results, name):
     assert group_results[name] == "ok", group_results[name]
 
 
-def test_load_outside_a_group_says_how_to_start_one():
-    import dgemma
+# a plain Python process (python -c, as a script or a notebook): dgemma.load starts rank 1 itself
+LED = """
+import json, sys
+from pathlib import Path
+import dgemma, torch
+one = dgemma.load(dtype="float32")  # float32: bf16 partial sums round differently from one process's (test below)
+torch.set_num_threads(1)
+prompts = [one.tokenizer.encode(p) for p in ("def add(a, b):", "import os\\n\\n")]
+want = one.generate(prompts, max_new_tokens=24, seed=[1, 2]).sequences
+two = dgemma.load(dtype="float32", tensor_parallel_size=2)
+ranks = [p.pid for p in two.ranks.processes]
+report = {"ranks": ranks, "equal": two.generate(prompts, max_new_tokens=24, seed=[1, 2]).sequences == want}
+two.configure_engine(max_active=1)  # a new engine, on both ranks
+report["streamed"] = [t for ev in two.stream(prompts[0], max_new_tokens=24, seed=1) for t in ev.tokens] == want[0]
+try:
+    two.generate(prompts[:1], max_new_tokens=8, seed=1, sampling="reference")
+except ValueError as e:
+    report["reference"] = str(e)
+if sys.argv[1] == "close":
+    two.close()
+    report["left"] = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+print(json.dumps(report))
+"""
 
-    with pytest.raises(ValueError) as e:
-        dgemma.load(tensor_parallel_size=2)
-    assert str(e.value).startswith("tensor_parallel_size=2 needs 2 processes started together (torchrun --nproc-per-node 2")
+
+@pytest.mark.parametrize("ending", ["close", "exit"])
+def test_load_in_a_plain_process_starts_and_ends_its_ranks(ending):
+    """`dgemma.load(..., tensor_parallel_size=2)` outside torchrun: this process is rank 0 and
+    starts rank 1 (gloo); the tokens are one process's (whole and streamed, across a second
+    engine); work outside the engine is refused in one line; the rank ends at `close()`, or when
+    the process exits without it: no process is left behind."""
+    proc = subprocess.Popen([sys.executable, "-c", LED, ending], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert len(report["ranks"]) == 1 and report["equal"] and report["streamed"]
+    assert report["reference"].startswith("sampling='reference' runs the network outside the engine")
+    if ending == "close":
+        assert report["left"] == []
+    assert processes_with("DGEMMA_LED_BY", str(proc.pid)) == []
 
 
 def _rank_pid(launcher: int, rank: int) -> int:

@@ -363,3 +363,20 @@ def test_a_client_that_leaves_a_stream_cancels_its_work(server):
     while engine_thread.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine_thread.in_flight == 0 and not engine_thread.engine.scheduler.running
+
+
+def test_either_api_takes_either_name(server, api, client):
+    """The name /api/tags lists (`NAME:latest`) works on the OpenAI endpoints, and the OpenAI name
+    on ollama's (ollama takes a name with or without `:latest`); other names stay refused."""
+    import openai
+
+    want = openai_chat(client).choices[0].message.content
+    for name in (MODEL, f"{MODEL}:latest"):
+        chat = client.chat.completions.create(model=name, messages=USER, max_tokens=16, seed=3, extra_body=FAST)
+        assert chat.choices[0].message.content == want
+        assert client.completions.create(model=name, prompt="x", max_tokens=4, seed=3, extra_body=FAST).choices[0].text is not None
+        assert httpx.get(f"{server.url}/v1/models/{name}").status_code == 200
+        assert api.chat(model=name, messages=USER, options=options(), stream=False).message.content == want
+    for other in (f"{MODEL}:7b", "llama3:latest"):
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=other, messages=USER, max_tokens=4, extra_body=FAST)

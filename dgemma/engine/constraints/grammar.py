@@ -360,6 +360,10 @@ def _why(e: Exception) -> str:
 
 
 def _first_line(message: str) -> str:
-    """llguidance's message on one line (its first three lines, whitespace collapsed)."""
+    """llguidance's message on one line: a regex's parse error as what is wrong and where (the
+    regex crate draws it on lines of its own), else its first three lines, whitespace collapsed."""
     lines = [ln for ln in message.strip().splitlines() if ln.strip()]
+    if len(lines) > 3 and lines[0].endswith("regex parse error:") and lines[3].startswith("error: "):
+        pattern, caret = lines[1][4:], lines[2].find("^") - 3  # (the crate indents both by 4)
+        return f"regex parse error: {lines[3][len('error: '):]} at character {caret} of {json.dumps(pattern)}"
     return " ".join(" ".join(lines[:3]).split()) if lines else "rejected by llguidance"

@@ -17,7 +17,9 @@
 //   gate/up [E][I/16 items][K/32][gate, up][16][16][2]  (item j: gate and up columns 16j..16j+15)
 //   linear  [E][N/32 items][K/32][2 column blocks][16][16][2]
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -1,11 +1,13 @@
 // Python bindings of the native CPU kernels (built by dgemma/kernels/native.py).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 bool amx_init();
-torch::Tensor moe_forward(const torch::Tensor& x, const torch::Tensor& top_k_index, const torch::Tensor& top_k_weights,
-                          const torch::Tensor& gate_up, const torch::Tensor& down, bool exact_gelu);
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight);
-torch::Tensor gated_mlp(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down, bool exact_gelu);
+at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& top_k_index, const at::Tensor& top_k_weights,
+                       const at::Tensor& gate_up, const at::Tensor& down, bool exact_gelu);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, bool exact_gelu);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> step_statistics(const at::Tensor& raw, double cap, const at::Tensor& temps, at::Tensor& weights,
                                         at::Tensor& probs, const at::Tensor& allowed);
@@ -29,7 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_statistics", &step_statistics,
         "argmax, entropy, exp weights of softcapped logits / T, per row; `allowed`: packed int32 token bitmask or empty",
         py::arg("raw"), py::arg("cap"), py::arg("temps"), py::arg("weights"), py::arg("probs"),
-        py::arg("allowed") = torch::empty({0}, torch::kInt32));
+        py::arg("allowed") = at::empty({0}, at::kInt));
   // dequant.cpp's dequantise functions (same names and arguments) into a bf16 `out` (dequant_avx512.cpp)
   m.def("dequant_int8", &dequant_int8_avx512, "int8 [N, K] * scale [N, 1] -> out (bf16)", py::arg("weight"),
         py::arg("scale"), py::arg("out"));

@@ -14,7 +14,8 @@
 //
 // Scales (int8, fp8, int4) may be float32, bfloat16 or float16.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>

@@ -3,7 +3,7 @@
 // split of a tile's rows.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <ATen/Parallel.h>
 

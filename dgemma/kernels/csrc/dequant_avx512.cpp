@@ -24,7 +24,7 @@
 //   gemm_int8(x, w, scale, out), gemm_fp8(x, w, scale, out), gemm_int4(x, packed, scale, group, out),
 //   gemm_nvfp4(x, packed, scale, global_scale, out)
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <immintrin.h>
 

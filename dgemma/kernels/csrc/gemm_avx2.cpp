@@ -35,7 +35,7 @@
 // blocks of NB rows (a block's W chunk stays in L2 across all of M). Threads (at::parallel_for,
 // torch's pool) split N (or M, when N is too small to split).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>

@@ -6,7 +6,8 @@
 // x * (mean(x^2) + eps)^-0.5, then * weight (two roundings, as the reference's two multiplies),
 // then the cast; only the sum of squares is accumulated in a different order.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

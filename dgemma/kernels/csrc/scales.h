@@ -2,7 +2,7 @@
 // whatever its stored dtype (float32, bfloat16 or float16), and the float32 value of each fp8 code.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 

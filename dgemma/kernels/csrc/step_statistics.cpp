@@ -18,7 +18,8 @@
 // softcap: never the argmax, weight (and bf16 prob) exactly 0, nothing in the sums. A 16-lane
 // block is exactly one little-endian uint16 half-word of the mask, read as its __mmask16.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -7,7 +7,7 @@ Routes: `GET /api/version`, `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `P
 A chat or generate body is checked as ollama's (protocol.py), translated into the OpenAI
 request it asks for and run by the same pipeline (pipeline.py), so both APIs give the same prompt,
 sampler settings and text; its answer is shaped as ollama's (responses.py). The served
-name `X` is listed as `X:latest`, and requests may name either. Refusals are ollama's
+name `X` is listed as `X:latest`, and requests to either API may name either. Refusals are ollama's
 `{"error": "..."}` with the same status codes as on the OpenAI routes; the access rules (key,
 Host, Origin) are the same (http/access.py). docs/server.md, "ollama-compatible API".
 """
@@ -42,7 +42,7 @@ from .protocol import (
 from .responses import OllamaResponder, created_at, insertion_answer
 from ..pipeline import prepare
 from ..reasoning import THINK, template_thinks
-from ..service import Service
+from ..service import Service, listed_name
 
 OLLAMA_VERSION = "0.12.0"  # the ollama API whose fields these routes answer (tools, structured outputs, thinking)
 PREFIX = "/api/"
@@ -79,8 +79,7 @@ class ModelCard:
         model, config = service.model, service.model.config
         self.service, self.model = service, model
         served = service.name
-        self.listed = served if ":" in served.rsplit("/", 1)[-1] else f"{served}:latest"
-        self.accepted = {served, self.listed}
+        self.listed, self.accepted = listed_name(served), service.names
         path: Path | None = model.path
         config_file = path / "config.json" if path is not None else None
         has_config = config_file is not None and config_file.is_file()
