@@ -129,7 +129,7 @@ def bench_kv_memory(kv_config, dtype: torch.dtype, block_size: int, batch: int, 
     need, not a share of the device): each request's global blocks, and as many sliding ones
     (`kv_budget.plan_blocks` gives both pools the same count at this size, or caps the sliding
     pool at twice what `max_active` requests hold at once, which is still enough)."""
-    from .engine.paged_cache import kv_bytes_per_token
+    from .engine.kv.paged_cache import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(kv_config, kv_budget.dtype_bytes(dtype))
     blocks = batch * -(-tokens // block_size)
@@ -422,7 +422,7 @@ def random_weights(config, device, dtype: torch.dtype, scheme: str | None = None
 def check_room(size: str, device, dtype: torch.dtype, scheme: str | None = None, group_size: int | None = None) -> None:
     """ValueError, one line, when `device` has less free memory than random weights of `size` take
     (a CPU's MemAvailable, a GPU's free memory; the meta device holds nothing)."""
-    from .engine.memory_plan import weight_bytes
+    from .memory_plan import weight_bytes
     from .model.checkpoint import make_config
 
     device = torch.device(device)

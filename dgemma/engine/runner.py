@@ -32,7 +32,8 @@ from ..model.diffusion_gemma import DiffusionGemma
 from .sharded import runtime
 from . import sampler
 from .constraints.grammar import PassRows
-from .device_step import decides_on_device, device_group
+from . import device_step
+from .device_step import decides_on_device
 from .graphs import DecoderGraphs
 from .options import EngineOptions
 from .kv.paged_cache import PagedKVCache, PagedPass
@@ -110,7 +111,7 @@ class Runner:
                 results += turbo_step(self, group)
                 continue
             if decides_on_device(self, group[0]):  # the whole step on the device (a graph replay)
-                results += device_group(self, group, copy_out=graph_keys.count(self._graph_key(group)) > 1)
+                results += device_step.device_group(self, group, copy_out=graph_keys.count(self._graph_key(group)) > 1)
                 continue
             decisions = self._decide(group, *self._denoise(group))
             results += self._results(group, decisions)
@@ -205,11 +206,7 @@ class Runner:
         temps = self.temperatures(group)
         soft = self._soft_inputs(group)
         allowed = self.allowed_masks(group)
-        if self.graphs is not None:
-            out = self.graphs.run(self, group, canvas, soft, temps, allowed)
-            if out is not None:
-                return out
-        rows = [r.kv for r in group]
+        rows = [r.kv for r in group]  # eager: the graphs capture the whole device step (device_step.py)
         c = self.config.canvas_length
         plan = self.cache.plan_canvas(c, rows) if self.triton else self.cache.plan_decoder(c, rows)
         return self.decoder_step(canvas, soft, temps, plan, allowed)

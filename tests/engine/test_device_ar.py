@@ -43,7 +43,7 @@ def test_greedy_tokens_are_dense_ars_at_float32():
     got, blocks = collect(device_ar_events(model.engine, prompts, 7, 0.0, [0, 0], (1,), read_every=3))
     assert got.sequences == want.sequences
     assert all(isinstance(b, Block) and len(b.tokens) == 1 for b in blocks)
-    assert [b.done for b in blocks if b.request_id == 0][-1] and sum(b.done for b in blocks) == 2
+    assert [b.done for b in blocks if b.row == 0][-1] and sum(b.done for b in blocks) == 2
     assert model.engine.kv_usage() == model.engine.kv_usage() and not model.engine.scheduler.blocks.reservations  # all returned
 
 

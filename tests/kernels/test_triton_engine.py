@@ -118,7 +118,7 @@ def test_a_chunks_decisions_survive_the_next_replay(model, monkeypatch):
     chunk's decisions (canvas, argmax, the drafts' entropies, self-conditioning) are copied out
     of the graph's outputs, so the next chunk's replay does not overwrite what its drafts show."""
     from dgemma.config import GenerationConfig
-    from dgemma.engine import runner as runner_module
+    from dgemma.engine import device_step
     from dgemma.engine.engine import Request
 
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
@@ -129,14 +129,14 @@ def test_a_chunks_decisions_survive_the_next_replay(model, monkeypatch):
     for k, prompt in enumerate([PROMPTS[0], PROMPTS[2], [20, 21, 22]]):
         engine.add(Request(prompt, gen, 11 + k, drafts=True))
     seen = []
-    real = runner_module.device_group
+    real = device_step.device_group
 
     def noting(runner, group, copy_out):  # each chunk's results as they were when it ran
         results = real(runner, group, copy_out)
         seen.append([[t.clone() for t in (r.canvas, r.argmax, r.entropy, r.soft)] for r in results])
         return results
 
-    monkeypatch.setattr(runner_module, "device_group", noting)
+    monkeypatch.setattr(device_step, "device_group", noting)
     plan = engine.scheduler.schedule()
     results = runner.run(plan)
     assert [len(chunk) for chunk in seen] == [2, 1]  # both replay the 2-row graph

@@ -265,12 +265,13 @@ def _compile_index(index: int) -> dict:
 def _launch_released(launches: Launches) -> None:
     """Every Triton launch the engine makes at the released model's shapes (presets "real") on
     meta tensors, captured, nothing run: whole engine steps (tests/launch_count.py's driver, with
-    an H200's choices) for each weight format at batch 1 and a larger batch, an encoder pass, and
+    an H200's choices) for each weight format at batch 1 and a larger batch, an encoder pass, an AR
+    token, and
     the wrappers the steps do not reach (the unfused LoRA path's kernels, turbo's separate draws
     and sampling, quantised linears at a short prefill chunk's rows)."""
     import torch
 
-    from launch_count import encode_launches, h200, released_net, step_launches
+    from launch_count import ar_token_launches, encode_launches, h200, released_net, step_launches
 
     from dgemma.kernels import triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
     from dgemma.model.checkpoint import make_config
@@ -289,6 +290,9 @@ def _launch_released(launches: Launches) -> None:
             step_launches(net, batch, on_counted=lambda b=batch: setattr(launches, "label", f"step {scheme or 'bf16'} batch {b}"))
         launches.label = f"encode {scheme or 'bf16'}"
         encode_launches(net)
+        if scheme is None:  # AR mode's captured token (engine/device_ar.py): slots, argmax, advance
+            launches.label = "AR token bf16"
+            ar_token_launches(net)
 
     cfg = make_config(**PRESETS["real"])
     dt, meta, c = torch.bfloat16, torch.device("meta"), cfg.canvas_length
@@ -403,5 +407,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [os.path.dirname(tests), tests]  # the package, and the helpers tests share (launch_count.py)
     sys.exit(main(sys.argv[1:]))

@@ -9,7 +9,7 @@ from host_sync import DEVICE, stub_triton_launches
 from dgemma.config import GLOBAL, SLIDING
 from dgemma.dense.kv_cache import DenseKVCache
 from dgemma.engine.engine import Engine, EngineOptions, prompt_chunks
-from dgemma.engine.paged_cache import sliding_blocks_held
+from dgemma.engine.kv.paged_cache import sliding_blocks_held
 from dgemma.engine.prefill import prefill
 from dgemma.model.checkpoint import make_config, random_model
 from dgemma.model.diffusion_gemma import DiffusionGemma
