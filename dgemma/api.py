@@ -114,9 +114,16 @@ class Model:
         self.engine_options = replace(options or self.engine_options, **changes)
         self._client = None
 
+    @property
+    def engine_input_net(self) -> DiffusionGemma:
+        """The network an Engine with this model's options is given: the model's own on the Triton
+        path (which makes its own fused copy, kernels/gpu.py; a CPU's widened copy computes in
+        float32 what the kernels read in bf16), `engine_net` otherwise."""
+        return self.net if self.engine_options.triton else self.engine_net
+
     def _engine_client(self) -> EngineClient:
-        if self._client is None:  # the Triton path makes its own copy of the network (kernels/gpu.py)
-            net = self.net if self.engine_options.triton else self.engine_net
+        if self._client is None:
+            net = self.engine_input_net
             # ranks this process leads make the engine with it and replay its steps (parallel/leader.py)
             engine = Engine(net, self.engine_options) if self.ranks is None else self.ranks.engine(net, self.engine_options)
             self._client = EngineClient(engine)

@@ -153,7 +153,7 @@ class BenchEngine:
         from .engine.engine import Engine
         from .engine.request import max_sequence_length
 
-        net, c = model.engine_net, model.config.canvas_length
+        net, c = model.engine_input_net, model.config.canvas_length
         tokens = max_sequence_length(prompt_len, new_tokens, c)
         options = replace(model.engine_options, prefix_cache=False, max_active=batch)
         memory = bench_kv_memory(net.kv_config, net.dtype, options.block_size or c, batch, tokens)

@@ -59,7 +59,7 @@ def test_describe_says_what_runs_and_what_builds(monkeypatch):
 def test_serve_says_the_kernels_bench_reports(tmp_path):
     """`dgemma serve` opens with what runs (the line `dgemma bench` reports, from one function),
     never a line of what this CPU lacks."""
-    from hostile.serve_process import ServeProcess
+    from serve_process import ServeProcess
 
     with ServeProcess([]) as server:
         output = server.output

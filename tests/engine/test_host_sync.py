@@ -1,4 +1,4 @@
-"""The GPU step never makes the host wait, proved on a CPU (tests/engine/host_sync.py: the meta device,
+"""The GPU step never makes the host wait, proved on a CPU (tests/host_sync.py: the meta device,
 a dispatch mode refusing host syncs and host copies, Triton launches stubbed).
 
 - The decoder step (what a CUDA graph captures) makes no host sync and no copy from the host.
