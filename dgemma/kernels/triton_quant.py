@@ -304,7 +304,7 @@ def concat_weights(weights: list[GemmWeight]) -> GemmWeight:
 def _blocks(w: GemmWeight, rows: int, dual: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the rows a program walks (an
     expert's average, or a linear's M): small M is memory bound (a short row tile). Chosen from
-    sm90 compiles (tests/test_triton_compile.py: no spills, shared memory within a Hopper block):
+    sm90 compiles, sm80 for fp8 (tests/kernels/test_triton_compile.py: no spills, shared memory within a block):
     row tiles of at most 128 (a linear's program walks up to LINEAR_ROWS in them), gate and up
     side by side (`dual`) take a half or a quarter of the columns, activation tiles of 32 KiB
     and more are pipelined twice, smaller ones three times."""
@@ -314,10 +314,13 @@ def _blocks(w: GemmWeight, rows: int, dual: bool) -> tuple[int, int, int, int, i
         block_m = min(block_m, 32)
     four_bit = w.scheme in ("int4", "nvfp4")
     block_k = four_bit_k(w.group, w.scales.element_size()) if four_bit else (128 if w.data.element_size() == 1 else 64)
-    block_n = 16 if dual and four_bit else 32 if dual else 64
+    fp8 = w.scheme == "fp8"
+    # gate and up side by side: 16 columns each for packed and fp8 weights (whose bytes decode in
+    # registers; fp8 gate|up at 32 columns spilled thousands of registers on sm80), else 32
+    block_n = 16 if dual and (four_bit or fp8) else 32 if dual else 64
     if INTERPRETED:  # programs run one by one there: fewer, wider ones
         block_n = 128
-    warps = 8 if block_m * block_n >= 128 * 64 or four_bit or dual else 4
+    warps = 8 if block_m * block_n >= 128 * 64 or four_bit or (dual and not fp8) else 4
     act = block_m * block_k * 2  # bytes of one activation tile
     stages = 2 if act >= 32 * 1024 or (dual and four_bit) else 3
     return block_m, block_n, block_k, warps, stages
