@@ -95,12 +95,12 @@ class Model:
     def ar_events(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int],
                   eos_token_ids: tuple[int, ...]):  # fmt: skip
         """AR mode's events (a `Block` of one token per row per step): on the engine's Triton path
-        (a GPU) the device loop of engine/device_ar.py, one captured graph a token; elsewhere
+        (a GPU) the device loop of engine/device/ar.py, one captured graph a token; elsewhere
         dense/ar.py's loop on the engine's network."""
         self._outside_the_engine("mode='ar'")
         on_gpu_path = self.engine_options.triton or (self.engine_options.triton is None and self.device.type == "cuda")
         if on_gpu_path and self.engine.runner.triton:
-            from .engine.device_ar import device_ar_events
+            from .engine.device.ar import device_ar_events
 
             return device_ar_events(self.engine, prompt_ids, max_new_tokens, temperature, seeds, eos_token_ids)
         from .dense.ar import ar_events

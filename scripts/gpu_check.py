@@ -86,9 +86,9 @@ from dgemma.api import Model  # noqa: E402
 from dgemma.benchmark import BenchEngine, bench_kv_memory, random_weights, run_dgemma  # noqa: E402
 from dgemma.config import GenerationConfig  # noqa: E402
 from dgemma.engine import sampler  # noqa: E402
-from dgemma.engine.device_step import eager_step, run_step  # noqa: E402
+from dgemma.engine.device.step import eager_step, run_step  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions  # noqa: E402
-from dgemma.engine.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
+from dgemma.engine.device.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
 from dgemma.dense.kv_cache import DenseKVCache  # noqa: E402
 from dgemma.engine.options import DEFAULT_PREFILL_CHUNK  # noqa: E402
 from dgemma.engine.prefill import prefill  # noqa: E402
@@ -231,7 +231,7 @@ def compare(got, want) -> tuple[float, float]:
 
 
 def requests_at(net, kvs, canvas, soft, seed: int) -> list:
-    """Requests as the device step reads them (engine/step_inputs.py, device_step.py): row i of
+    """Requests as the device step reads them (engine/device/inputs.py, device_step.py): row i of
     `canvas` / `soft` after prefix kvs[i], mid-block, no history, nothing fixed."""
     gen = GenerationConfig(max_denoising_steps=16)
     return [SimpleNamespace(kv=kv, config=gen, step=3, seed=seed * 100 + i, passes=5, block_passes=2, canvas=canvas[i],
@@ -441,7 +441,7 @@ def median_ms(step, iters: int, device: torch.device, seconds: float = 0.0) -> f
 @torch.no_grad()
 def step_ms(engine: Engine, kv, batch: int, graphs: bool, iters: int, buckets: DecoderGraphs | None = None,
             seconds: float = 0.0) -> float:
-    """Median ms per decoder step (engine/device_step.py: its inputs' copy, the pass, LM head,
+    """Median ms per decoder step (engine/device/step.py: its inputs' copy, the pass, LM head,
     statistics, self-conditioning input, sampling and decisions) of `batch` canvases after the
     prefix `kv` (rows share it: a decoder pass only reads the cache), eager or replaying a CUDA graph (`buckets`' graph of that batch, captured on first use; a
     capture that fails raises with its reason: never a timing of nothing)."""

@@ -373,11 +373,11 @@ def encode_launches(net, prompt: int = 512) -> Launches:
 
 
 def ar_token_launches(net, prompt: int = 512, rows: int = 1) -> Launches:
-    """The launches of one AR token on the device path (engine/device_ar.py): the captured step
+    """The launches of one AR token on the device path (engine/device/ar.py): the captured step
     (one replay) and the host's work of a read-back batch of one token (block tables up, the read)."""
     from host_sync import count_host_reads
 
-    from dgemma.engine.device_ar import device_ar_events
+    from dgemma.engine.device.ar import device_ar_events
 
     with h200():
         engine = meta_engine(net)

@@ -32,9 +32,9 @@ from ..model.diffusion_gemma import DiffusionGemma
 from .sharded import runtime
 from . import sampler
 from .constraints.grammar import PassRows
-from . import device_step
-from .device_step import decides_on_device
-from .graphs import DecoderGraphs
+from .device import step as device_step
+from .device.step import decides_on_device
+from .device.graphs import DecoderGraphs
 from .options import EngineOptions
 from .kv.paged_cache import PagedKVCache, PagedPass
 from . import prefill as prefill_pass
@@ -84,7 +84,7 @@ class Runner:
         self.sample_all_positions = self.kernels.sample_all_positions
         self._buffers: dict[str, torch.Tensor] = {}
         self._blank: dict[str, torch.Tensor] | None = None
-        # the self-conditioning GEMM's addend (beta = 0: never read), for engine/device_step.py
+        # the self-conditioning GEMM's addend (beta = 0: never read), for engine/device/step.py
         self.zero = torch.zeros(1, dtype=net.dtype, device=net.device)
 
     def blank_state(self) -> dict[str, torch.Tensor]:
@@ -185,7 +185,7 @@ class Runner:
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
         """Batch-invariant: one request per pass. Otherwise one batched pass, or with CUDA graphs
         chunks of at most the largest captured bucket (each chunk replays a graph; a larger group
-        would run eagerly); requests whose whole step runs on the device (engine/device_step.py)
+        would run eagerly); requests whose whole step runs on the device (engine/device/step.py)
         apart from those that decide on the host. Turbo requests run in a group of their own
         (batched: all of them, each one's active rows padded to the group's most; batch-invariant:
         one each), eagerly: their active rows change in number from pass to pass, so no captured

@@ -1,4 +1,4 @@
-"""engine/graphs.py on a CPU: the CUDA-graph buckets of the decoder step.
+"""engine/device/graphs.py on a CPU: the CUDA-graph buckets of the decoder step.
 
 A real capture needs CUDA (scripts/gpu_check.py). Here `cuda_capture` runs against fakes of
 torch.cuda's stream, graph and pool calls (enough to show which stream is current after a capture
@@ -15,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dgemma.engine.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
+from dgemma.engine.device.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
 
 
 # ------------------------------------------------------------------ cuda_capture against fakes
@@ -194,7 +194,7 @@ def engine():
 
 
 def requests(engine, kvs, seed: int, allowed: torch.Tensor | None = None) -> list:
-    """Requests mid-canvas as the device step reads them (engine/step_inputs.py, device_step.py):
+    """Requests mid-canvas as the device step reads them (engine/device/inputs.py, device_step.py):
     a random canvas and self-conditioning input, their own seeds, steps and stop histories."""
     from dgemma.config import GenerationConfig
 
@@ -241,7 +241,7 @@ def assert_same(replayed, eager, n: int):
 
 
 def eager_step(engine, group, allowed=None):
-    from dgemma.engine.device_step import eager_step as step
+    from dgemma.engine.device.step import eager_step as step
 
     return step(engine.runner, group, allowed)
 

@@ -27,7 +27,7 @@ from host_sync import DEVICE, HostSync, count_host_reads, no_host_sync, stub_tri
 from dgemma.config import GenerationConfig
 from dgemma.engine.constraints import CanvasConstraints
 from dgemma.engine.engine import Engine, EngineOptions, Request
-from dgemma.engine.graphs import DecoderGraphs, eager_capture
+from dgemma.engine.device.graphs import DecoderGraphs, eager_capture
 from dgemma.engine.step_plan import DecodeResult
 from dgemma.model.checkpoint import make_config
 from dgemma.model.diffusion_gemma import DiffusionGemma
@@ -212,7 +212,7 @@ def test_a_grammar_request_adds_only_its_own_reads():
 # ---------------------------------------------------------------------------------- static check
 ROOT = Path(__file__).resolve().parents[2] / "dgemma"
 STEP_MODULES = [
-    "engine/runner.py", "engine/graphs.py", "engine/sampler.py", "engine/kv/paged_cache.py", "engine/prefill.py",
+    "engine/runner.py", "engine/device/graphs.py", "engine/sampler.py", "engine/kv/paged_cache.py", "engine/prefill.py",
     "model/diffusion_gemma.py", "model/rope.py", "model/attention.py", "kernels/gpu.py", "kernels/triton_step.py",
     "kernels/triton_layer.py", "kernels/triton_attention.py", "kernels/triton_quant.py", "quant/modules.py",
     "engine/turbo.py", "engine/turbo_step.py",

@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton is an optional (Linux) test depende
 pytestmark = pytest.mark.triton
 
 import dgemma  # noqa: E402
-from dgemma.engine.graphs import DecoderGraphs, eager_capture  # noqa: E402
+from dgemma.engine.device.graphs import DecoderGraphs, eager_capture  # noqa: E402
 from dgemma.kernels import triton_step  # noqa: E402
 from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
@@ -74,7 +74,7 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
     each time, with padded rows) equal the eager device step on the same requests; its attention
     reading the pool in place equals gathered SDPA."""
     from dgemma.config import GenerationConfig
-    from dgemma.engine.device_step import eager_step
+    from dgemma.engine.device.step import eager_step
 
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     engine = model.engine
@@ -118,7 +118,7 @@ def test_a_chunks_decisions_survive_the_next_replay(model, monkeypatch):
     chunk's decisions (canvas, argmax, the drafts' entropies, self-conditioning) are copied out
     of the graph's outputs, so the next chunk's replay does not overwrite what its drafts show."""
     from dgemma.config import GenerationConfig
-    from dgemma.engine import device_step
+    from dgemma.engine.device import step as device_step
     from dgemma.engine.engine import Request
 
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)

@@ -290,7 +290,7 @@ def _launch_released(launches: Launches) -> None:
             step_launches(net, batch, on_counted=lambda b=batch: setattr(launches, "label", f"step {scheme or 'bf16'} batch {b}"))
         launches.label = f"encode {scheme or 'bf16'}"
         encode_launches(net)
-        if scheme is None:  # AR mode's captured token (engine/device_ar.py): slots, argmax, advance
+        if scheme is None:  # AR mode's captured token (engine/device/ar.py): slots, argmax, advance
             launches.label = "AR token bf16"
             ar_token_launches(net)
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sampler
-from .kv.paged_cache import KINDS, PagedKVCache, PagedPass
+from .. import sampler
+from ..kv.paged_cache import KINDS, PagedKVCache, PagedPass
 
 _DTYPES = {"int32": torch.int32, "float32": torch.float32, "int64": torch.int64}
 
@@ -103,7 +103,7 @@ def fill(layout: StepLayout, buffer: torch.Tensor, cache: PagedKVCache, group: l
     temps = [float(sampler.temperature(r.config.max_denoising_steps - r.step, r.config.max_denoising_steps, r.config.t_min,
                                        r.config.t_max)) for r in group]  # fmt: skip
     v["temps"].view(n, c).copy_(torch.tensor(temps + [1.0] * (n - len(group)), dtype=torch.float32)[:, None].expand(n, c))
-    from ..kernels.triton_step import seed_bits
+    from ...kernels.triton_step import seed_bits
 
     pad = [0] * (n - len(group))
     v["seeds"].copy_(torch.tensor([seed_bits(r.seed) for r in group] + pad, dtype=torch.int64))

@@ -1,4 +1,4 @@
-"""CUDA graphs of the device step (engine/device_step.py: the pass, statistics, sampling and the
+"""CUDA graphs of the device step (engine/device/step.py: the pass, statistics, sampling and the
 sampler's decisions): one per batch-size bucket (and per mask: with or without allowed-token
 masks), captured once and replayed for any group of up to its size at any prefix lengths (the
 paged attention reads the block tables on the device)."""
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .device_step import DeviceStep, run_step, stack_state
-from .step_inputs import StepLayout, StepTensors, fill, host_buffer
+from .step import DeviceStep, run_step, stack_state
+from .inputs import StepLayout, StepTensors, fill, host_buffer
 
 if TYPE_CHECKING:
-    from .request import Request
-    from .runner import Runner
+    from ..request import Request
+    from .step import Runner
 
 log = logging.getLogger("dgemma")
 
@@ -25,7 +25,7 @@ class DecoderGraphs:
     """CUDA graphs of `device_step.run_step`, one per batch-size bucket (1, 2, 4, 8) and mask kind,
     each captured once, the first time a group needs it.
 
-    A captured step reads static inputs: the packed step inputs (engine/step_inputs.py: block
+    A captured step reads static inputs: the packed step inputs (engine/device/inputs.py: block
     tables, key ranges, positions, temperatures, seeds, pass counts, the sampler's knobs, fixed
     tokens) as one device buffer, the canvases, self-conditioning inputs and stop histories, and,
     in the masked variant, the packed allowed-token masks. Before each replay they are

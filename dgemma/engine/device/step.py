@@ -1,8 +1,8 @@
 """The Triton path's decoder step, whole on the device: the pass, the statistics, the next
 self-conditioning input, sampling and the sampler's decisions, in a fixed set of launches with no
-host sync, so one CUDA graph replays all of it (engine/graphs.py).
+host sync, so one CUDA graph replays all of it (engine/device/graphs.py).
 
-    inputs        one host-to-device copy of the group's step inputs (engine/step_inputs.py), the
+    inputs        one host-to-device copy of the group's step inputs (engine/device/inputs.py), the
                   canvases, self-conditioning inputs and stop histories stacked once each
     the pass      net.decode (kernels/gpu.py's fused network: 14 launches a layer)
     statistics    the LM head, then triton_step.step_statistics: argmax, entropy, softmax's
@@ -20,17 +20,36 @@ triton_step.MAX_STABILITY) or they denoise with turbo: those take runner._decide
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..kernels import triton_step
-from .step_plan import DecodeResult
-from .step_inputs import StepLayout, StepTensors, fill, host_buffer
+from ...kernels import triton_step
+from ..step_plan import DecodeResult
+from .inputs import StepLayout, StepTensors, fill, host_buffer
 
 if TYPE_CHECKING:
-    from .request import Request
-    from .runner import Runner
+    from ...config import ModelConfig
+    from ..kv.paged_cache import PagedKVCache
+    from ..request import Request
+
+
+class Runner(Protocol):
+    """What the device step reads of the engine's runner (engine/runner.py, which imports this
+    package: a protocol keeps the import one way)."""
+
+    net: Any  # the fused network (kernels/gpu.py)
+    config: ModelConfig
+    cache: PagedKVCache
+    graphs: Any  # graphs.DecoderGraphs, or None
+    triton: bool
+    pass_tokens: int | None
+
+    def allowed_masks(self, group: list[Request]) -> torch.Tensor | None: ...
+    def blank_state(self) -> dict[str, torch.Tensor]: ...
+    def statistics(self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple: ...
+    def to_device(self, t: torch.Tensor) -> torch.Tensor: ...
+    def _logprobs(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor, stops: list[bool]) -> list: ...
 
 
 @dataclass

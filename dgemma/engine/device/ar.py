@@ -29,11 +29,11 @@ from typing import Iterator
 
 import torch
 
-from ..kernels import triton_step
-from .events import Block, GenerationOutput
+from ...kernels import triton_step
+from ..events import Block, GenerationOutput
 from .graphs import cuda_capture, eager_capture
-from .kv.paged_cache import KINDS, PagedKVCache, SequenceBlocks
-from .prefill import prefill
+from ..kv.paged_cache import KINDS, PagedKVCache, SequenceBlocks
+from ..prefill import prefill
 
 READ_EVERY = 16  # tokens a row decodes between two reads of the device
 
@@ -49,7 +49,7 @@ class TokenPass:
     slots: dict[str, torch.Tensor]  # kind -> [n] int64
 
     def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from ..kernels.triton_attention import paged_canvas_attention
+        from ...kernels.triton_attention import paged_canvas_attention
 
         table, lo, start = self.tables[KINDS[0] if sliding else KINDS[1]]
         return paged_canvas_attention(q, k, v, self.cache.keys[layer], self.cache.values[layer], table, lo, start)
