@@ -284,7 +284,7 @@ def test_bad_arguments_raise_with_a_message():
 @pytest.mark.parametrize("scheme", formats.SCHEMES)
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
 def test_fallback_without_the_kernel(monkeypatch, scheme, dtype):
-    monkeypatch.setattr(avx2, "extension", lambda: None)
+    monkeypatch.setattr(avx2, "extension", lambda wait=None: None)
     q = formats.quantize(weight(37, 64), scheme, 32)
     out = torch.empty(37, 64, dtype=dtype)
     assert avx2.dequantize_into(q.rows(3, 34), out[3:34]) is not None

@@ -54,7 +54,7 @@ def test_bf16_activations_multiply_the_whole_dequantised_weight(scheme, monkeypa
     # bf16 activations (a CPU with native bf16) without the AVX-512 GEMM that decodes inside
     # (tests/kernels/test_gemm_avx512.py) take one GEMM on the weight dequantised whole, not the float32
     # fallback's 1 MB tiles (1.6-2x slower): F.linear on formats.dequantize's weight
-    monkeypatch.setattr(native, "extension", lambda: None)
+    monkeypatch.setattr(native, "extension", lambda wait=None: None)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(1040, 512, generator=g) / 512**0.5  # 532k elements: three float32 tiles
     q = quantize(w, scheme, group_size=32)
