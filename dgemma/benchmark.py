@@ -521,7 +521,7 @@ def summarize(results: list[RunResult]) -> list[dict]:
     rows = []
     for peer in dict.fromkeys(r.peer for r in results):
         runs = [r for r in results if r.peer == peer]
-        med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
+        med = lambda f, runs=runs: statistics.median(f(r) for r in runs)  # noqa: E731
         rows.append(
             {
                 "peer": peer,

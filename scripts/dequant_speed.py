@@ -58,15 +58,15 @@ def main() -> None:
         tile = out[:256]
         if q is None:
             wb = w.bfloat16()
-            native = median_s(lambda: avx2.widen_into(wb, out), args.repeat)
-            ref = median_s(lambda: out.copy_(wb), args.repeat)
-            small = median_s(lambda: avx2.widen_into(wb[:256], tile), args.repeat * 5)
+            native = median_s(lambda wb=wb, out=out: avx2.widen_into(wb, out), args.repeat)
+            ref = median_s(lambda wb=wb, out=out: out.copy_(wb), args.repeat)
+            small = median_s(lambda wb=wb, tile=tile: avx2.widen_into(wb[:256], tile), args.repeat * 5)
             assert torch.equal(out, wb.to(dtype))
         else:
-            native = median_s(lambda: avx2.dequantize_into(q, out), args.repeat)
-            ref = median_s(lambda: formats.dequantize(q, dtype), args.repeat)
+            native = median_s(lambda q=q, out=out: avx2.dequantize_into(q, out), args.repeat)
+            ref = median_s(lambda q=q: formats.dequantize(q, dtype), args.repeat)
             qt = q.rows(0, 256)
-            small = median_s(lambda: avx2.dequantize_into(qt, tile), args.repeat * 5)
+            small = median_s(lambda qt=qt, tile=tile: avx2.dequantize_into(qt, tile), args.repeat * 5)
             assert torch.equal(out, formats.dequantize(q, dtype))
         ms = lambda t: f"{t[0] * 1e3:.3f} ({t[1] * 1e3:.3f})"  # noqa: E731
         us = f"{small[0] * 1e6:.1f} ({small[1] * 1e6:.1f})"

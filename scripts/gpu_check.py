@@ -188,7 +188,7 @@ def kernels_vs_torch(device: torch.device) -> None:
 def tiny_model(device: torch.device, dtype: torch.dtype, seed: int = 0) -> DiffusionGemma:
     torch.manual_seed(seed)
     net = DiffusionGemma(make_config(**PRESETS["test"]))
-    for name, p in net.named_parameters():
+    for p in net.parameters():
         if p.dim() >= 2:
             p.data.normal_(0, 0.05)
     return net.to(device, dtype).eval()

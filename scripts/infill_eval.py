@@ -168,7 +168,7 @@ def compare_turbo(model, cases: list[Case], args) -> None:
 
     for r in range(args.compare_seeds):
         for name, knobs in settings.items():
-            def one(i: int):
+            def one(i: int, r: int = r, name: str = name, knobs: dict = knobs):  # this iteration's values
                 c = cases[i]
                 gen = collect(model.infill_stream(c.prefix, c.suffix, span_length=c.n, seed=compare_seed(args.seed, i, r, name),
                                                   drafts=False, **knobs))  # fmt: skip

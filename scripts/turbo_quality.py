@@ -210,7 +210,7 @@ def main() -> None:
     print(f"{n} prompts from {len({f for f, _ in prompts})} held-out files, {sum(map(len, ids)) / n:.0f} tokens on average; "
           f"settings: {', '.join(f'{k} {v}' for k, v in chosen.items())}", flush=True)  # fmt: skip
 
-    for name, knobs in runs.items():  # warm-up, untimed
+    for knobs in runs.values():  # warm-up, untimed
         model.generate(ids[:2], max_new_tokens=args.max_new_tokens, seed=[10**6] * min(2, n), **knobs)
     tallies = {name: Tally(n) for name in runs}
     for s in range(args.seeds):

@@ -207,7 +207,7 @@ class DenseKVCache:
                 return KeyPlan(lo, hi, None, num_tokens > 1)
             valid = self._key_valid(rows).clone()
             if not uniform:
-                bound = torch.tensor([l + c for l, c in zip(lens, counts)], device=self.device)
+                bound = torch.tensor([length + c for length, c in zip(lens, counts)], device=self.device)
                 valid &= torch.arange(self.capacity, device=self.device) < bound[:, None]
             return KeyPlan(lo, hi, encoder_mask(positions, lo, hi, valid, window), False)
 

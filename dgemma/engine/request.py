@@ -13,7 +13,7 @@ import enum
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 
@@ -24,7 +24,7 @@ from .events import TokenLogprob
 from .kv.paged_cache import SequenceBlocks
 from .turbo import TurboState
 
-ConstraintSource = Union[CanvasConstraints, Callable[["Request"], "CanvasConstraints | None"], None]
+ConstraintSource = CanvasConstraints | Callable[["Request"], "CanvasConstraints | None"] | None
 # A constraint source may also judge what a block commits: `commit(block) -> n` keeps the first n
 # tokens of the converged canvas (a grammar's valid prefix: engine/constraints/grammar.py), and the next canvas
 # starts after them.

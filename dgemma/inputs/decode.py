@@ -12,7 +12,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -38,8 +37,8 @@ VIDEO_MIME_OF_SUFFIX = {".mp4": "video/mp4", ".m4v": "video/mp4", ".mov": "video
                         ".mkv": "video/x-matroska", ".avi": "video/x-msvideo", ".mpg": "video/mpeg",
                         ".mpeg": "video/mpeg", ".ts": "video/mpeg"}  # fmt: skip
 
-ImageSource = Union[Image.Image, str, Path, bytes, bytearray, memoryview]
-VideoSource = Union[str, Path, bytes, bytearray, memoryview]
+ImageSource = Image.Image | str | Path | bytes | bytearray | memoryview
+VideoSource = str | Path | bytes | bytearray | memoryview
 
 
 def _megapixels(width: int, height: int) -> str:

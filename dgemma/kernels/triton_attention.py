@@ -185,10 +185,10 @@ if HAVE_TRITON:
         s_ok = s < NUM_SPLITS
         d = tl.arange(0, D)
         m = tl.load(m_ptr + r * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
-        l = tl.load(l_ptr + r * NUM_SPLITS + s, mask=s_ok, other=0.0)
+        sums = tl.load(l_ptr + r * NUM_SPLITS + s, mask=s_ok, other=0.0)
         acc = tl.load(part_ptr + (r * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
         w = tl.exp(m - tl.max(m, 0))
-        o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(sums * w, 0)
         tl.store(out_ptr + b * so_b + a * so_a + h * so_h + d * so_d, o.to(out_ptr.dtype.element_ty))
 
     INTERPRETED = interpreted(_paged_canvas_kernel)

@@ -118,17 +118,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gelu_mul_kernel(
-        gu_ptr, out_ptr, S, I,
+        gu_ptr, out_ptr, S, INTER,
         stride_gs, stride_gi, stride_os, stride_oi,
         TANH: tl.constexpr, ROUND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
     ):  # fmt: skip
-        """out[s, i] = gelu(gate_up[s, i]) * gate_up[s, I + i], in float32."""
+        """out[s, i] = gelu(gate_up[s, i]) * gate_up[s, INTER + i], in float32."""
         rows = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        mask = (rows < S)[:, None] & (cols < I)[None, :]
+        mask = (rows < S)[:, None] & (cols < INTER)[None, :]
         g_ptr = gu_ptr + rows[:, None] * stride_gs + cols[None, :] * stride_gi
         g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(g_ptr + I * stride_gi, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(g_ptr + INTER * stride_gi, mask=mask, other=0.0).to(tl.float32)
         if TANH:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), without tanh's cancellation near -1
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             act = g / (1.0 + tl.exp(-2.0 * z))

@@ -190,7 +190,7 @@ def init_weights(net: DiffusionGemma, std: float = 0.02, seed: int | None = None
     gen = torch.Generator(device="cpu")
     if seed is not None:
         gen.manual_seed(seed)
-    for name, p in net.named_parameters():
+    for p in net.parameters():
         if p.dim() >= 2:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
         else:

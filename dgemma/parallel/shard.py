@@ -369,7 +369,7 @@ def quantize_shard_layer(net: DiffusionGemma, index: int, layout: RankLayout, gr
         for which in ("gate_up_proj", "down_proj"):
             w = getattr(experts, which).detach()
             amax = _whole_amax(w, scheme, layout.cut(f"layers.{index}.experts.{which}"), group)
-            q[which] = quantize_stacked(lambda e: w[e], experts.num_experts, scheme, group_size, dtype, amax)
+            q[which] = quantize_stacked(lambda e, w=w: w[e], experts.num_experts, scheme, group_size, dtype, amax)
         holder._modules["experts"] = QuantExperts(q["gate_up_proj"], q["down_proj"], experts.approximate)
     release_freed_memory()
 

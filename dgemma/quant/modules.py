@@ -236,8 +236,8 @@ def random_quantized_model(
             if linear is not None:
                 parent._modules[child] = QuantLinear(quantize(draw(*linear.weight.shape), scheme, group_size, dtype))
         e, two_i, h = layer.experts.gate_up_proj.shape
-        gate_up = quantize_stacked(lambda _: draw(two_i, h), e, scheme, group_size, dtype)
-        down = quantize_stacked(lambda _: draw(h, two_i // 2), e, scheme, group_size, dtype)
+        gate_up = quantize_stacked(lambda _, two_i=two_i, h=h: draw(two_i, h), e, scheme, group_size, dtype)
+        down = quantize_stacked(lambda _, two_i=two_i, h=h: draw(h, two_i // 2), e, scheme, group_size, dtype)
         layer._modules["experts"] = QuantExperts(gate_up, down, layer.experts.approximate)
         release_freed_memory()
     net.quantization = (scheme, group_size)

@@ -165,7 +165,7 @@ def load_adapters(net: nn.Module, path: str | Path) -> list[str]:
 @torch.no_grad()
 def merge_lora(net: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and remove it: a plain model again, savable as a checkpoint."""
-    for name, linear in target_modules(net, ("",)).items():
+    for linear in target_modules(net, ("",)).values():
         if not hasattr(linear, "lora"):
             continue
         linear.weight.copy_((linear.weight.float() + linear.lora.delta()).to(linear.weight.dtype))

@@ -203,7 +203,7 @@ def test_a_grammar_request_adds_only_its_own_reads():
                 pass_plan = runner.cache.plan_canvas(c, [r.kv for r in group])
             assert allowed is not None
             with no_host_sync("none"):
-                outputs = runner.decoder_step(canvas, soft, temps, pass_plan, allowed)
+                runner.decoder_step(canvas, soft, temps, pass_plan, allowed)
             with count_host_reads() as reads:  # the whole step: the plain rows' stop flags, the grammar's own reads
                 engine.scheduler.update(plan, runner.run(plan))
             assert 3 <= reads.count <= 4, reads.where

@@ -168,7 +168,7 @@ def test_the_option_needs_a_device_that_runs_the_kernels(model, monkeypatch):
     monkeypatch.setattr(triton_step, "INTERPRETED", False)
     model.configure_engine(triton=True)
     with pytest.raises(ValueError, match="need a CUDA device or TRITON_INTERPRET=1"):
-        model.engine
+        _ = model.engine
     model.configure_engine(triton=None)
     assert model.engine.runner.triton is False  # default: CUDA only
 

@@ -42,7 +42,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 def net(request):
     torch.manual_seed(0)
     net = DiffusionGemma(make_config(**PRESETS["test"]))
-    for name, p in net.named_parameters():  # norms away from 1, so a wrong weight shows
+    for p in net.parameters():  # norms away from 1, so a wrong weight shows
         p.data = torch.randn(p.shape) * (0.3 if p.dim() == 1 else 0.05) + (1.0 if p.dim() == 1 else 0.0)
     for layer in net.layers:
         layer.layer_scalar.fill_(0.75)

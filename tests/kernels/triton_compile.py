@@ -287,7 +287,7 @@ def _launch_released(launches: Launches) -> None:
         net = released_net(scheme)
         for batch in ((1, 4) if scheme in (None, "nvfp4") else (1,)):  # the decoder pass's shapes first
             launches.label = f"prompts {scheme or 'bf16'} batch {batch}"
-            step_launches(net, batch, on_counted=lambda b=batch: setattr(launches, "label", f"step {scheme or 'bf16'} batch {b}"))
+            step_launches(net, batch, on_counted=lambda b=batch, s=scheme: setattr(launches, "label", f"step {s or 'bf16'} batch {b}"))
         launches.label = f"encode {scheme or 'bf16'}"
         encode_launches(net)
         if scheme is None:  # AR mode's captured token (engine/device/ar.py): slots, argmax, advance

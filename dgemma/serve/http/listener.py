@@ -60,7 +60,7 @@ class TimedProtocol(H11Protocol):
     def _headers_late(self) -> None:
         self._header_timer = None
         if not self.transport.is_closing():
-            client = "%s:%d" % self.client if self.client else "a client"
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
             log.info("closed the connection of %s: no complete request headers within %g s (--read-timeout)",
                      client, self.header_timeout)  # fmt: skip
             self.transport.close()
