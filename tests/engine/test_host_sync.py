@@ -215,12 +215,15 @@ STEP_MODULES = [
     "engine/runner.py", "engine/device/graphs.py", "engine/sampler.py", "engine/kv/paged_cache.py", "engine/prefill.py",
     "model/diffusion_gemma.py", "model/rope.py", "model/attention.py", "kernels/gpu.py", "kernels/triton_step.py",
     "kernels/triton_layer.py", "kernels/triton_attention.py", "kernels/triton_quant.py", "quant/modules.py",
-    "engine/turbo.py", "engine/turbo_step.py",
+    "engine/turbo.py", "engine/turbo_step.py", "engine/device/step.py", "engine/device/inputs.py", "engine/device/ar.py",
+    "kernels/triton_ar.py", "kernels/triton_norms.py", "kernels/triton_moe.py",
 ]  # fmt: skip
 HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "bincount", "unique", "masked_select"}
 # (module, function): why it may read the device on the host
 ALLOWED = {
     ("engine/runner.py", "_results"): "the step's one read: the stop flags",
+    ("engine/device/step.py", "device_group"): "the device step's one read: the stop flags",
+    ("engine/device/ar.py", "_generate"): "AR: the prompt's first tokens, then one read of tokens per read-back batch",
     ("engine/runner.py", "_refine"): "a grammar's walk runs on the host: constrained requests only",
     ("engine/runner.py", "_sample"): "the CPU path samples only the accepted positions (nonzero on the host)",
     ("model/diffusion_gemma.py", "grouped_matmul"): "torch's loop fallback where F.grouped_mm has no kernel (float32)",

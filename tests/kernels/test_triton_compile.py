@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.subprocess, pytest.mark.slow]
 
 from triton_compile import HOPPER_SHARED, REGISTERS_PER_SM, released_variants, table  # noqa: E402
 
-from dgemma.kernels import triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step  # noqa: E402
+from dgemma.kernels import triton_ar, triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step  # noqa: E402
 
 MATMULS = ("_paged_canvas_kernel", "_gemm_kernel", "_router_kernel")
 EXPERTS = 128  # the released model's
@@ -50,7 +50,7 @@ def of(variants, kernel):
 
 def test_every_kernel_is_compiled_at_the_picked_variants(variants):
     print("\n" + table(variants, uses=False))  # pytest -s: the table
-    modules = (triton_step, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
+    modules = (triton_step, triton_ar, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
     assert {v["kernel"] for v in variants} == {n for m in modules for n in dir(m) if n.endswith("_kernel")}
     norm = {(v["constexprs"]["HALF"], v["constexprs"]["HAS_WEIGHT"], v["constexprs"]["HAS_ROPE"]) for v in of(variants, "_norm_rope_kernel")}
     assert norm == {(half, w, w) for half in (128, 256) for w in (True, False)}  # the unfused path: q / k normed and rotated, v normed

@@ -273,13 +273,13 @@ def _launch_released(launches: Launches) -> None:
 
     from launch_count import ar_token_launches, encode_launches, h200, released_net, step_launches
 
-    from dgemma.kernels import triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
+    from dgemma.kernels import triton_ar, triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
     from dgemma.model.checkpoint import make_config
     from dgemma.model.diffusion_gemma import Experts
     from dgemma.model.presets import PRESETS
     from dgemma.quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, quantize
 
-    modules = (triton_step, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
+    modules = (triton_step, triton_ar, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
     for fn in [getattr(m, name) for m in modules for name in dir(m) if name.endswith("_kernel")]:
         launches.capture(fn)
 

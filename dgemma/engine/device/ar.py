@@ -9,11 +9,11 @@ the host (thousands of launches a token on a GPU). Here every step's inputs live
                           batch ahead, sliding blocks behind the window released)
     lo, start, slots      per layer kind [n]: the keys a row sees and the pool slot its own go to
 
-and a step (`ar_step`) is: `triton_step.token_slots` (lo, start and slots from the positions), the
+and a step (`ar_step`) is: `triton_ar.token_slots` (lo, start and slots from the positions), the
 fused layers over one token a row (the q|k|v kernel also writes the token's keys and values into
 the pool; attention reads the row's blocks in place), the LM head, the next token (greedy: the
 argmax of the softcapped logits in one kernel; sampled: the statistics and a draw from the
-request's Philox stream) and `triton_step.ar_advance` (the token into the output, end of answer
+request's Philox stream) and `triton_ar.ar_advance` (the token into the output, end of answer
 noted, positions forward). No host sync: a CUDA graph captures it once and replays it; the host
 reads the tokens every `read_every` steps (one read a batch), cuts each row at its end of answer and
 allocates the blocks the next batch needs.
@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from ...kernels import triton_step
+from ...kernels import triton_ar, triton_step
 from ..events import Block, GenerationOutput
 from .graphs import cuda_capture, eager_capture
 from ..kv.paged_cache import KINDS, PagedKVCache, SequenceBlocks
@@ -96,7 +96,7 @@ def choose(runner, raw: torch.Tensor, state: ARState, greedy: bool) -> torch.Ten
     draw at the row's temperature from its Philox stream (offset: the position it goes to)."""
     cap = runner.config.final_logit_softcapping or 0.0
     if greedy:
-        return triton_step.softcapped_argmax(raw, cap)
+        return triton_ar.softcapped_argmax(raw, cap)
     _, _, _, probs = triton_step.step_statistics(raw, state.temperature, cap, None, torch.float32, normalize=True)
     return triton_step.sample_drawn(probs, state.seeds, state.positions.to(torch.int64), 1)
 
@@ -104,10 +104,10 @@ def choose(runner, raw: torch.Tensor, state: ARState, greedy: bool) -> torch.Ten
 def ar_step(runner, state: ARState, greedy: bool) -> None:
     """One token a row, all on the device (what a graph captures): see the module."""
     cache = runner.cache
-    triton_step.token_slots(state.positions, state.tables, state.lo, state.start, state.slots, cache.block_size, cache.window)
+    triton_ar.token_slots(state.positions, state.tables, state.lo, state.start, state.slots, cache.block_size, cache.window)
     hidden = runner.net.encode(state.tokens[:, None], state.token_pass(cache)).view(state.tokens.shape[0], -1)
     chosen = choose(runner, runner.net.lm_head(hidden), state, greedy)
-    triton_step.ar_advance(chosen, state.tokens, state.positions, state.out, state.step, state.done, state.eos)
+    triton_ar.ar_advance(chosen, state.tokens, state.positions, state.out, state.step, state.done, state.eos)
 
 
 class _Pool:
