@@ -1,6 +1,7 @@
 """dgemma: run, serve and fine-tune DiffusionGemma (block-diffusion MoE language model)."""
 
-from .api import Model, default_model_dir, load
+from .api import Model, default_model_dir
+from .loading import load
 from .config import ConfigError, GenerationConfig, ModelConfig
 from .engine.events import Block, Draft, Finished, GenerationOutput
 from .model.weights import WeightsError

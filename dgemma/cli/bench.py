@@ -139,7 +139,7 @@ def bench_model(args, device, dtype, peers: list[str], tmp: Path, say):
     --model: loaded as ever. Random --size weights: built directly on --device in --dtype (or
     quantised with --quantization), and written to `tmp` only for the transformers reference;
     the ranks of a tensor-parallel run each read their share from a file, built on the CPU."""
-    from ..api import load
+    from ..loading import load
 
     if args.model:
         say(f"loading {args.model}")  # its plan was checked once already, by resolve_model (at --batch)

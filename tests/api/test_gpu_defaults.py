@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma import api, devices
+from dgemma import devices, loading
 from dgemma.devices import dtype_name, parse_device, resolve_device, resolve_dtype
 from dgemma.cli import build_parser, main
 from dgemma.engine import engine as engine_module
@@ -227,7 +227,7 @@ def test_bench_routes_its_dtype_through_resolve_dtype(monkeypatch, capsys):
         seen.update(device=device, dtype=dtype)
         raise Loaded
 
-    monkeypatch.setattr(api, "load", fake_load)
+    monkeypatch.setattr(loading, "load", fake_load)
     model = str(dgemma.default_model_dir())
     with pytest.raises(Loaded):
         main(["bench", "--model", model, "--device", "cuda:1", "--peers", "default"])
