@@ -1,9 +1,9 @@
 """dgemma: run, serve and fine-tune DiffusionGemma (block-diffusion MoE language model)."""
 
-from .api import Model, default_model_dir
-from .loading import load
+from .api import Model
 from .config import ConfigError, GenerationConfig, ModelConfig
 from .engine.events import Block, Draft, Finished, GenerationOutput
+from .loading import default_model_dir, load
 from .model.weights import WeightsError
 
 __version__ = "0.1.0"

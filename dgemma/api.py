@@ -3,35 +3,39 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from .config import GenerationConfig, ModelConfig
+from .dense.kv_cache import DenseKVCache
+from .dense.reference import reference_events
 from .engine.client import EngineClient
 from .engine.constraints import CanvasConstraints, FirstCanvas, canvas_row
-from .engine.constraints.infill import DEFAULT_LENGTHS, EditResult, InfillResult, candidate_lengths, edit_plan, infill_plan, most_likely_span, snap_spans
+from .engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
+from .engine.constraints.infill import (
+    DEFAULT_LENGTHS,
+    EditResult,
+    InfillResult,
+    candidate_lengths,
+    edit_plan,
+    infill_plan,
+    most_likely_span,
+    snap_spans,
+)
 from .engine.engine import Engine, EngineOptions
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
-from .engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
-from .dense.kv_cache import DenseKVCache
 from .engine.prefill import prefill
-from .dense.reference import reference_events
 from .engine.request import Request, check_seed, image_spans, random_seed, validate_prompts
-from .kernels.choice import engine_net
-from .model.diffusion_gemma import DiffusionGemma
 from .inputs.model_inputs import ImagePatches, MediaError, ModelInputs
 from .inputs.tokenizer import Tokenizer
+from .kernels.choice import engine_net
+from .model.diffusion_gemma import DiffusionGemma
 
 SAMPLING_MODES = ("default", "reference")
-
-
-def default_model_dir() -> Path:
-    """Directory of the small model shipped inside the package (dgemma-tiny)."""
-    return Path(__file__).resolve().parent / "assets" / "dgemma-tiny"
 
 
 @dataclass
@@ -89,8 +93,14 @@ class Model:
         """The engine `generate` and `stream` share (its prefix cache persists across calls)."""
         return self._engine_client().engine
 
-    def ar_events(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int],
-                  eos_token_ids: tuple[int, ...]):  # fmt: skip
+    def ar_events(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seeds: list[int],
+        eos_token_ids: tuple[int, ...],
+    ):
         """AR mode's events (a `Block` of one token per row per step): on the engine's Triton path
         (a GPU) the device loop of engine/device/ar.py, one captured graph a token; elsewhere
         dense/ar.py's loop on the engine's network."""
@@ -122,7 +132,9 @@ class Model:
         if self._client is None:
             net = self.engine_input_net
             # ranks this process leads make the engine with it and replay its steps (parallel/leader.py)
-            engine = Engine(net, self.engine_options) if self.ranks is None else self.ranks.engine(net, self.engine_options)
+            engine = (
+                Engine(net, self.engine_options) if self.ranks is None else self.ranks.engine(net, self.engine_options)
+            )
             self._client = EngineClient(engine)
         return self._client
 
@@ -133,7 +145,7 @@ class Model:
             self._client = None
             self.ranks.close()
 
-    def __enter__(self) -> "Model":
+    def __enter__(self) -> Model:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -143,8 +155,10 @@ class Model:
         """Refuse work that runs the net outside the engine when this process leads its ranks:
         they replay only the engine's steps (under torchrun every rank makes the same calls)."""
         if self.ranks is not None:
-            raise ValueError(f"{what} runs the network outside the engine, which the ranks that dgemma.load started do "
-                             "not replay: use the engine's sampling, or start the ranks with torchrun (docs/parallel.md)")  # fmt: skip
+            raise ValueError(
+                f"{what} runs the network outside the engine, which the ranks that dgemma.load started do "
+                "not replay: use the engine's sampling, or start the ranks with torchrun (docs/parallel.md)"
+            )
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -153,7 +167,9 @@ class Model:
             if self.tokenizer is None:
                 raise GrammarError("structured output needs the checkpoint's tokenizer.json")
             g = self.generation_config
-            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.config.vocab_size, g.eos_token_ids, g.pad_token_id)
+            self._grammars = GrammarCompiler(
+                self.tokenizer.to_json(), self.config.vocab_size, g.eos_token_ids, g.pad_token_id
+            )
         return self._grammars
 
     def compile_grammar(self, kind: str, spec) -> Grammar:
@@ -283,26 +299,36 @@ class Model:
         if request.sampling == "reference":
             self._outside_the_engine("sampling='reference'")
             if request.config.turbo:
-                raise ValueError("sampling='reference' reproduces transformers step for step: turbo denoising approximates it; drop one of them")
+                raise ValueError(
+                    "sampling='reference' reproduces transformers step for step: turbo denoising approximates it; drop one of them"
+                )
             if constraints is not None:
                 raise ValueError("sampling='reference' takes no canvas constraints")
             validate_prompts(prompt_ids, self.config.vocab_size)
             placed = [self._placed_images(p, im) if im else [] for p, im in zip(prompt_ids, images)]
             if user_seed:
                 torch.manual_seed(request.seeds[0])
-            return reference_events(self.net, prompt_ids, request.config, drafts=drafts, images=placed, initial_canvas=initial)
+            return reference_events(
+                self.net, prompt_ids, request.config, drafts=drafts, images=placed, initial_canvas=initial
+            )
         validate_prompts(prompt_ids, self.config.vocab_size)
         if initial is not None:
             if constraints is not None:
-                raise ValueError("pass canvas or constraints, not both (CanvasConstraints.initial warm-starts a canvas)")
+                raise ValueError(
+                    "pass canvas or constraints, not both (CanvasConstraints.initial warm-starts a canvas)"
+                )
             constraints = [FirstCanvas(CanvasConstraints(initial=row)) for row in initial]
         if constraints is not None and len(constraints) != len(prompt_ids):
             raise ValueError(f"got {len(constraints)} constraints for {len(prompt_ids)} prompts")
         requests = [
             Request(
-                list(p), request.config, seed, drafts=drafts, images=im,
+                list(p),
+                request.config,
+                seed,
+                drafts=drafts,
+                images=im,
                 constraints=None if constraints is None else constraints[i],
-            )  # fmt: skip
+            )
             for i, (p, seed, im) in enumerate(zip(prompt_ids, request.seeds, images))
         ]
         return self._engine_events(requests)
@@ -386,7 +412,9 @@ class Model:
                 len(prompt_ids), seed=seed, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
             )
             cfg = request.config
-            return collect(self.ar_events(prompt_ids, cfg.max_new_tokens, temperature, request.seeds, cfg.eos_token_ids))
+            return collect(
+                self.ar_events(prompt_ids, cfg.max_new_tokens, temperature, request.seeds, cfg.eos_token_ids)
+            )
         if mode != "diffusion":
             raise ValueError(f"mode must be 'diffusion' or 'ar', got {mode!r}")
         request = self.sampling_request(
@@ -409,14 +437,26 @@ class Model:
         )
         return collect(
             self._events(
-                prompt_ids, request, drafts=False, user_seed=seed is not None, constraints=constraints, images=images,
+                prompt_ids,
+                request,
+                drafts=False,
+                user_seed=seed is not None,
+                constraints=constraints,
+                images=images,
                 canvas=canvas,
-            )  # fmt: skip
+            )
         )
 
     def stream(
-        self, prompt, drafts: bool = False, seed: int | None = None, sampling: str = "default", constraints=None,
-        grammar: Grammar | None = None, canvas: Sequence[int] | None = None, **knobs,
+        self,
+        prompt,
+        drafts: bool = False,
+        seed: int | None = None,
+        sampling: str = "default",
+        constraints=None,
+        grammar: Grammar | None = None,
+        canvas: Sequence[int] | None = None,
+        **knobs,
     ):
         """Yield `Block` events as each canvas commits (and `Draft` events per step if `drafts`);
         `constraints`, `grammar`, `canvas` as in `generate`, for this one prompt."""
@@ -425,14 +465,24 @@ class Model:
         listed = None if constraints is None else [constraints]
         listed = self._grammar_constraints(grammar, 1, listed)
         return self._events(
-            prompt_ids, request, drafts=drafts, user_seed=seed is not None, constraints=listed, images=images,
+            prompt_ids,
+            request,
+            drafts=drafts,
+            user_seed=seed is not None,
+            constraints=listed,
+            images=images,
             canvas=None if canvas is None else [canvas],
-        )  # fmt: skip
+        )
 
     # ---------------------------------------------------------------- seeded canvases (engine/constraints/infill.py)
     def infill(
-        self, prefix: str, suffix: str, span_length: int | None = None, lengths: Sequence[int] = DEFAULT_LENGTHS,
-        seed: int | None = None, **knobs,
+        self,
+        prefix: str,
+        suffix: str,
+        span_length: int | None = None,
+        lengths: Sequence[int] = DEFAULT_LENGTHS,
+        seed: int | None = None,
+        **knobs,
     ) -> InfillResult:
         """The text between `prefix` and `suffix`: `span_length` tokens, or the candidate length
         (of `lengths`) whose canvas the model finds most likely (see engine/constraints/infill.py)."""
@@ -445,13 +495,24 @@ class Model:
         tokens = blocks[candidates.index(best)].tokens[:best]
         return InfillResult(tok.decode(tokens), tokens, best, scores)
 
-    def infill_stream(self, prefix: str, suffix: str, span_length: int, seed: int | None = None, drafts: bool = True, **knobs):
+    def infill_stream(
+        self, prefix: str, suffix: str, span_length: int, seed: int | None = None, drafts: bool = True, **knobs
+    ):
         """`stream` of one infill canvas (Draft events show the span forming, the suffix fixed
         beside it; the Block holds the whole canvas, span first)."""
         tok, c = self._text_tokenizer(), self.config.canvas_length
-        plan = infill_plan(tok.encode(prefix), tok.encode(suffix, add_special_tokens=False), span_length, c, *self.end_tokens())
-        return self.stream(plan.prompt, drafts=drafts, seed=seed, constraints=FirstCanvas(plan.constraints(self.config.vocab_size)),
-                           max_new_tokens=c, eos_token_ids=[], **knobs)  # fmt: skip
+        plan = infill_plan(
+            tok.encode(prefix), tok.encode(suffix, add_special_tokens=False), span_length, c, *self.end_tokens()
+        )
+        return self.stream(
+            plan.prompt,
+            drafts=drafts,
+            seed=seed,
+            constraints=FirstCanvas(plan.constraints(self.config.vocab_size)),
+            max_new_tokens=c,
+            eos_token_ids=[],
+            **knobs,
+        )
 
     def edit(self, text: str, spans: Sequence[tuple[int, int]], seed: int | None = None, **knobs) -> EditResult:
         """`text` with the character ranges `spans` rewritten (snapped outward to token
@@ -484,9 +545,17 @@ class Model:
 
     def _seeded_blocks(self, plans: list, seed: int | None, **knobs) -> list[Block]:
         """The committed canvas of each plan (one block each, with its log probabilities)."""
-        request = self.sampling_request(len(plans), seed=seed, max_new_tokens=self.config.canvas_length, eos_token_ids=[], **knobs)
+        request = self.sampling_request(
+            len(plans), seed=seed, max_new_tokens=self.config.canvas_length, eos_token_ids=[], **knobs
+        )
         requests = [
-            Request(plan.prompt, request.config, s, constraints=FirstCanvas(plan.constraints(self.config.vocab_size)), top_logprobs=0)
+            Request(
+                plan.prompt,
+                request.config,
+                s,
+                constraints=FirstCanvas(plan.constraints(self.config.vocab_size)),
+                top_logprobs=0,
+            )
             for plan, s in zip(plans, request.seeds)
         ]
         blocks: list[Block | None] = [None] * len(plans)

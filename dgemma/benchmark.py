@@ -143,13 +143,13 @@ class BenchEngine:
     `batch` requests at once and a KV pool for `batch` requests of `tokens` positions. `warm`: the
     (batch, turbo) runs whose untimed warm-up has captured their CUDA graphs."""
 
-    engine: "Engine"
+    engine: Engine
     batch: int
     tokens: int  # positions one request may encode: its prompt and every block but the last
     warm: set = field(default_factory=set)
 
     @classmethod
-    def build(cls, model, batch: int, prompt_len: int, new_tokens: int) -> "BenchEngine":
+    def build(cls, model, batch: int, prompt_len: int, new_tokens: int) -> BenchEngine:
         from .engine.engine import Engine
         from .engine.request import max_sequence_length
 
@@ -165,8 +165,10 @@ class BenchEngine:
 
         tokens = max(max_sequence_length(len(p), new_tokens, self.engine.runner.config.canvas_length) for p in prompts)
         if len(prompts) > self.batch or tokens > self.tokens:
-            raise ValueError(f"this bench engine holds {self.batch} requests of {self.tokens} positions; "
-                             f"the run has {len(prompts)} of {tokens}")  # fmt: skip
+            raise ValueError(
+                f"this bench engine holds {self.batch} requests of {self.tokens} positions; "
+                f"the run has {len(prompts)} of {tokens}"
+            )
 
     def warm_up(self, prompts, cfg) -> None:
         """With CUDA graphs, the first run of each batch size (and turbo or not) first runs one
@@ -179,8 +181,9 @@ class BenchEngine:
             return
         from .engine.request import Request
 
-        short = cfg.with_overrides(max_new_tokens=self.engine.runner.config.canvas_length,
-                                   **({} if turbo else {"max_denoising_steps": 1}))  # fmt: skip
+        short = cfg.with_overrides(
+            max_new_tokens=self.engine.runner.config.canvas_length, **({} if turbo else {"max_denoising_steps": 1})
+        )
         _drain(self.engine, [Request(list(p), short, seed) for seed, p in enumerate(prompts)])
         self.warm.add(key)
 
@@ -205,9 +208,17 @@ def _drain(engine, requests, on_step: Callable[[list], None] | None = None) -> l
     return finished
 
 
-def run_dgemma(model, prompts, new_tokens: int, steps: int, adaptive: bool, mode: str,
-               progress: Callable[[int], None] | None = None, turbo: dict | None = None,
-               engine: BenchEngine | None = None) -> RunResult:
+def run_dgemma(
+    model,
+    prompts,
+    new_tokens: int,
+    steps: int,
+    adaptive: bool,
+    mode: str,
+    progress: Callable[[int], None] | None = None,
+    turbo: dict | None = None,
+    engine: BenchEngine | None = None,
+) -> RunResult:
     """One timed generation with dgemma (mode "diffusion" or "ar"); `progress(n)` hears of every
     n tokens committed (a bar that moves within a run, not only between runs). `turbo`: the
     diffusion peer with turbo denoising, these GenerationConfig knobs over turbo=True (peer
@@ -310,11 +321,17 @@ def _run_ar(model, prompts, new_tokens: int, progress: Callable[[int], None] | N
         clock.after_step([ev])  # a row's token at a time: rows commit block 0 (their first token) in step
     seconds = clock.end()
     return RunResult(
-        peer="dgemma-ar", seconds=seconds, ttft=clock.ttft if clock.ttft is not None else seconds,
-        tokens=sum(len(s) for s in out.sequences), decoder_passes=new_tokens, encoder_seconds=0.0,
-        peak_memory_mb=_peak_mb(device), batch=len(prompts),
-        tokens_after_first=clock.committed - clock.before_decode, decode_start=clock.decode_start,
-    )  # fmt: skip
+        peer="dgemma-ar",
+        seconds=seconds,
+        ttft=clock.ttft if clock.ttft is not None else seconds,
+        tokens=sum(len(s) for s in out.sequences),
+        decoder_passes=new_tokens,
+        encoder_seconds=0.0,
+        peak_memory_mb=_peak_mb(device),
+        batch=len(prompts),
+        tokens_after_first=clock.committed - clock.before_decode,
+        decode_start=clock.decode_start,
+    )
 
 
 def load_reference(path: Path, device, dtype):
@@ -328,8 +345,9 @@ def load_reference(path: Path, device, dtype):
     return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def run_reference(ref, prompts, new_tokens: int, steps: int, adaptive: bool,
-                  progress: Callable[[int], None] | None = None) -> RunResult:
+def run_reference(
+    ref, prompts, new_tokens: int, steps: int, adaptive: bool, progress: Callable[[int], None] | None = None
+) -> RunResult:
     """One timed generation with transformers' generate; `progress(n)` as in run_dgemma."""
     device = next(ref.parameters()).device
     ids = torch.tensor(prompts, device=device)
@@ -370,14 +388,24 @@ def run_reference(ref, prompts, new_tokens: int, steps: int, adaptive: bool,
     tokens = len(prompts) * new_tokens
     passes = int(round(float((out.sequences.shape[1] - ids.shape[1]) / out.tokens_per_forward[0])))
     ttft = (streamer.first - start) if streamer.first else seconds
-    result = RunResult("transformers", seconds, ttft, tokens, passes, timer.seconds, _peak_mb(device), len(prompts),
-                       decoder_positions=passes * canvas * len(prompts))  # every position of every pass
+    result = RunResult(
+        "transformers",
+        seconds,
+        ttft,
+        tokens,
+        passes,
+        timer.seconds,
+        _peak_mb(device),
+        len(prompts),
+        decoder_positions=passes * canvas * len(prompts),
+    )  # every position of every pass
     result.tokens_after_first = tokens - len(prompts) * min(canvas, new_tokens)
     return result
 
 
-def random_model(size: str, device, dtype: torch.dtype, scheme: str | None = None, group_size: int | None = None,
-                 seed: int = 0):
+def random_model(
+    size: str, device, dtype: torch.dtype, scheme: str | None = None, group_size: int | None = None, seed: int = 0
+):
     """A `Model` of random weights of a named size, built directly on `device` (`random_weights`)."""
     from .api import Model
     from .config import GenerationConfig
@@ -388,8 +416,15 @@ def random_model(size: str, device, dtype: torch.dtype, scheme: str | None = Non
 
 
 @torch.no_grad()
-def random_weights(config, device, dtype: torch.dtype, scheme: str | None = None, group_size: int | None = None,
-                   seed: int = 0, std: float = 0.02):
+def random_weights(
+    config,
+    device,
+    dtype: torch.dtype,
+    scheme: str | None = None,
+    group_size: int | None = None,
+    seed: int = 0,
+    std: float = 0.02,
+):
     """A DiffusionGemma of random weights built where it runs: matrices normal(0, std) drawn on
     `device` in `dtype`, norms and scales 1; with `scheme`, the text layers' linears and experts
     drawn and quantised one matrix at a time (`quant.modules.random_quantized_model`). No float32
@@ -445,7 +480,9 @@ def write_checkpoint(model, directory: Path, dtype: torch.dtype) -> Path:
     the transformers reference, or ranks of a tensor-parallel run), with a byte tokenizer."""
     from .model.checkpoint import byte_tokenizer, save_checkpoint
 
-    return Path(save_checkpoint(model.net, Path(directory) / "random", model.generation_config, byte_tokenizer(), dtype=dtype))
+    return Path(
+        save_checkpoint(model.net, Path(directory) / "random", model.generation_config, byte_tokenizer(), dtype=dtype)
+    )
 
 
 def memory_figures(model, engine: BenchEngine | None, results: list[RunResult] = ()) -> dict:
@@ -463,9 +500,13 @@ def memory_figures(model, engine: BenchEngine | None, results: list[RunResult] =
     cache = engine.engine.runner.cache if engine else None
     kv = sum(t.numel() * t.element_size() for t in cache.keys + cache.values) if cache else 0
     now = resident_bytes()
-    rss_peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, now or 0)  # Linux reports KiB, updated lazily
+    rss_peak = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, now or 0
+    )  # Linux reports KiB, updated lazily
     if device.type == "cuda":
-        peak = int(max((r.peak_memory_mb for r in results), default=torch.cuda.max_memory_allocated(device) / 2**20) * 2**20)
+        peak = int(
+            max((r.peak_memory_mb for r in results), default=torch.cuda.max_memory_allocated(device) / 2**20) * 2**20
+        )
     else:
         peak = rss_peak
     return {
@@ -484,14 +525,17 @@ def memory_report(figures: dict) -> str:
     parts = figures["weights"]
     by_part = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
     now = figures["rss_now"]
-    return (f"weights: {gib(sum(parts.values()))} ({by_part}); KV pool {gib(figures['kv_reserved'])}; "
-            f"the rest {gib(figures['rest'])} (peak {figures['peak_kind']} {gib(figures['peak'])} minus weights and KV pool)"
-            + (f"; RSS after the runs {gib(now)}" if now is not None else ""))
+    return (
+        f"weights: {gib(sum(parts.values()))} ({by_part}); KV pool {gib(figures['kv_reserved'])}; "
+        f"the rest {gib(figures['rest'])} (peak {figures['peak_kind']} {gib(figures['peak'])} minus weights and KV pool)"
+        + (f"; RSS after the runs {gib(now)}" if now is not None else "")
+    )
 
 
 def engine_copies_bytes(net, engine_net) -> int:
     """Bytes of the tensors the engine's copy of the network holds beside the model's own weights
     (oneDNN-packed or AMX-repacked weights; 0 where it only shares them: quantised, widened)."""
+
     def key(t: torch.Tensor) -> int:
         try:
             return t.data_ptr()

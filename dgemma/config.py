@@ -133,7 +133,7 @@ class TurboSettings:
     refresh_every: int = 0  # recompute every position's keys/values each this many passes (0: never)
     dormant_entropy: float = 1.5  # a noise position above this entropy is computed every other pass (0: every pass)
 
-    def check(self) -> "TurboSettings":
+    def check(self) -> TurboSettings:
         """The settings, or a ValueError naming the knob."""
         if isinstance(self.freeze_passes, bool) or not isinstance(self.freeze_passes, int) or self.freeze_passes < 1:
             raise ValueError(f"turbo_freeze_passes must be an integer >= 1 (got {self.freeze_passes!r})")
@@ -170,11 +170,12 @@ class GenerationConfig:
     turbo_dormant_entropy: float = 1.5
 
     @property
-    def turbo_settings(self) -> "TurboSettings":
-        return TurboSettings(self.turbo_freeze_passes, self.turbo_freeze_entropy, self.turbo_refresh_every,
-                             self.turbo_dormant_entropy)  # fmt: skip
+    def turbo_settings(self) -> TurboSettings:
+        return TurboSettings(
+            self.turbo_freeze_passes, self.turbo_freeze_entropy, self.turbo_refresh_every, self.turbo_dormant_entropy
+        )
 
-    def with_overrides(self, **overrides: Any) -> "GenerationConfig":
+    def with_overrides(self, **overrides: Any) -> GenerationConfig:
         """Apply the non-None overrides and validate the result."""
         changes = {k: v for k, v in overrides.items() if v is not None}
         if "eos_token_ids" in changes:

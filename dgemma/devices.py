@@ -60,7 +60,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _device_type(device: str | torch.device) -> str:
-    """"cuda" for "cuda", "cuda:1", torch.device("cuda", 1); the type of any other device name."""
+    """ "cuda" for "cuda", "cuda:1", torch.device("cuda", 1); the type of any other device name."""
     if isinstance(device, torch.device):
         return device.type
     return str(device).split(":", 1)[0].strip()
@@ -98,6 +98,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
             raise ValueError(f"device {str(device)!r} requested, but CUDA is not available on this machine")
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device {str(device)!r} requested, but this machine has {count} CUDA device"
-                             f"{'s' * (count != 1)} (cuda:0 .. cuda:{count - 1})")  # fmt: skip
+            raise ValueError(
+                f"device {str(device)!r} requested, but this machine has {count} CUDA device"
+                f"{'s' * (count != 1)} (cuda:0 .. cuda:{count - 1})"
+            )
     return dev

@@ -10,11 +10,16 @@ from pathlib import Path
 import torch
 
 from . import devices
-from .api import Model, default_model_dir
+from .api import Model
 from .config import load_generation_config, load_model_config
 from .engine import engine as engine_core
 from .inputs.tokenizer import Tokenizer
 from .model import weights
+
+
+def default_model_dir() -> Path:
+    """Directory of the small model shipped inside the package (dgemma-tiny)."""
+    return Path(__file__).resolve().parent / "assets" / "dgemma-tiny"
 
 
 def load(
@@ -65,9 +70,18 @@ def load(
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"the shipped model is missing from {path}; pass a checkpoint directory")
     dev = devices.resolve_device(device)
-    fit = None if force and quantization != "auto" else FitRequest(dev, partial(devices.resolve_dtype, dtype, dev), quantization,
-                                                                      group_size, tensor_parallel_size=tensor_parallel_size,
-                                                                      expert_parallel=expert_parallel)  # fmt: skip
+    fit = (
+        None
+        if force and quantization != "auto"
+        else FitRequest(
+            dev,
+            partial(devices.resolve_dtype, dtype, dev),
+            quantization,
+            group_size,
+            tensor_parallel_size=tensor_parallel_size,
+            expert_parallel=expert_parallel,
+        )
+    )
     checkpoint = resolve_checkpoint(path, revision, fit=fit, force=force)
     path, quantization = checkpoint.path, checkpoint.quantization if fit is not None else quantization
     config = load_model_config(path)
@@ -81,24 +95,38 @@ def load(
         from .parallel.plan import ShardPlan
         from .parallel.shard import RankLayout, ShardedLoad, scheme_groups
 
-        plan = ShardPlan.build(config, tensor_parallel_size, expert_parallel)  # a size that cannot be split: one line, now
+        plan = ShardPlan.build(
+            config, tensor_parallel_size, expert_parallel
+        )  # a size that cannot be split: one line, now
         if quantization is not None:  # ... and quantisation groups a split would cut (a pre-quantised file's: at read)
             RankLayout.build(plan, 0, scheme_groups(quantization, group_size))
         if tensor_parallel_size > 1 and "WORLD_SIZE" not in os.environ:  # a plain process: it leads the ranks
             from .parallel.leader import LedRanks
 
             dtype_name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
-            ranks = LedRanks.start(tensor_parallel_size, {
-                "path": str(path), "device": str(device), "dtype": dtype_name, "quantization": quantization, "group_size": group_size,
-                "force": True, "tensor_parallel_size": tensor_parallel_size, "expert_parallel": expert_parallel,
-            }, dev)  # fmt: skip
+            ranks = LedRanks.start(
+                tensor_parallel_size,
+                {
+                    "path": str(path),
+                    "device": str(device),
+                    "dtype": dtype_name,
+                    "quantization": quantization,
+                    "group_size": group_size,
+                    "force": True,
+                    "tensor_parallel_size": tensor_parallel_size,
+                    "expert_parallel": expert_parallel,
+                },
+                dev,
+            )
             group, dev = ranks.group, ranks.device
         else:
             group, dev = join_ranks(tensor_parallel_size, dev)
         shard = ShardedLoad(group, expert_parallel)  # each rank reads its share of each tensor, on the meta model's cut
     split = {} if shard is None else {"shard": shard}  # one process: load_weights as ever
     try:
-        net = weights.load_weights(config, path, dev, devices.resolve_dtype(dtype, dev, path), quantization, group_size, **split)
+        net = weights.load_weights(
+            config, path, dev, devices.resolve_dtype(dtype, dev, path), quantization, group_size, **split
+        )
     except BaseException:
         if ranks is not None:
             ranks.close()

@@ -80,10 +80,16 @@ class MemoryPlan:
     def describe(self) -> str:
         gib = 2**30
         w = sum(self.weights.values())
-        ranks = f"per rank ({self.ranks} ranks{', expert parallel' if self.expert_parallel else ''}): " if self.ranks > 1 else ""
-        return (f"{ranks}weights {w / gib:.1f} GiB ({self.scheme or 'unquantised'}), KV cache {self.kv_cache / gib:.1f} GiB, "
-                f"step buffers {self.step_buffers / gib:.1f} GiB (batch {self.batch}), reserve "
-                f"{self.reserve / gib:.1f} GiB: {self.total / gib:.1f} GiB")  # fmt: skip
+        ranks = (
+            f"per rank ({self.ranks} ranks{', expert parallel' if self.expert_parallel else ''}): "
+            if self.ranks > 1
+            else ""
+        )
+        return (
+            f"{ranks}weights {w / gib:.1f} GiB ({self.scheme or 'unquantised'}), KV cache {self.kv_cache / gib:.1f} GiB, "
+            f"step buffers {self.step_buffers / gib:.1f} GiB (batch {self.batch}), reserve "
+            f"{self.reserve / gib:.1f} GiB: {self.total / gib:.1f} GiB"
+        )
 
 
 def parameter_counts(config: ModelConfig) -> dict[str, dict[str, tuple[int, int, int]]]:
@@ -95,7 +101,13 @@ def parameter_counts(config: ModelConfig) -> dict[str, dict[str, tuple[int, int,
 
     with torch.device("meta"):
         net = DiffusionGemma(config)
-    parts: dict[str, dict[str, tuple[int, int, int]]] = {"experts": {}, "attention": {}, "dense": {}, "embeddings": {}, "other": {}}
+    parts: dict[str, dict[str, tuple[int, int, int]]] = {
+        "experts": {},
+        "attention": {},
+        "dense": {},
+        "embeddings": {},
+        "other": {},
+    }
     for name, p in list(net.named_parameters()) + list(net.named_buffers()):
         if name.startswith("layers.") and ".experts." in name:
             parts["experts"][name] = (p.shape[1], p.shape[2], p.shape[0])
@@ -128,19 +140,24 @@ def weight_bytes(config: ModelConfig, scheme: str | None, group_size: int | None
     return counted_bytes(parameter_counts(config), scheme, group_size, dtype)
 
 
-def counted_bytes(counts: dict[str, dict[str, tuple[int, int, int]]], scheme: str | None, group_size: int | None,
-                  dtype: torch.dtype) -> dict[str, int]:  # fmt: skip
+def counted_bytes(
+    counts: dict[str, dict[str, tuple[int, int, int]]], scheme: str | None, group_size: int | None, dtype: torch.dtype
+) -> dict[str, int]:
     """Bytes by part of `parameter_counts`' matrices (or a rank's: parallel.plan.rank_parameter_counts) as stored."""
     size = dtype_bytes(dtype)
     out = {}
     for part, matrices in counts.items():
         quantised = scheme if part in QUANTISED else None
-        out[part] = sum(n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
-                        for r, c, n in matrices.values())  # int4: its weight_shape (int32 [2]) once per tensor
+        out[part] = sum(
+            n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
+            for r, c, n in matrices.values()
+        )  # int4: its weight_shape (int32 [2]) once per tensor
     return out
 
 
-def step_buffer_bytes(config: ModelConfig, batch: int, prefill_chunk: int, dtype: torch.dtype, turbo: bool = False) -> int:
+def step_buffer_bytes(
+    config: ModelConfig, batch: int, prefill_chunk: int, dtype: torch.dtype, turbo: bool = False
+) -> int:
     """The largest transient tensors of a step: a decoder pass over `batch` canvases (the LM head's
     [rows, vocab] output and the probabilities, in the model's dtype, plus the float32 statistics
     path's two [rows, vocab] tensors where the Triton kernels do not run) and the hidden states,
@@ -175,9 +192,14 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, work: Workload = Worklo
     context = work.context or config.max_position_embeddings
     kv = work.kv_cache_memory if work.kv_cache_memory is not None else kv_bytes(config, 1, context, dtype)
     return MemoryPlan(
-        weight_bytes(config, work.scheme, work.group_size, dtype), int(kv),
-        step_buffer_bytes(config, work.batch, work.prefill_chunk, dtype, work.turbo), RESERVE, work.scheme, work.batch, context,
-    )  # fmt: skip
+        weight_bytes(config, work.scheme, work.group_size, dtype),
+        int(kv),
+        step_buffer_bytes(config, work.batch, work.prefill_chunk, dtype, work.turbo),
+        RESERVE,
+        work.scheme,
+        work.batch,
+        context,
+    )
 
 
 def kv_report(config: ModelConfig, tokens: int, dtype: torch.dtype, block_size: int | None = None) -> dict:
@@ -238,8 +260,10 @@ def split_note(full: dict, ranks: list[dict], scheme: str | None, group_size: in
     group = (group_size or DEFAULT_GROUP_SIZE) if scheme == "int4" else NVFP4_GROUP
     smaller = [g for g in (32, 16, 8) if scheme == "int4" and g < group and not split_groups(full, ranks, scheme, g)]
     fix = f"; --group-size {smaller[0]} keeps them whole" if smaller else ""
-    return (f"{scheme}'s groups of {group} do not divide what each rank holds of {', '.join(broken)}: the loader "
-            f"places each layer's whole dense MLP on one rank (layer i on rank i mod N; counted split evenly here){fix}",)  # fmt: skip
+    return (
+        f"{scheme}'s groups of {group} do not divide what each rank holds of {', '.join(broken)}: the loader "
+        f"places each layer's whole dense MLP on one rank (layer i on rank i mod N; counted split evenly here){fix}",
+    )
 
 
 def rank_plans(config: ModelConfig, dtype: torch.dtype, work: Workload = Workload()) -> list[MemoryPlan]:
@@ -265,11 +289,21 @@ def rank_plans(config: ModelConfig, dtype: torch.dtype, work: Workload = Workloa
     for rank in range(size):
         mine = shards.rank_config(rank)
         kv = work.kv_cache_memory if work.kv_cache_memory is not None else kv_bytes(mine, 1, context, dtype)
-        plans.append(MemoryPlan(
-            counted_bytes(counts[rank], scheme, group_size, dtype), int(kv),
-            step_buffer_bytes(mine, work.batch, work.prefill_chunk, dtype, work.turbo), reserve, scheme, work.batch, context,
-            size, rank, bool(work.expert_parallel), notes,
-        ))  # fmt: skip
+        plans.append(
+            MemoryPlan(
+                counted_bytes(counts[rank], scheme, group_size, dtype),
+                int(kv),
+                step_buffer_bytes(mine, work.batch, work.prefill_chunk, dtype, work.turbo),
+                reserve,
+                scheme,
+                work.batch,
+                context,
+                size,
+                rank,
+                bool(work.expert_parallel),
+                notes,
+            )
+        )
     return plans
 
 
@@ -319,8 +353,10 @@ def rank_weight_bytes(plan: ShardPlan, rank: int, scheme: str | None, group_size
     out = {}
     for part, matrices in rank_parameter_counts(plan, rank).items():
         quantised = scheme if part in QUANTISED else None
-        out[part] = sum(n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
-                        for r, c, n in matrices.values())  # fmt: skip
+        out[part] = sum(
+            n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
+            for r, c, n in matrices.values()
+        )
     return out
 
 

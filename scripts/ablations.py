@@ -145,7 +145,11 @@ def packed_linears(canvas: int, hidden: int, vocab: int):
     if not supported(torch.float32):
         return {}
     g = torch.Generator().manual_seed(4)
-    shapes = [(canvas, 2 * hidden, hidden), (32, 1024, hidden), (canvas, vocab, hidden)]  # dense MLP, one expert, LM head
+    shapes = [
+        (canvas, 2 * hidden, hidden),
+        (32, 1024, hidden),
+        (canvas, vocab, hidden),
+    ]  # dense MLP, one expert, LM head
     ws = [torch.randn(n, k, generator=g) * 0.02 for _, n, k in shapes]
     xs = [torch.randn(m, k, generator=g) for m, _, k in shapes]
     packed = [PackedLinear(w) for w in ws]
@@ -157,6 +161,8 @@ def packed_linears(canvas: int, hidden: int, vocab: int):
         return [p(x) for x, p in zip(xs, packed)]
 
     return {"F.linear": plain, "oneDNN weights packed once (dgemma)": prepacked}
+
+
 def exp_floor(vocab: int, canvas: int):
     """exp over one step's (logits - max) / T, softcapped logits at T = 0.4: as is vs clamped at -87."""
     g = torch.Generator().manual_seed(5)
@@ -208,7 +214,10 @@ def bf16_moe(hidden: int, inter: int, experts: int, top_k: int, tokens: int):
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g)
-    return {"grouped matmuls (model)": lambda: module(x, index, weights), "packed experts (engine)": lambda: packed(x, index, weights)}
+    return {
+        "grouped matmuls (model)": lambda: module(x, index, weights),
+        "packed experts (engine)": lambda: packed(x, index, weights),
+    }
 
 
 def bf16_rmsnorm(hidden: int, tokens: int):
@@ -234,7 +243,10 @@ def bf16_dense_mlp(hidden: int, inter: int, tokens: int):
     gate, up, down = (PackedLinear(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     fused = LeanDenseMLP(mlp)
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
-    return {"packed GEMMs, gelu and * as ops": lambda: down(F.gelu(gate(x), approximate="tanh").mul_(up(x))), "post-op fused (engine)": lambda: fused(x)}
+    return {
+        "packed GEMMs, gelu and * as ops": lambda: down(F.gelu(gate(x), approximate="tanh").mul_(up(x))),
+        "post-op fused (engine)": lambda: fused(x),
+    }
 
 
 def bf16_moe_native(hidden: int, inter: int, experts: int, top_k: int, tokens: int, layers: int = 8):
@@ -289,7 +301,10 @@ def bf16_step_statistics(vocab: int, canvas: int):
         stats = sampler.step_statistics(z, temps[:, None], overwrite_logits=True, out=weights)
         return stats.weights.to(torch.bfloat16)
 
-    return {"torch passes": torch_passes, "native kernel (engine)": lambda: kernel.step_statistics(raw, 30.0, temps, weights, probs)}
+    return {
+        "torch passes": torch_passes,
+        "native kernel (engine)": lambda: kernel.step_statistics(raw, 30.0, temps, weights, probs),
+    }
 
 
 def bf16_amx_matmuls(hidden: int, inter: int, vocab: int, tokens: int):
@@ -336,12 +351,14 @@ def main() -> None:
         "bf16 dense MLP, 256 x 1024 -> 2048": bf16_dense_mlp(args.hidden, 2048, args.canvas),
     }
     amx_mlp, amx_soft = bf16_amx_matmuls(args.hidden, 2048, args.vocab, args.canvas)
-    groups.update({
-        "bf16 MoE, 8 layers in turn (cold expert weights)": bf16_moe_native(args.hidden, 512, 32, 4, args.canvas),
-        "bf16 head output -> statistics + bf16 probabilities": bf16_step_statistics(args.vocab, args.canvas),
-        "bf16 dense MLP, 256 x 1024 -> 2048 (AMX)": amx_mlp,
-        "bf16 probs [256, vocab] @ E": amx_soft,
-    })
+    groups.update(
+        {
+            "bf16 MoE, 8 layers in turn (cold expert weights)": bf16_moe_native(args.hidden, 512, 32, 4, args.canvas),
+            "bf16 head output -> statistics + bf16 probabilities": bf16_step_statistics(args.vocab, args.canvas),
+            "bf16 dense MLP, 256 x 1024 -> 2048 (AMX)": amx_mlp,
+            "bf16 probs [256, vocab] @ E": amx_soft,
+        }
+    )
     print(f"threads {torch.get_num_threads()}, best of {args.repeats}")
     print("| work | baseline | ms | dgemma | ms | speed-up |\n|---|---|---:|---|---:|---:|")
     for title, fns in groups.items():

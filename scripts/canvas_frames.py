@@ -29,8 +29,10 @@ def main() -> None:
         if isinstance(ev, Draft):
             end = next((i + 1 for i, t in enumerate(ev.canvas) if t in model.generation_config.eos_token_ids), c)
             pieces = token_pieces(tok, ev.canvas[:end])  # no pad after EOS
-            print(f"--- block {ev.block + 1}, step {ev.step:2d}: {sum(ev.accepted):2d}/{c} accepted, "
-                  f"mean entropy {sum(ev.entropy) / c:.2f}")  # fmt: skip
+            print(
+                f"--- block {ev.block + 1}, step {ev.step:2d}: {sum(ev.accepted):2d}/{c} accepted, "
+                f"mean entropy {sum(ev.entropy) / c:.2f}"
+            )
             print(committed + plain_frame(pieces, ev.accepted))
         elif isinstance(ev, Block):
             committed += tok.decode(ev.tokens)

@@ -31,8 +31,12 @@ sys.path.insert(0, str(ROOT))
 from dgemma.kernels.choice import native_bf16  # noqa: E402
 from dgemma.kernels.native import _cpu_flags, cpu_model  # noqa: E402
 
-EMULATE_AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-                "DGEMMA_CPU_ISA": "avx2"}
+EMULATE_AVX2 = {
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "DGEMMA_CPU_ISA": "avx2",
+}
 ROWS = {  # row name -> bench arguments
     "float32": ["--dtype", "float32"],
     "bfloat16": ["--dtype", "bfloat16"],
@@ -46,13 +50,30 @@ def bench_once(row: str, args, emulate: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if emulate:
         env.update(EMULATE_AVX2)
-    argv = [sys.executable, "-m", "dgemma.cli", "bench", "--size", args.size, "--peers", "default", "--runs", "1",
-            "--steps", str(args.steps), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
-            "--json", *ROWS[row]]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dgemma.cli",
+        "bench",
+        "--size",
+        args.size,
+        "--peers",
+        "default",
+        "--runs",
+        "1",
+        "--steps",
+        str(args.steps),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--json",
+        *ROWS[row],
+    ]
     run = subprocess.run(argv, env=env, capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"bench for row {row} failed:\n{run.stderr[-3000:]}")
-    report = json.loads(run.stdout[run.stdout.index("{"):])
+    report = json.loads(run.stdout[run.stdout.index("{") :])
     return {"ms_per_step": report["rows"][0]["ms_per_step"], "setup": report["setup"], **report["memory_bytes"]}
 
 
@@ -74,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
 
     flags = _cpu_flags()
     if native_bf16() and not args.emulate_avx2:
-        print("note: this CPU has native bf16 (AVX-512 BF16 or AMX): these are its own figures, not an AVX2-only "
-              "CPU's; --emulate-avx2 emulates one", file=sys.stderr)  # fmt: skip
+        print(
+            "note: this CPU has native bf16 (AVX-512 BF16 or AMX): these are its own figures, not an AVX2-only "
+            "CPU's; --emulate-avx2 emulates one",
+            file=sys.stderr,
+        )
     runs: dict[str, list[dict]] = {r: [] for r in rows}
     for k in range(args.rounds):
         for row in rows if k % 2 == 0 else rows[::-1]:  # alternate the order: no row always runs first
@@ -87,28 +111,36 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         ratios = [r["ms_per_step"] / f["ms_per_step"] for r, f in zip(runs[row], runs["float32"])]
         last = runs[row][-1]
-        table.append({
-            "row": row,
-            "ms_per_step": statistics.median(r["ms_per_step"] for r in runs[row]),
-            "vs_float32": statistics.median(ratios), "vs_float32_min": min(ratios), "vs_float32_max": max(ratios),
-            "weights_gib": gib(sum(last["weights"].values())),
-            "rss_after_gib": gib(max(r["rss_now"] or 0 for r in runs[row])),
-            "peak_rss_gib": gib(max(r["peak_rss"] for r in runs[row])),
-            "kernels": last["setup"].split("kernels: ", 1)[-1],
-        })  # fmt: skip
+        table.append(
+            {
+                "row": row,
+                "ms_per_step": statistics.median(r["ms_per_step"] for r in runs[row]),
+                "vs_float32": statistics.median(ratios),
+                "vs_float32_min": min(ratios),
+                "vs_float32_max": max(ratios),
+                "weights_gib": gib(sum(last["weights"].values())),
+                "rss_after_gib": gib(max(r["rss_now"] or 0 for r in runs[row])),
+                "peak_rss_gib": gib(max(r["peak_rss"] for r in runs[row])),
+                "kernels": last["setup"].split("kernels: ", 1)[-1],
+            }
+        )
     cpu = f"{cpu_model()}; flags: {', '.join(f for f in FLAGS if f in flags) or 'none of ' + ', '.join(FLAGS)}"
     mode = "emulated AVX2-only (--emulate-avx2)" if args.emulate_avx2 else "native"
     if args.json:
         print(json.dumps({"cpu": cpu, "mode": mode, "rounds": args.rounds, "size": args.size, "rows": table}, indent=2))
         return 0
-    print(f"CPU: {cpu}; {os.cpu_count()} cores visible; {mode}; --size {args.size}, {args.rounds} rounds, "
-          f"{args.steps} steps, {args.new_tokens} new tokens after {args.prompt_len}")
+    print(
+        f"CPU: {cpu}; {os.cpu_count()} cores visible; {mode}; --size {args.size}, {args.rounds} rounds, "
+        f"{args.steps} steps, {args.new_tokens} new tokens after {args.prompt_len}"
+    )
     print("| row | ms per decoder step | vs float32 (min-max) | weights | RSS after | peak RSS | kernels |")
     print("|---|---|---|---|---|---|---|")
     for t in table:
-        print(f"| {t['row']} | {t['ms_per_step']:.0f} | {t['vs_float32']:.2f}x ({t['vs_float32_min']:.2f}-"
-              f"{t['vs_float32_max']:.2f}) | {t['weights_gib']:.2f} GiB | {t['rss_after_gib']:.2f} GiB | "
-              f"{t['peak_rss_gib']:.2f} GiB | {t['kernels']} |")
+        print(
+            f"| {t['row']} | {t['ms_per_step']:.0f} | {t['vs_float32']:.2f}x ({t['vs_float32_min']:.2f}-"
+            f"{t['vs_float32_max']:.2f}) | {t['weights_gib']:.2f} GiB | {t['rss_after_gib']:.2f} GiB | "
+            f"{t['peak_rss_gib']:.2f} GiB | {t['kernels']} |"
+        )
     return 0
 
 

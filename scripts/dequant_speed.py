@@ -47,8 +47,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     kernel = avx2.extension()
-    print(f"[{args.rows}, {args.cols}] -> {args.dtype}, {args.threads} threads, "
-          f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, native kernel {'on' if kernel else 'OFF (torch path both sides)'}")
+    print(
+        f"[{args.rows}, {args.cols}] -> {args.dtype}, {args.threads} threads, "
+        f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, native kernel {'on' if kernel else 'OFF (torch path both sides)'}"
+    )
     w = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0)) * 0.02
     cases = [("bf16 widen", None)] + [(s, formats.quantize(w, s, 64, torch.bfloat16)) for s in formats.SCHEMES]
     print("median (best) of each; speed-up of the medians")

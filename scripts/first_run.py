@@ -72,8 +72,12 @@ def timed_run(argv: list[str], env: dict[str, str], timeout: float) -> dict:
             *done, pending = pending.split(b"\n")
             lines += [(t, line.decode(errors="replace")) for line in done if line.strip()]
     return {
-        "code": code, "first_text": first_text, "longest_silence": max(b - a for a, b in zip(times, times[1:])),
-        "total": ended, "stderr_lines": lines, "stdout": b"".join(c for _, n, c in events if n == "stdout").decode(errors="replace"),
+        "code": code,
+        "first_text": first_text,
+        "longest_silence": max(b - a for a, b in zip(times, times[1:])),
+        "total": ended,
+        "stderr_lines": lines,
+        "stdout": b"".join(c for _, n, c in events if n == "stdout").decode(errors="replace"),
     }
 
 
@@ -105,17 +109,23 @@ def report(title: str, result: dict, first_text_aim: float, silence_aim: float) 
     ok = result["code"] == 0 and result["first_text"] is not None and result["first_text"] <= first_text_aim
     ok = ok and result["longest_silence"] <= silence_aim
     first = "none" if result["first_text"] is None else f"{result['first_text']:.1f} s"
-    print(f"{title}: first text {first} (aim {first_text_aim:.0f} s), longest silence {result['longest_silence']:.1f} s "
-          f"(aim {silence_aim:.0f} s), whole run {result['total']:.1f} s, exit {result['code']}: {'PASS' if ok else 'FAIL'}")  # fmt: skip
+    print(
+        f"{title}: first text {first} (aim {first_text_aim:.0f} s), longest silence {result['longest_silence']:.1f} s "
+        f"(aim {silence_aim:.0f} s), whole run {result['total']:.1f} s, exit {result['code']}: {'PASS' if ok else 'FAIL'}"
+    )
     for t, line in result["stderr_lines"]:
         print(f"  {t:6.1f} s  {line[:160]}")
     return ok
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompt", default=PROMPT, help=f"the prompt (default: {PROMPT!r}, the README's)")
-    parser.add_argument("--wait-build", action="store_true", help="wait for the background build, then time a second run")
+    parser.add_argument(
+        "--wait-build", action="store_true", help="wait for the background build, then time a second run"
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take at most (default: 900)")
     parser.add_argument("--first-text-aim", type=float, default=30.0)
     parser.add_argument("--silence-aim", type=float, default=20.0)
@@ -142,7 +152,9 @@ def main() -> int:
             while processes_with("TORCH_EXTENSIONS_DIR", str(extensions)):
                 time.sleep(0.5)
             print(f"the background build ended {time.perf_counter() - waited:.1f} s after the first run")
-            report("second run (built kernels)", timed_run(argv, env, args.timeout), args.first_text_aim, args.silence_aim)
+            report(
+                "second run (built kernels)", timed_run(argv, env, args.timeout), args.first_text_aim, args.silence_aim
+            )
     finally:
         end_processes(processes_with("TORCH_EXTENSIONS_DIR", str(extensions)))
         time.sleep(0.5)

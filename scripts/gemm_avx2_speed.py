@@ -27,12 +27,19 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dgemma.kernels import cpu, avx2
+from dgemma.kernels import avx2, cpu
 from dgemma.kernels.native import cpu_model
 from dgemma.kernels.widened import WidenedLinear, WidenedSoftEmbed
 from dgemma.quant import formats
 
-SHAPES = [(32, 1024, 1024), (32, 512, 1024), (256, 1024, 1024), (256, 1024, 2048), (256, 2048, 1024), (256, 1024, 32768)]
+SHAPES = [
+    (32, 1024, 1024),
+    (32, 512, 1024),
+    (256, 1024, 1024),
+    (256, 1024, 2048),
+    (256, 2048, 1024),
+    (256, 1024, 32768),
+]
 
 
 def timer(fn, clock, min_seconds: float = 0.15, min_calls: int = 2) -> list[float]:
@@ -94,7 +101,9 @@ def soft_variants(m: int, vocab: int, hidden: int, ext):
         v["gemm_bf16_nn"] = lambda: ext.gemm_bf16_nn(probs, table, out)
         exact = probs.double() @ table.double()
         got = ext.gemm_bf16_nn(probs, table, out)
-        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max(), "gemm_bf16_nn disagrees with the reference"
+        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max(), (
+            "gemm_bf16_nn disagrees with the reference"
+        )
     return v
 
 
@@ -117,8 +126,12 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", help="M,K,N triples")
     parser.add_argument("--only", help="comma-separated variant names (packed f32 always runs)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--stat", choices=("p10", "median"), default="p10",
-                        help="per variant, the 10th percentile of its calls (default: robust to other load) or the median")
+    parser.add_argument(
+        "--stat",
+        choices=("p10", "median"),
+        default="p10",
+        help="per variant, the 10th percentile of its calls (default: robust to other load) or the median",
+    )
     parser.add_argument("--soft-shapes", nargs="*", default=["256,32768,1024"], help="M,vocab,hidden triples")
     args = parser.parse_args()
     if args.threads:
@@ -129,7 +142,11 @@ def main() -> None:
     # more: wall time
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     stat = (lambda t: sorted(t)[len(t) // 10]) if args.stat == "p10" else statistics.median
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ)
+    env = " ".join(
+        f"{k}={os.environ[k]}"
+        for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+        if k in os.environ
+    )
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; env: {env or '(none)'}")
     print(f"native GEMMs: {'built' if ext is not None else 'unavailable (torch variants only)'}")
     what = "thread CPU time" if clock is time.thread_time else "wall time"

@@ -85,11 +85,11 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from dgemma.api import Model  # noqa: E402
 from dgemma.benchmark import BenchEngine, bench_kv_memory, random_weights, run_dgemma  # noqa: E402
 from dgemma.config import GenerationConfig  # noqa: E402
+from dgemma.dense.kv_cache import DenseKVCache  # noqa: E402
 from dgemma.engine import sampler  # noqa: E402
+from dgemma.engine.device.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
 from dgemma.engine.device.step import eager_step, run_step  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions  # noqa: E402
-from dgemma.engine.device.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
-from dgemma.dense.kv_cache import DenseKVCache  # noqa: E402
 from dgemma.engine.options import DEFAULT_PREFILL_CHUNK  # noqa: E402
 from dgemma.engine.prefill import prefill  # noqa: E402
 from dgemma.kernels import triton_layer, triton_step  # noqa: E402
@@ -150,12 +150,24 @@ def kernels_vs_torch(device: torch.device) -> None:
     argmax, entropy, total, probs = triton_step.step_statistics(raw, temps, 30.0)
     ref = sampler.step_statistics(torch.tanh(raw.float() / 30) * 30, temps[:, None])
     err = float((entropy - ref.entropy).abs().max())
-    check("step statistics", bool((argmax == ref.argmax).all()) and err < 1e-4, f"argmax equal, entropy max error {err:.2e}")
+    check(
+        "step statistics",
+        bool((argmax == ref.argmax).all()) and err < 1e-4,
+        f"argmax equal, entropy max error {err:.2e}",
+    )
     u = torch.rand(rows, generator=g).to(device)
-    agree = float((triton_step.sample_rows(probs, total, u) == sampler.sample_from_weights(ref.weights, u)).float().mean())
+    agree = float(
+        (triton_step.sample_rows(probs, total, u) == sampler.sample_from_weights(ref.weights, u)).float().mean()
+    )
     check("sampling", agree > 0.95, f"{agree:.1%} of rows pick the torch token")
-    uniforms, noise = triton_step.philox_draws(torch.tensor([1, 1], device=device), torch.tensor([0, 0], device=device), 256, vocab)
-    check("philox", bool(torch.equal(uniforms[0], uniforms[1])) and 0.4 < float(uniforms.mean()) < 0.6, "per-request streams")
+    uniforms, noise = triton_step.philox_draws(
+        torch.tensor([1, 1], device=device), torch.tensor([0, 0], device=device), 256, vocab
+    )
+    check(
+        "philox",
+        bool(torch.equal(uniforms[0], uniforms[1])) and 0.4 < float(uniforms.mean()) < 0.6,
+        "per-request streams",
+    )
 
     t, heads, d = (512, 8, 256) if not SMOKE else (6, 2, 16)
     x = torch.randn(t, heads, d, generator=g).to(device, torch.bfloat16)
@@ -181,8 +193,11 @@ def kernels_vs_torch(device: torch.device) -> None:
         got, torch_bf16 = triton_layer.moe_experts(experts, tokens, idx, w), experts(tokens, idx, w)
         exact = copy.deepcopy(experts).float()(tokens.float(), idx, w)  # float32 of the same bf16 values
     err, torch_err = relative(got, exact), relative(torch_bf16, exact)
-    check("MoE block", got.dtype == torch.bfloat16 and err < 2e-2,
-          f"bf16, max error {err:.2e} of the largest value vs float32 (torch's bf16 path: {torch_err:.2e})")  # fmt: skip
+    check(
+        "MoE block",
+        got.dtype == torch.bfloat16 and err < 2e-2,
+        f"bf16, max error {err:.2e} of the largest value vs float32 (torch's bf16 path: {torch_err:.2e})",
+    )
 
 
 def tiny_model(device: torch.device, dtype: torch.dtype, seed: int = 0) -> DiffusionGemma:
@@ -208,9 +223,15 @@ def pass_vs_cpu(device: torch.device) -> None:
     for net in (cpu, gpu):
         cache = DenseKVCache(cfg, 2, 40 + cfg.canvas_length, net.device, net.dtype)
         prefill(net, cache, [0, 1], prompts)
-        out.append(net.logits(net.decode(canvas.to(net.device), cache.plan_decoder(cfg.canvas_length), None)).float().cpu())
+        out.append(
+            net.logits(net.decode(canvas.to(net.device), cache.plan_decoder(cfg.canvas_length), None)).float().cpu()
+        )
     err = float((out[0] - out[1]).norm() / out[0].norm())
-    check(f"one decoder pass, {device.type} bf16 vs cpu float32", err < 0.05, f"relative error {err:.2e} (L2 over the logits)")
+    check(
+        f"one decoder pass, {device.type} bf16 vs cpu float32",
+        err < 0.05,
+        f"relative error {err:.2e} (L2 over the logits)",
+    )
 
 
 def random_masks(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
@@ -227,16 +248,30 @@ def compare(got, want) -> tuple[float, float]:
     """(argmax agreement, worst relative L2 difference of the float outputs) of two decoder steps'
     outputs (argmax, entropy, weights, total, self-conditioning input)."""
     agree = float((got[0] == want[0]).float().mean())
-    return agree, max(float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)) for a, b in zip(got[1:], want[1:]))
+    return agree, max(
+        float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)) for a, b in zip(got[1:], want[1:])
+    )
 
 
 def requests_at(net, kvs, canvas, soft, seed: int) -> list:
     """Requests as the device step reads them (engine/device/inputs.py, device_step.py): row i of
     `canvas` / `soft` after prefix kvs[i], mid-block, no history, nothing fixed."""
     gen = GenerationConfig(max_denoising_steps=16)
-    return [SimpleNamespace(kv=kv, config=gen, step=3, seed=seed * 100 + i, passes=5, block_passes=2, canvas=canvas[i],
-                            soft=None if soft is None else soft[i], history=None, active_constraints=None)
-            for i, kv in enumerate(kvs)]  # fmt: skip
+    return [
+        SimpleNamespace(
+            kv=kv,
+            config=gen,
+            step=3,
+            seed=seed * 100 + i,
+            passes=5,
+            block_passes=2,
+            canvas=canvas[i],
+            soft=None if soft is None else soft[i],
+            history=None,
+            active_constraints=None,
+        )
+        for i, kv in enumerate(kvs)
+    ]
 
 
 def device_outputs(out, n: int, c: int) -> tuple:
@@ -315,8 +350,11 @@ def engine_step_and_graphs(device: torch.device) -> None:
             picked = replayed[0].reshape(-1).cpu()
             banned = int((((allowed.cpu()[torch.arange(n * c), picked // 32] >> (picked % 32)) & 1) == 0).sum())
     agree, diff = paged_vs_gathered(device)
-    check("paged attention step vs gathered SDPA", diff < 1e-2 and agree >= 0.9,
-          f"float32, {diff:.1e} L2 apart, argmax agreement {agree:.1%} (random tiny model)")  # fmt: skip
+    check(
+        "paged attention step vs gathered SDPA",
+        diff < 1e-2 and agree >= 0.9,
+        f"float32, {diff:.1e} L2 apart, argmax agreement {agree:.1%} (random tiny model)",
+    )
     name = f"graph replay vs eager ({'CUDA graph' if device.type == 'cuda' else 'replayed eagerly'})"
     if missing:
         check(name, False, "; ".join(missing.values())[:500])
@@ -325,10 +363,13 @@ def engine_step_and_graphs(device: torch.device) -> None:
     own_agree, own_diff = min(a for a, _ in own), max(d for _, d in own)
     ok = same_agree >= 0.9 and same_diff < 1e-2 and own_diff < 0.2 and banned == 0
     ok = ok and sorted(graphs.steps) == [(bucket, False), (bucket, True)] and not graphs.failures
-    check(name, ok,
-          f"bf16, 3 groups in a {bucket}-row bucket (1 masked, 2 captures); vs eager on the bucket's inputs "
-          f"{same_diff:.1e} L2 apart, argmax {same_agree:.1%} equal; vs the group's own {own_diff:.1e}, "
-          f"{own_agree:.1%}; {banned} masked-out tokens picked")  # fmt: skip
+    check(
+        name,
+        ok,
+        f"bf16, 3 groups in a {bucket}-row bucket (1 masked, 2 captures); vs eager on the bucket's inputs "
+        f"{same_diff:.1e} L2 apart, argmax {same_agree:.1%} equal; vs the group's own {own_diff:.1e}, "
+        f"{own_agree:.1%}; {banned} masked-out tokens picked",
+    )
 
 
 # ------------------------------------------------------------------------------------ settings
@@ -366,16 +407,27 @@ class Settings(NamedTuple):
 def settings_from(args) -> Settings:
     smoke = args.smoke
     # --smoke: the two schemes the profile covers (fp8 and int4 take the same code with another build)
-    schemes = [None if s == "bf16" else s for s in (args.schemes or ("bf16,nvfp4" if smoke else ALL_SCHEMES)).split(",")]
+    schemes = [
+        None if s == "bf16" else s for s in (args.schemes or ("bf16,nvfp4" if smoke else ALL_SCHEMES)).split(",")
+    ]
     return Settings(
-        device=torch.device("cpu" if smoke else "cuda"), size=args.size or ("test" if smoke else "real"), schemes=schemes,
+        device=torch.device("cpu" if smoke else "cuda"),
+        size=args.size or ("test" if smoke else "real"),
+        schemes=schemes,
         prompts=[int(n) for n in (args.prompt_lens or ("24,96" if smoke else "512,4096")).split(",")],
-        batches=[1] if smoke else [1, 4, 8], engine_batches=[1, 2] if smoke else [1, 16],
-        new_tokens=16 if smoke else 512, steps=1 if smoke else 16, ar_tokens=3 if smoke else 64,
-        prefill_chunk=16 if smoke else DEFAULT_PREFILL_CHUNK, group_size=16 if smoke else None,
-        iters=1 if smoke else 20, step_seconds=0.0 if smoke else 1.0, replays=1 if smoke else 20, out=Path(args.out),
+        batches=[1] if smoke else [1, 4, 8],
+        engine_batches=[1, 2] if smoke else [1, 16],
+        new_tokens=16 if smoke else 512,
+        steps=1 if smoke else 16,
+        ar_tokens=3 if smoke else 64,
+        prefill_chunk=16 if smoke else DEFAULT_PREFILL_CHUNK,
+        group_size=16 if smoke else None,
+        iters=1 if smoke else 20,
+        step_seconds=0.0 if smoke else 1.0,
+        replays=1 if smoke else 20,
+        out=Path(args.out),
         deadline=time.perf_counter() + args.budget,
-    )  # fmt: skip
+    )
 
 
 def name_of(scheme: str | None) -> str:
@@ -439,8 +491,9 @@ def median_ms(step, iters: int, device: torch.device, seconds: float = 0.0) -> f
 
 
 @torch.no_grad()
-def step_ms(engine: Engine, kv, batch: int, graphs: bool, iters: int, buckets: DecoderGraphs | None = None,
-            seconds: float = 0.0) -> float:
+def step_ms(
+    engine: Engine, kv, batch: int, graphs: bool, iters: int, buckets: DecoderGraphs | None = None, seconds: float = 0.0
+) -> float:
     """Median ms per decoder step (engine/device/step.py: its inputs' copy, the pass, LM head,
     statistics, self-conditioning input, sampling and decisions) of `batch` canvases after the
     prefix `kv` (rows share it: a decoder pass only reads the cache), eager or replaying a CUDA graph (`buckets`' graph of that batch, captured on first use; a
@@ -460,7 +513,9 @@ def decoder_step(engine: Engine, kv, batch: int, graphs: bool, buckets: DecoderG
     soft = torch.zeros(batch, c, cfg.hidden_size, device=device, dtype=runner.net.dtype)
     group = requests_at(runner.net, [kv] * batch, canvas, soft, 0)
     if graphs:
-        buckets = buckets or DecoderGraphs(buckets=(batch,), capture=cuda_capture if device.type == "cuda" else eager_capture)
+        buckets = buckets or DecoderGraphs(
+            buckets=(batch,), capture=cuda_capture if device.type == "cuda" else eager_capture
+        )
 
         def step():
             out = buckets.run(runner, group)
@@ -496,11 +551,21 @@ def table_engine(net: DiffusionGemma, s: Settings) -> Engine:
     """An engine whose KV pool holds one prefix of each table prompt (the rows of a batch share it)."""
     block = net.config.canvas_length
     memory = bench_kv_memory(net.kv_config, net.dtype, block, len(s.prompts), max(s.prompts) + block)
-    return Engine(net, EngineOptions(triton=True, batch_invariant=False, prefix_cache=False, kv_cache_memory=memory,
-                                     prefill_chunk=s.prefill_chunk))  # fmt: skip
+    return Engine(
+        net,
+        EngineOptions(
+            triton=True,
+            batch_invariant=False,
+            prefix_cache=False,
+            kv_cache_memory=memory,
+            prefill_chunk=s.prefill_chunk,
+        ),
+    )
 
 
-TABLE_HEADER = f"{'weights':>8} {'prompt':>6} {'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'graph/floor':>11}"
+TABLE_HEADER = (
+    f"{'weights':>8} {'prompt':>6} {'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'graph/floor':>11}"
+)
 
 
 def table_rows(engine: Engine, s: Settings, scheme, floor: float, buckets: DecoderGraphs, report: dict) -> dict:
@@ -513,12 +578,17 @@ def table_rows(engine: Engine, s: Settings, scheme, floor: float, buckets: Decod
         if s.left() < 0:
             print(f"{name_of(scheme):>8} {length:6d} skipped: past --budget", flush=True)
             continue
-        prompt = torch.randint(0, engine.runner.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+        prompt = torch.randint(
+            0, engine.runner.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)
+        )
         began = time.perf_counter()
         prefixes[length] = kv = engine.encode_prefix(prompt.tolist())
         synchronize(s.device)
-        print(f"{name_of(scheme):>8} {length:6d} prefix encoded in {time.perf_counter() - began:.2f} s "
-              f"({-(-length // s.prefill_chunk)} chunks)", flush=True)  # fmt: skip
+        print(
+            f"{name_of(scheme):>8} {length:6d} prefix encoded in {time.perf_counter() - began:.2f} s "
+            f"({-(-length // s.prefill_chunk)} chunks)",
+            flush=True,
+        )
         for batch in s.batches:
             if s.left() < 0:
                 print(f"{name_of(scheme):>8} {length:6d} {batch:5d} skipped: past --budget", flush=True)
@@ -555,8 +625,11 @@ class WeightReads(TorchDispatchMode):
         self.by_name: Counter = Counter()
 
     def weight_bytes(self, values) -> int:
-        return sum(t.numel() * t.element_size() for t in values
-                   if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages)  # fmt: skip
+        return sum(
+            t.numel() * t.element_size()
+            for t in values
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -634,22 +707,31 @@ def profile_replay(engine: Engine, kv, buckets: DecoderGraphs, scheme, s: Settin
         raise RuntimeError("the profiler saw no kernels in the replay")
     total = sum(us for _, _, us in kernels)
     where = "GPU" if s.cuda else "CPU (self)"
-    print(f"{name_of(scheme)}: one graph replay at batch 1, prompt {kv.length}: {ms:.2f} ms (median of {s.replays}, "
-          f"{'CUDA events' if s.cuda else 'wall'}); profiled {len(kernels)} kernels, {sum(n for _, n, _ in kernels)} "
-          f"launches, {total / 1000:.2f} ms {where} time", flush=True)  # fmt: skip
+    print(
+        f"{name_of(scheme)}: one graph replay at batch 1, prompt {kv.length}: {ms:.2f} ms (median of {s.replays}, "
+        f"{'CUDA events' if s.cuda else 'wall'}); profiled {len(kernels)} kernels, {sum(n for _, n, _ in kernels)} "
+        f"launches, {total / 1000:.2f} ms {where} time",
+        flush=True,
+    )
     print(f"  {'kernel':60s} {'count':>5} {'ms':>8} {'share':>6} {'GB/s':>8}")
     top = []
     for name, count, us in kernels[:15]:
         nbytes = reads.by_name.get(name, 0)
-        rate = f"{nbytes / (us * 1e-6) / 1e9:8.1f}" if nbytes and us else f"{'n/a' if GEMM_NAME.search(name) else '':>8}"
+        rate = (
+            f"{nbytes / (us * 1e-6) / 1e9:8.1f}" if nbytes and us else f"{'n/a' if GEMM_NAME.search(name) else '':>8}"
+        )
         print(f"  {name[:60]:60s} {count:5d} {us / 1000:8.3f} {us / max(total, 1e-9):6.1%} {rate}")
         top.append({"kernel": name, "count": count, "us": us, "weight_bytes": nbytes or None})
     named = {name for name, _, _ in kernels}
     gemm_us = sum(us for name, _, us in kernels if GEMM_NAME.search(name) and name not in reads.by_name)
-    library = sum(v for k, v in reads.by_name.items() if k.startswith("aten::") and k not in named)  # on a GPU: all of them
+    library = sum(
+        v for k, v in reads.by_name.items() if k.startswith("aten::") and k not in named
+    )  # on a GPU: all of them
     if gemm_us and library:
-        print(f"  library GEMM kernels together (n/a above): {library / 1e9:.2f} GB of weights in {gemm_us / 1000:.3f} ms "
-              f"= {library / (gemm_us * 1e-6) / 1e9:.0f} GB/s")  # fmt: skip
+        print(
+            f"  library GEMM kernels together (n/a above): {library / 1e9:.2f} GB of weights in {gemm_us / 1000:.3f} ms "
+            f"= {library / (gemm_us * 1e-6) / 1e9:.0f} GB/s"
+        )
     report["profile"][name_of(scheme)] = {"replay_ms": ms, "kernels": top, "weight_bytes_by_name": dict(reads.by_name)}
 
 
@@ -666,8 +748,15 @@ def engine_runs(scheme, s: Settings) -> list[tuple[str, str, dict | None, int]]:
     turbo at the larger batch, AR at 1 (nvfp4 runs the default at 1: the interpreter's time)."""
     if scheme is not None:
         return [("dgemma", "diffusion", None, 1)]
-    runs = [(peer, mode, turbo, b) for b in s.engine_batches
-            for peer, mode, turbo in (("dgemma", "diffusion", None), ("dgemma-turbo", "diffusion", {}), ("dgemma-ar", "ar", None))]  # fmt: skip
+    runs = [
+        (peer, mode, turbo, b)
+        for b in s.engine_batches
+        for peer, mode, turbo in (
+            ("dgemma", "diffusion", None),
+            ("dgemma-turbo", "diffusion", {}),
+            ("dgemma-ar", "ar", None),
+        )
+    ]
     if SMOKE:
         small, large = s.engine_batches[0], s.engine_batches[-1]
         runs = [r for r in runs if (r[1] == "ar") == (r[3] == small) or small == large]
@@ -692,12 +781,19 @@ def engine_rates(net: DiffusionGemma, scheme, s: Settings, report: dict) -> None
         r = run_dgemma(model, prompts[:batch], new, s.steps, False, mode, turbo=turbo, engine=bench)
         report["decode"][(name_of(scheme), peer, batch)] = r.decode_tps
         per_token = f" ({1000 * batch / r.decode_tps:.1f} ms a token)" if mode == "ar" and r.decode_tps else ""
-        print(f"{name_of(scheme):>8} {peer} batch {batch}: decode {r.decode_tps:.0f} tok/s{per_token}, tokens after the "
-              f"first block over the time after it; {r.tokens} tokens in {r.seconds:.2f} s, ttft {r.ttft:.2f} s, "
-              f"encoder {r.encoder_seconds:.2f} s, {r.ms_per_step:.1f} ms a step, {r.decoder_passes} passes", flush=True)  # fmt: skip
+        print(
+            f"{name_of(scheme):>8} {peer} batch {batch}: decode {r.decode_tps:.0f} tok/s{per_token}, tokens after the "
+            f"first block over the time after it; {r.tokens} tokens in {r.seconds:.2f} s, ttft {r.ttft:.2f} s, "
+            f"encoder {r.encoder_seconds:.2f} s, {r.ms_per_step:.1f} ms a step, {r.decoder_passes} passes",
+            flush=True,
+        )
     graphs = getattr(bench.engine.runner, "graphs", None)
     if graphs is not None and graphs.failures:
-        check(f"{name_of(scheme)} engine's CUDA graphs", False, "; ".join(f"{k}: {v}" for k, v in graphs.failures.items())[:300])
+        check(
+            f"{name_of(scheme)} engine's CUDA graphs",
+            False,
+            "; ".join(f"{k}: {v}" for k, v in graphs.failures.items())[:300],
+        )
 
 
 # ------------------------------------------------------------------------------------ PTX
@@ -729,8 +825,11 @@ def quant_functions() -> list:
     for name in QUANT_KERNEL_MODULES:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    modules = [m for name, m in list(sys.modules.items())
-               if name in QUANT_KERNEL_MODULES or (name.startswith("dgemma.kernels.") and "quant" in name)]  # fmt: skip
+    modules = [
+        m
+        for name, m in list(sys.modules.items())
+        if name in QUANT_KERNEL_MODULES or (name.startswith("dgemma.kernels.") and "quant" in name)
+    ]
     return [v for m in modules for v in vars(m).values() if isinstance(v, KernelInterface)]
 
 
@@ -753,7 +852,10 @@ def write_ptx(s: Settings, report: dict) -> None:
         print(f"PTX of {len(kernels)} quantised GEMM variants ({', '.join(names)}) written to {path}", flush=True)
         return
     how = "the Triton interpreter compiles nothing" if SMOKE else "no quantised GEMM kernel was compiled"
-    print(f"PTX: none ({how}); {len(functions)} Triton functions in the quantised GEMMs' modules; {path} is empty", flush=True)
+    print(
+        f"PTX: none ({how}); {len(functions)} Triton functions in the quantised GEMMs' modules; {path} is empty",
+        flush=True,
+    )
     if not SMOKE and any(scheme in ("int4", "nvfp4") for scheme in s.schemes):
         FAILED.append("PTX of the quantised GEMMs")
 
@@ -794,8 +896,11 @@ def target_value(report: dict, kind: str, key: tuple, s: Settings) -> float | No
 
 
 def print_targets(report: dict, s: Settings) -> None:
-    print(f"targets of the open GPU issues (graph steps at prompt {s.prompts[0]}; decode at {s.steps} fixed steps, "
-          f"prompt {s.prompts[0]}, {s.new_tokens} new tokens):", flush=True)  # fmt: skip
+    print(
+        f"targets of the open GPU issues (graph steps at prompt {s.prompts[0]}; decode at {s.steps} fixed steps, "
+        f"prompt {s.prompts[0]}, {s.new_tokens} new tokens):",
+        flush=True,
+    )
     for issue, what, kind, key, op, bound, unit in TARGETS:
         value = target_value(report, kind, key, s)
         if value is None:
@@ -813,8 +918,11 @@ def measure(s: Settings, report: dict) -> None:
     the device, measured, freed)."""
     bw = copy_bandwidth(s.device, 4.0 if s.cuda else 0.1)
     report["copy_bandwidth"] = bw
-    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; size {s.size}, canvas {PRESETS[s.size]['canvas_length']}, "
-          f"prefill chunk {s.prefill_chunk}", flush=True)  # fmt: skip
+    print(
+        f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; size {s.size}, canvas {PRESETS[s.size]['canvas_length']}, "
+        f"prefill chunk {s.prefill_chunk}",
+        flush=True,
+    )
     print(TABLE_HEADER, flush=True)
     for scheme in s.schemes:
         if s.left() < 0:
@@ -843,8 +951,11 @@ def measure(s: Settings, report: dict) -> None:
             with section(f"engine decode {name_of(scheme)}"):
                 engine_rates(net, scheme, s, report)
             if s.cuda:
-                print(f"{name_of(scheme):>8} peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
-                      f"({nbytes / 2**30:.1f} GiB of weights)", flush=True)  # fmt: skip
+                print(
+                    f"{name_of(scheme):>8} peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
+                    f"({nbytes / 2**30:.1f} GiB of weights)",
+                    flush=True,
+                )
         except Exception as e:  # noqa: BLE001 - a FAIL with its reason; the next scheme is measured
             print(f"{name_of(scheme):>8} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             print(traceback.format_exc()[-3000:], flush=True)
@@ -863,15 +974,33 @@ def guarded_profile(engine, kv, buckets, scheme, s: Settings, report: dict) -> N
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="on a CPU: the interpreter, the 'test' size, graphs replayed eagerly")
+    p.add_argument(
+        "--smoke", action="store_true", help="on a CPU: the interpreter, the 'test' size, graphs replayed eagerly"
+    )
     p.add_argument("--size", default=None, help="model size of the measurements (default: real; --smoke: test)")
-    p.add_argument("--prompt-lens", default=None, help="the step table's prompts, comma separated (default: 512,4096; --smoke: 24,96)")
-    p.add_argument("--schemes", default=None, help=f"weights measured, in order (default: {ALL_SCHEMES}; --smoke: bf16,nvfp4)")
-    p.add_argument("--out", default="gpu_check_out", help="folder for the PTX and the figures' JSON (default: ./gpu_check_out)")
-    p.add_argument("--budget", type=float, default=330.0,
-                   help="seconds after which measurements not yet begun are skipped, each with a line (default: 330)")
-    p.add_argument("--hang-dump", type=float, default=None,
-                   help="seconds between dumps of every thread's traceback, for a hang (default: 120; --smoke: 600)")  # fmt: skip
+    p.add_argument(
+        "--prompt-lens",
+        default=None,
+        help="the step table's prompts, comma separated (default: 512,4096; --smoke: 24,96)",
+    )
+    p.add_argument(
+        "--schemes", default=None, help=f"weights measured, in order (default: {ALL_SCHEMES}; --smoke: bf16,nvfp4)"
+    )
+    p.add_argument(
+        "--out", default="gpu_check_out", help="folder for the PTX and the figures' JSON (default: ./gpu_check_out)"
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=330.0,
+        help="seconds after which measurements not yet begun are skipped, each with a line (default: 330)",
+    )
+    p.add_argument(
+        "--hang-dump",
+        type=float,
+        default=None,
+        help="seconds between dumps of every thread's traceback, for a hang (default: 120; --smoke: 600)",
+    )
     args = p.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("scripts/gpu_check.py needs a CUDA GPU (or --smoke for a CPU run)")
@@ -897,8 +1026,11 @@ def run_all(args) -> None:
     cache = os.environ["TRITON_CACHE_DIR"]
     print(f"torch {torch.__version__}, triton {triton.__version__}, {name}; TRITON_CACHE_DIR {cache}", flush=True)
     start = time.perf_counter()
-    for check_fn, what in ((kernels_vs_torch, "kernels vs torch"), (pass_vs_cpu, "decoder pass vs cpu"),
-                           (engine_step_and_graphs, "engine step and graphs")):  # fmt: skip
+    for check_fn, what in (
+        (kernels_vs_torch, "kernels vs torch"),
+        (pass_vs_cpu, "decoder pass vs cpu"),
+        (engine_step_and_graphs, "engine step and graphs"),
+    ):
         with section(what):
             check_fn(s.device)
     print(f"checks: {len(FAILED)} failed ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -913,7 +1045,9 @@ def run_all(args) -> None:
                 check(what, False, f"{type(e).__name__}: {str(e)[:300]}")
     report["failed"] = list(FAILED)
     (s.out / "gpu_check.json").write_text(json.dumps(jsonable(report), indent=1))
-    print(f"done in {time.perf_counter() - start:.0f} s; {'FAILED: ' + ', '.join(FAILED) if FAILED else 'all checks passed'}")
+    print(
+        f"done in {time.perf_counter() - start:.0f} s; {'FAILED: ' + ', '.join(FAILED) if FAILED else 'all checks passed'}"
+    )
 
 
 def jsonable(value):

@@ -166,7 +166,9 @@ def child(case: str, n: int, stack: str, model: str) -> None:
             grammar = {
                 "lark": llguidance.LLMatcher.grammar_from_lark,
                 "regex": llguidance.LLMatcher.grammar_from_regex,
-                "json": lambda s: llguidance.LLMatcher.grammar_from_json_schema(s, defaults={"whitespace_flexible": False}),
+                "json": lambda s: llguidance.LLMatcher.grammar_from_json_schema(
+                    s, defaults={"whitespace_flexible": False}
+                ),
             }[kind](spec)
             out["bytes"] = len(grammar if kind != "json" else json.dumps(spec))
             written = time.perf_counter()
@@ -228,7 +230,11 @@ def search(case: str, stack: str, model: str, timeout: float, limit: int, slow: 
             break
         last_ok, n = n, n * 2
     first_bad = n if n <= limit else None
-    accepted = last_ok if first_bad is None else bisect(last_ok, first_bad, lambda r: r["outcome"] == "ok" and r["seconds"] <= slow)
+    accepted = (
+        last_ok
+        if first_bad is None
+        else bisect(last_ok, first_bad, lambda r: r["outcome"] == "ok" and r["seconds"] <= slow)
+    )
     # past a clean refusal or a slow compile: look for a crash further on
     n, last_safe = first_bad, accepted
     while n is not None and n <= limit and at(n)["outcome"] in ("ok", "error") and at(n).get("seconds", 0) <= 4 * slow:
@@ -240,12 +246,20 @@ def search(case: str, stack: str, model: str, timeout: float, limit: int, slow: 
     refused = min((k for k, r in seen.items() if r["outcome"] == "error"), default=None)
     best = seen.get(accepted, {})
     return {
-        "case": case, "stack": stack, "accepted": accepted, "refused": refused, "crash": crash,
-        "crash_kind": seen[crash]["outcome"] if crash else None, "safe": last_safe, "tried_up_to": max(seen),
-        "seconds": best.get("seconds"), "rss_mib": best.get("rss_mib"), "bytes": best.get("bytes"),
+        "case": case,
+        "stack": stack,
+        "accepted": accepted,
+        "refused": refused,
+        "crash": crash,
+        "crash_kind": seen[crash]["outcome"] if crash else None,
+        "safe": last_safe,
+        "tried_up_to": max(seen),
+        "seconds": best.get("seconds"),
+        "rss_mib": best.get("rss_mib"),
+        "bytes": best.get("bytes"),
         "refusal": seen[refused]["error"][:80] if refused else None,
         "stopped": "slow" if first_bad is not None and seen[first_bad]["outcome"] == "ok" else None,
-    }  # fmt: skip
+    }
 
 
 def cpu_name() -> str:
@@ -260,18 +274,26 @@ def table(rows: list[dict]) -> str:
     head = "| case | stack | accepted | refused at | crash at | safe | time at accepted | peak RSS |"
     lines = [head, "|" + "---|" * 8]
     for r in rows:
-        crash = f"{r['crash']:,}" + (" (timeout)" if r["crash_kind"] == "timeout" else "") if r["crash"] else f">{r['tried_up_to']:,}"
+        crash = (
+            f"{r['crash']:,}" + (" (timeout)" if r["crash_kind"] == "timeout" else "")
+            if r["crash"]
+            else f">{r['tried_up_to']:,}"
+        )
         accepted = f"{r['accepted']:,}" + (" (slow past)" if r["stopped"] else "")
-        lines.append(f"| {CASES[r['case']][2]} | {'8 MiB main' if r['stack'] == 'main' else r['stack'] + ' MiB thread'} | "
-                     f"{accepted} | {'' if r['refused'] is None else format(r['refused'], ',')} | {crash} | {r['safe']:,} | "
-                     f"{(r['seconds'] or 0):.3f} s | {(r['rss_mib'] or 0):.0f} MiB |")  # fmt: skip
+        lines.append(
+            f"| {CASES[r['case']][2]} | {'8 MiB main' if r['stack'] == 'main' else r['stack'] + ' MiB thread'} | "
+            f"{accepted} | {'' if r['refused'] is None else format(r['refused'], ',')} | {crash} | {r['safe']:,} | "
+            f"{(r['seconds'] or 0):.3f} s | {(r['rss_mib'] or 0):.0f} MiB |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (its tokenizer.json)")
-    parser.add_argument("--stacks", default="64,main", help="thread stack sizes in MiB, and/or 'main' (the main thread)")
+    parser.add_argument(
+        "--stacks", default="64,main", help="thread stack sizes in MiB, and/or 'main' (the main thread)"
+    )
     parser.add_argument("--only", default=",".join(CASES), help="cases, comma-separated: " + ", ".join(CASES))
     parser.add_argument("--max", type=int, default=0, help="largest size tried (default: per case)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per attempt (past it: a timeout)")
@@ -296,8 +318,10 @@ def main() -> int:
             rows.append(search(case, stack, args.model, args.timeout, args.max or CASES[case][1], args.slow, log))
     from importlib.metadata import version
 
-    print(f"CPU: {cpu_name()}; llguidance {version('llguidance')}; Python {sys.version.split()[0]}; "
-          f"command: python scripts/grammar_limits.py {' '.join(sys.argv[1:])}".rstrip())  # fmt: skip
+    print(
+        f"CPU: {cpu_name()}; llguidance {version('llguidance')}; Python {sys.version.split()[0]}; "
+        f"command: python scripts/grammar_limits.py {' '.join(sys.argv[1:])}".rstrip()
+    )
     print(table(rows))
     if args.json:
         print(json.dumps(rows))

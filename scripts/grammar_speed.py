@@ -23,11 +23,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dgemma  # noqa: E402
 
 PROMPTS = [
-    "import os\n", "def parse(data):\n    return", "class Config:\n", "for line in lines:\n",
-    "# Copyright", "import json\n\ndef load(path):\n", "def __init__(self, name):\n", "try:\n    import",
-    "if __name__ == '__main__':\n", "def test_", "from typing import", "    def read(self, n=-1):\n",
-    "x = [", "raise ValueError(", "with open(path) as f:\n", "def encode(s, errors='strict'):\n",
-]  # fmt: skip
+    "import os\n",
+    "def parse(data):\n    return",
+    "class Config:\n",
+    "for line in lines:\n",
+    "# Copyright",
+    "import json\n\ndef load(path):\n",
+    "def __init__(self, name):\n",
+    "try:\n    import",
+    "if __name__ == '__main__':\n",
+    "def test_",
+    "from typing import",
+    "    def read(self, n=-1):\n",
+    "x = [",
+    "raise ValueError(",
+    "with open(path) as f:\n",
+    "def encode(s, errors='strict'):\n",
+]
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -80,13 +92,17 @@ def main() -> int:
     for kind, spec in (("json_schema", SCHEMA), ("regex", REGEX)):
         rows.append((kind, run(model, prompts, seeds, args.max_new_tokens, model.compile_grammar(kind, spec))))
     base = rows[0][1]["tokens_per_forward"]
-    print(f"CPU: {cpu_name()}; model: {model.path}; {args.prompts} prompts, seeds 0..{args.prompts - 1}, "
-          f"max_new_tokens {args.max_new_tokens}, the checkpoint's sampler defaults")  # fmt: skip
+    print(
+        f"CPU: {cpu_name()}; model: {model.path}; {args.prompts} prompts, seeds 0..{args.prompts - 1}, "
+        f"max_new_tokens {args.max_new_tokens}, the checkpoint's sampler defaults"
+    )
     print("| grammar | tokens per forward (mean) | vs none | tokens | decoder passes | seconds |")
     print("|---|---|---|---|---|---|")
     for name, r in rows:
-        print(f"| {name} | {r['tokens_per_forward']:.2f} | {r['tokens_per_forward'] / base:.2f}x | {r['tokens']} | "
-              f"{r['passes']} | {r['seconds']:.1f} |")  # fmt: skip
+        print(
+            f"| {name} | {r['tokens_per_forward']:.2f} | {r['tokens_per_forward'] / base:.2f}x | {r['tokens']} | "
+            f"{r['passes']} | {r['seconds']:.1f} |"
+        )
     for name, r in rows[1:]:
         valid = sum(1 for t in r["texts"] if _valid(name, t))
         print(f"{name}: {valid}/{len(r['texts'])} answers complete and valid; first: {r['texts'][0]!r}")

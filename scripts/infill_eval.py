@@ -94,7 +94,12 @@ def file_cases(tok, name: str, text: str, max_span: int, prefix_tokens: int) -> 
         a = bisect.bisect_right(starts, line_start - 1) - 1  # the token holding the newline before the line
         end = line_start + len(line.rstrip())
         b = bisect.bisect_left(starts, end)  # the first token after the line's text
-        if a < 1 or not 1 <= b - a <= max_span or offsets[b - 1][1] != end or not text[offsets[a][0] : offsets[a][1]].isspace():
+        if (
+            a < 1
+            or not 1 <= b - a <= max_span
+            or offsets[b - 1][1] != end
+            or not text[offsets[a][0] : offsets[a][1]].isspace()
+        ):
             continue
         first = max(0, a - prefix_tokens)
         prefix = text[offsets[first][0] : offsets[a][0]]
@@ -107,7 +112,9 @@ def file_cases(tok, name: str, text: str, max_span: int, prefix_tokens: int) -> 
     return out
 
 
-def build_cases(tok, count: int, seed: int, max_span: int, prefix_tokens: int, fraction: float) -> tuple[list[Case], int]:
+def build_cases(
+    tok, count: int, seed: int, max_span: int, prefix_tokens: int, fraction: float
+) -> tuple[list[Case], int]:
     rng = random.Random(seed)
     pools = []
     for name, text in held_out_files(fraction):
@@ -138,7 +145,9 @@ def batched(model, cases: list[Case], seed: int, batch: int, **kwargs) -> list[s
     tok, out = model.tokenizer, []
     for s in range(0, len(cases), batch):
         group = cases[s : s + batch]
-        gen = model.generate([tok.encode(c.prefix) for c in group], seed=[seed + s + i for i in range(len(group))], **kwargs)
+        gen = model.generate(
+            [tok.encode(c.prefix) for c in group], seed=[seed + s + i for i in range(len(group))], **kwargs
+        )
         out += [tok.decode(seq) for seq in gen.sequences]
     return out
 
@@ -155,11 +164,14 @@ def cpu_name() -> str:
 
 def compare_turbo(model, cases: list[Case], args) -> None:
     """--compare-turbo: method (a) exact and with turbo on the same cases and seeds, side by side."""
-    from dgemma.engine.events import collect
     from turbo_compare import bootstrap, compare_seed, compared, interval
 
+    from dgemma.engine.events import collect
+
     settings, k, tok = compared(args), len(cases), model.tokenizer
-    sums = {name: {key: (np.zeros(k), np.zeros(k)) for key in ("exact", "edit", "same", "positions")} for name in settings}
+    sums = {
+        name: {key: (np.zeros(k), np.zeros(k)) for key in ("exact", "edit", "same", "positions")} for name in settings
+    }
     seconds, texts = dict.fromkeys(settings, 0.0), {}
 
     def add(name: str, key: str, i: int, num: float, den: float = 1.0) -> None:
@@ -168,10 +180,19 @@ def compare_turbo(model, cases: list[Case], args) -> None:
 
     for r in range(args.compare_seeds):
         for name, knobs in settings.items():
+
             def one(i: int, r: int = r, name: str = name, knobs: dict = knobs):  # this iteration's values
                 c = cases[i]
-                gen = collect(model.infill_stream(c.prefix, c.suffix, span_length=c.n, seed=compare_seed(args.seed, i, r, name),
-                                                  drafts=False, **knobs))  # fmt: skip
+                gen = collect(
+                    model.infill_stream(
+                        c.prefix,
+                        c.suffix,
+                        span_length=c.n,
+                        seed=compare_seed(args.seed, i, r, name),
+                        drafts=False,
+                        **knobs,
+                    )
+                )
                 return tok.decode(gen.sequences[0][: c.n]), gen.decoder_positions[0]
 
             t0 = time.perf_counter()
@@ -187,19 +208,35 @@ def compare_turbo(model, cases: list[Case], args) -> None:
                 add(name, "positions", i, positions, c.n)
             print(f"seed repeat {r}, {name}: {seconds[name]:.0f} s so far", flush=True)
     cmd = "python " + " ".join(["scripts/infill_eval.py", *sys.argv[1:]])
-    print(f"\n`{cmd}`: method (a), {k} cases x {args.compare_seeds} seeds, {cpu_name()}, {torch.get_num_threads()} torch "
-          f"thread(s), {args.workers} worker(s)\n")  # fmt: skip
-    print("| setting | exact | mean edit distance | same span as exact | positions per span token | x fewer positions | cases/s |")
+    print(
+        f"\n`{cmd}`: method (a), {k} cases x {args.compare_seeds} seeds, {cpu_name()}, {torch.get_num_threads()} torch "
+        f"thread(s), {args.workers} worker(s)\n"
+    )
+    print(
+        "| setting | exact | mean edit distance | same span as exact | positions per span token | x fewer positions | cases/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     rows = []
     for name, knobs in settings.items():
         m, e = sums[name], sums["exact"]
         fewer = bootstrap(*m["positions"], base=e["positions"], ratio=True)
-        row = {"setting": name, "knobs": knobs, **{key: bootstrap(*m[key]) for key in m}, "x_fewer_positions": fewer,
-               "cases_per_s": k * args.compare_seeds / seconds[name]}  # fmt: skip
+        row = {
+            "setting": name,
+            "knobs": knobs,
+            **{key: bootstrap(*m[key]) for key in m},
+            "x_fewer_positions": fewer,
+            "cases_per_s": k * args.compare_seeds / seconds[name],
+        }
         rows.append(row)
-        cells = [name, interval(row["exact"], ".1%"), interval(row["edit"], ".3f"), interval(row["same"], ".1%"),
-                 f"{row['positions']['value']:.1f}", interval(fewer, ".2f"), f"{row['cases_per_s']:.2f}"]  # fmt: skip
+        cells = [
+            name,
+            interval(row["exact"], ".1%"),
+            interval(row["edit"], ".3f"),
+            interval(row["same"], ".1%"),
+            f"{row['positions']['value']:.1f}",
+            interval(fewer, ".2f"),
+            f"{row['cases_per_s']:.2f}",
+        ]
         print("| " + " | ".join(cells) + " |")
     if args.out:
         with open(args.out, "w") as f:
@@ -230,8 +267,11 @@ def main() -> None:
     cases, files = build_cases(tok, args.cases, args.seed, args.max_span, args.prefix_tokens, args.eval_fraction)
     if not cases:
         sys.exit("no cases: no held-out file has a line that fits")
-    print(f"{len(cases)} cases from {len({c.name for c in cases})} of {files} held-out files; "
-          f"span tokens: mean {sum(c.n for c in cases) / len(cases):.1f}, max {max(c.n for c in cases)}", flush=True)  # fmt: skip
+    print(
+        f"{len(cases)} cases from {len({c.name for c in cases})} of {files} held-out files; "
+        f"span tokens: mean {sum(c.n for c in cases) / len(cases):.1f}, max {max(c.n for c in cases)}",
+        flush=True,
+    )
 
     if args.workers > 1:  # concurrent calls share the engine's decoder passes (see the docstring)
         model.configure_engine(batch_invariant=False)
@@ -240,7 +280,9 @@ def main() -> None:
 
     def infill(span_length):
         def one(i: int):
-            return model.infill(cases[i].prefix, cases[i].suffix, span_length=span_length(cases[i]), seed=args.seed + i, **knobs)
+            return model.infill(
+                cases[i].prefix, cases[i].suffix, span_length=span_length(cases[i]), seed=args.seed + i, **knobs
+            )
 
         with ThreadPoolExecutor(args.workers) as pool:
             res = list(pool.map(one, range(len(cases))))
@@ -249,11 +291,20 @@ def main() -> None:
     methods = [
         ("(a) infill, oracle span length", "yes", lambda: infill(lambda c: c.n)),
         ("(b) infill, length chosen by the model", "yes", lambda: infill(lambda c: None)),
-        ("(c) AR (greedy), prefix only", "no", lambda: (batched(model, cases, args.seed, args.batch, mode="ar",
-                                                                max_new_tokens=args.max_span + 8), None)),
-        ("(d) diffusion, prefix only (one canvas)", "no", lambda: (batched(model, cases, args.seed, args.batch,
-                                                              max_new_tokens=model.config.canvas_length, **knobs), None)),
-    ]  # fmt: skip
+        (
+            "(c) AR (greedy), prefix only",
+            "no",
+            lambda: (batched(model, cases, args.seed, args.batch, mode="ar", max_new_tokens=args.max_span + 8), None),
+        ),
+        (
+            "(d) diffusion, prefix only (one canvas)",
+            "no",
+            lambda: (
+                batched(model, cases, args.seed, args.batch, max_new_tokens=model.config.canvas_length, **knobs),
+                None,
+            ),
+        ),
+    ]
     if args.no_diffusion:
         methods.pop()
     rows, records = [], [{"file": c.name, "line": c.line, "span": c.span, "n": c.n} for c in cases]
@@ -275,19 +326,30 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     cmd = "python " + " ".join(["scripts/infill_eval.py", *sys.argv[1:]])
-    print(f"\n`{cmd}`: {len(cases)} cases, {cpu_name()}, {torch.get_num_threads()} torch thread(s), {args.workers} worker(s), "
-          f"turbo {knobs or 'off'}, "
-          f"torch {torch.__version__}, Python {platform.python_version()}\n")  # fmt: skip
+    print(
+        f"\n`{cmd}`: {len(cases)} cases, {cpu_name()}, {torch.get_num_threads()} torch thread(s), {args.workers} worker(s), "
+        f"turbo {knobs or 'off'}, "
+        f"torch {torch.__version__}, Python {platform.python_version()}\n"
+    )
     print("| method | sees the suffix | exact | exact, stripped | mean edit distance | cases/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["method"], r["suffix"], f"{r['exact']:.1%}", f"{r['stripped']:.1%}", f"{r['edit']:.3f}", f"{r['cases_per_s']:.2f}"]
+        cells = [
+            r["method"],
+            r["suffix"],
+            f"{r['exact']:.1%}",
+            f"{r['stripped']:.1%}",
+            f"{r['edit']:.3f}",
+            f"{r['cases_per_s']:.2f}",
+        ]
         print("| " + " | ".join(cells) + " |")
     for r in rows:
         if "chosen_lengths" in r:
-            print(f"\n(b) chose the oracle length in {r['oracle_length_chosen']:.1%} of cases; lengths chosen: "
-                  f"{r['chosen_lengths']}; median gap between the best and worst candidate's score: "
-                  f"{r['median_score_range']:.2e} nats per token")  # fmt: skip
+            print(
+                f"\n(b) chose the oracle length in {r['oracle_length_chosen']:.1%} of cases; lengths chosen: "
+                f"{r['chosen_lengths']}; median gap between the best and worst candidate's score: "
+                f"{r['median_score_range']:.2e} nats per token"
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": cmd, "cpu": cpu_name(), "rows": rows, "cases": records}, f, indent=1)

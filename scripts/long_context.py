@@ -39,17 +39,32 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     c = args.canvas
     config = make_config(
-        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
-        num_global_kv_heads=1, intermediate_size=128, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-        sliding_window=512, canvas_length=c, layer_types=["sliding_attention", "full_attention"],
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_kv_heads=1,
+        intermediate_size=128,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        sliding_window=512,
+        canvas_length=c,
+        layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=args.prompt_tokens + 8 * c,
-    )  # fmt: skip
+    )
     net = engine_net(random_model(config, seed=0, std=0.05))
     engine = Engine(net, EngineOptions(prefill_chunk=args.prefill_chunk))
     fixed = dict(max_denoising_steps=8, confidence_threshold=1e-30, eos_token_ids=())  # 8 passes per canvas
     g = torch.Generator().manual_seed(0)
-    long = Request(torch.randint(5, 512, (args.prompt_tokens,), generator=g).tolist(),
-                   GenerationConfig(max_new_tokens=2 * c, **fixed), seed=0)  # fmt: skip
+    long = Request(
+        torch.randint(5, 512, (args.prompt_tokens,), generator=g).tolist(),
+        GenerationConfig(max_new_tokens=2 * c, **fixed),
+        seed=0,
+    )
     short = Request([5, 6, 7, 8, 9], GenerationConfig(max_new_tokens=4 * c, **fixed), seed=1)
     start = time.perf_counter()
     engine.add(long)
@@ -73,15 +88,23 @@ def main(argv: list[str] | None = None) -> int:
     kv_mb = sum(most_blocks[k] * c * per_token[k] for k in most_blocks) / 2**20
     dense_mb = args.prompt_tokens * sum(per_token.values()) * 2 / 2**20  # both requests in preallocated rows
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"model: {config.num_parameters() / 1e6:.2f}M parameters, canvas/block {c}, window {config.sliding_window}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
-    print(f"long prompt: {args.prompt_tokens} tokens, time to first block {first_block:.2f} s, all done in {total:.2f} s")
-    print(f"peak memory (process RSS): {peak_mb:.0f} MB; most KV blocks in use: sliding {most_blocks[SLIDING]}, "
-          f"global {most_blocks[GLOBAL]} = {kv_mb:.1f} MB (two preallocated rows of the prompt's length: {dense_mb:.1f} MB)")  # fmt: skip
+    print(
+        f"model: {config.num_parameters() / 1e6:.2f}M parameters, canvas/block {c}, window {config.sliding_window}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"long prompt: {args.prompt_tokens} tokens, time to first block {first_block:.2f} s, all done in {total:.2f} s"
+    )
+    print(
+        f"peak memory (process RSS): {peak_mb:.0f} MB; most KV blocks in use: sliding {most_blocks[SLIDING]}, "
+        f"global {most_blocks[GLOBAL]} = {kv_mb:.1f} MB (two preallocated rows of the prompt's length: {dense_mb:.1f} MB)"
+    )
     steps = -(-args.prompt_tokens // engine.options.prefill_chunk)
-    print(f"short request: {short_blocks_meanwhile} of {len(short.tokens) // c} blocks committed while the long prompt "
-          f"prefilled ({steps} engine steps of prefill; a block takes {fixed['max_denoising_steps']}); "
-          f"done after {short_done:.2f} s")  # fmt: skip
+    print(
+        f"short request: {short_blocks_meanwhile} of {len(short.tokens) // c} blocks committed while the long prompt "
+        f"prefilled ({steps} engine steps of prefill; a block takes {fixed['max_denoising_steps']}); "
+        f"done after {short_done:.2f} s"
+    )
     return 0
 
 

@@ -46,8 +46,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(TrainArgs(out=tmp, data=args.data, model=args.model, eval_fraction=args.eval_fraction,
-                                    seq_len=args.seq_len, batch_size=8, eval_batches=args.batches, blocks=1))
+        trainer = Trainer(
+            TrainArgs(
+                out=tmp,
+                data=args.data,
+                model=args.model,
+                eval_fraction=args.eval_fraction,
+                seq_len=args.seq_len,
+                batch_size=8,
+                eval_batches=args.batches,
+                blocks=1,
+            )
+        )
         held_out = trainer.evaluate()
         n_eval = len(trainer.eval_set)
     print(f"held-out ({n_eval} sequences, {args.batches * 8} evaluated): {held_out}")
@@ -61,9 +71,16 @@ def main() -> None:
         seconds += time.perf_counter() - t0
         tokens += len(out.sequences[0])  # new tokens up to and including EOS
         passes += out.decoder_passes[0]
-        samples.append({"prompt": prompt, "completion": tok.decode(out.sequences[0]), "seed": i,
-                        "tokens": len(out.sequences[0]), "decoder_passes": out.decoder_passes[0],
-                        "tokens_per_forward": out.tokens_per_forward[0]})
+        samples.append(
+            {
+                "prompt": prompt,
+                "completion": tok.decode(out.sequences[0]),
+                "seed": i,
+                "tokens": len(out.sequences[0]),
+                "decoder_passes": out.decoder_passes[0],
+                "tokens_per_forward": out.tokens_per_forward[0],
+            }
+        )
     figures = {
         "held_out": held_out,
         "held_out_sequences": n_eval,
@@ -74,8 +91,10 @@ def main() -> None:
         "generation_config": asdict(model.generation_config),
         "samples": samples,
     }
-    print(f"tokens per forward at default settings: {figures['tokens_per_forward']:.2f} "
-          f"({tokens} tokens / {passes} decoder passes over {len(PROMPTS)} prompts)")
+    print(
+        f"tokens per forward at default settings: {figures['tokens_per_forward']:.2f} "
+        f"({tokens} tokens / {passes} decoder passes over {len(PROMPTS)} prompts)"
+    )
     for s in samples:
         print("=" * 60 + f"\n{s['prompt']}\033[1m{s['completion']}\033[0m")
     if args.out:

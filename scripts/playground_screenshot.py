@@ -61,8 +61,10 @@ def main() -> None:
                 driver.find_element(By.ID, "input").send_keys(prompt)
                 driver.find_element(By.ID, "send").click()
                 if k < len(PROMPTS) - 1:
-                    while len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .figures")) <= k or not \
-                            driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .figures")[k].text:  # fmt: skip
+                    while (
+                        len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .figures")) <= k
+                        or not driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .figures")[k].text
+                    ):
                         time.sleep(0.1)
             half = model.config.canvas_length // 2
             deadline = time.monotonic() + 120
@@ -74,7 +76,9 @@ def main() -> None:
                     if driver.execute_script("return window.dgemma.frames.length") == frames:
                         args.out.parent.mkdir(parents=True, exist_ok=True)
                         args.out.write_bytes(png)
-                        print(f"wrote {args.out} (block {last['block'] + 1}, step {last['step']}, {last['accepted']} accepted)")
+                        print(
+                            f"wrote {args.out} (block {last['block'] + 1}, step {last['step']}, {last['accepted']} accepted)"
+                        )
                         return
                 time.sleep(0.005)
             sys.exit("no mid-block frame was caught")

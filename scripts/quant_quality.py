@@ -16,17 +16,27 @@ import json
 import tempfile
 
 import torch
+from model_card_stats import PROMPTS
 
 import dgemma
 from dgemma.quant.modules import quantize_model
 from dgemma.train.trainer import TrainArgs, Trainer
-from model_card_stats import PROMPTS
 
 
 def held_out(model_dir: str, scheme: str | None, group_size: int, batches: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(TrainArgs(out=tmp, data=["stdlib"], model=model_dir, eval_fraction=0.02, seq_len=256,
-                                    batch_size=8, eval_batches=batches, blocks=1))  # fmt: skip
+        trainer = Trainer(
+            TrainArgs(
+                out=tmp,
+                data=["stdlib"],
+                model=model_dir,
+                eval_fraction=0.02,
+                seq_len=256,
+                batch_size=8,
+                eval_batches=batches,
+                blocks=1,
+            )
+        )
         if scheme is not None:
             quantize_model(trainer.net, scheme, group_size)
         return trainer.evaluate()
@@ -52,8 +62,12 @@ def main() -> None:
         baseline_ar = baseline_ar or ar
         same = sum(a == b for x, y in zip(ar, baseline_ar) for a, b in zip(x, y))
         total = sum(len(y) for y in baseline_ar)
-        row = {"scheme": scheme or "none (float32)", **held_out(args.model, scheme, args.group_size, args.batches),
-               "tokens_per_forward": tpf, "ar_agreement": same / total}  # fmt: skip
+        row = {
+            "scheme": scheme or "none (float32)",
+            **held_out(args.model, scheme, args.group_size, args.batches),
+            "tokens_per_forward": tpf,
+            "ar_agreement": same / total,
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

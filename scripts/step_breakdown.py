@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dgemma.devices import resolve_dtype  # noqa: E402
 from dgemma.benchmark import FIXED_STEPS_CONFIDENCE, random_model  # noqa: E402
+from dgemma.devices import resolve_dtype  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
@@ -53,7 +53,9 @@ def main() -> None:
     model = random_model(args.size, "cpu", resolve_dtype(args.dtype), args.quantization)
     net = model.engine_net
     cfg = model.generation_config.with_overrides(
-        max_new_tokens=4 * model.config.canvas_length, eos_token_ids=(), max_denoising_steps=16,
+        max_new_tokens=4 * model.config.canvas_length,
+        eos_token_ids=(),
+        max_denoising_steps=16,
         confidence_threshold=FIXED_STEPS_CONFIDENCE,
     )
     engine = Engine(net, EngineOptions(prefix_cache=False))
@@ -76,7 +78,9 @@ def main() -> None:
         engine.step()
     wall = (time.perf_counter() - start) / args.steps * 1000
     ms = {k: v / args.steps * 1000 for k, v in totals.items()}
-    print(f"{args.size} {args.dtype}{' ' + args.quantization if args.quantization else ''}, threads {torch.get_num_threads()}: {wall:.1f} ms per engine step")
+    print(
+        f"{args.size} {args.dtype}{' ' + args.quantization if args.quantization else ''}, threads {torch.get_num_threads()}: {wall:.1f} ms per engine step"
+    )
     print(f"  decoder pass                         {ms['decoder pass']:7.1f} ms")
     print(f"  logits, statistics, self-cond input  {ms['decoder step'] - ms['decoder pass']:7.1f} ms")
     print(f"  sampler decisions                    {ms['sampler decisions']:7.1f} ms")

@@ -44,14 +44,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-import dgemma
-from dgemma.api import default_model_dir
-from dgemma.engine.constraints import CanvasConstraints, FirstCanvas
-from dgemma.engine.events import GenerationOutput
-from dgemma.train.trainer import TrainArgs, train
 from infill_eval import cpu_name  # scripts/ is on sys.path when this runs
 from turbo_compare import add_turbo_options, bootstrap, compare_seed, compared, interval, turbo_knobs
+
+import dgemma
+from dgemma.engine.constraints import CanvasConstraints, FirstCanvas
+from dgemma.engine.events import GenerationOutput
+from dgemma.loading import default_model_dir
+from dgemma.train.trainer import TrainArgs, train
 
 PROMPT = "# 4x4 sudoku\n"
 Grid = tuple[int, ...]  # 16 digits, row by row; 0 = blank
@@ -116,20 +116,43 @@ def finetune(grids: list[Grid], args, tmp: Path) -> Path:
     with data.open("w") as f:
         for g in grids:
             f.write(json.dumps({"prompt": PROMPT, "completion": grid_text(g)}) + "\n")
-    targs = TrainArgs(out=str(tmp / "run"), data=[str(data)], model=str(args.model), steps=args.steps,
-                      batch_size=args.batch_size, seq_len=64, lr=args.lr, warmup=20, eval_fraction=0.0,
-                      eval_every=10**9, save_every=10**9, save_minutes=10**9, log_every=50, seed=args.seed,
-                      threads=args.threads)  # fmt: skip
+    targs = TrainArgs(
+        out=str(tmp / "run"),
+        data=[str(data)],
+        model=str(args.model),
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=64,
+        lr=args.lr,
+        warmup=20,
+        eval_fraction=0.0,
+        eval_every=10**9,
+        save_every=10**9,
+        save_minutes=10**9,
+        log_every=50,
+        seed=args.seed,
+        threads=args.threads,
+    )
     t0 = time.perf_counter()
     result = train(targs)
     last = result.last_losses
-    print(f"fine-tuned {args.steps} steps in {time.perf_counter() - t0:.0f} s; last loss {last.get('loss', float('nan')):.3f} "
-          f"(diffusion {last.get('diffusion', float('nan')):.3f})", flush=True)  # fmt: skip
+    print(
+        f"fine-tuned {args.steps} steps in {time.perf_counter() - t0:.0f} s; last loss {last.get('loss', float('nan')):.3f} "
+        f"(diffusion {last.get('diffusion', float('nan')):.3f})",
+        flush=True,
+    )
     return result.out
 
 
-def solve(model, puzzles: list[Grid], digits: dict[int, int], only_digits: bool, seed: int, seeds: list[int] | None = None,
-          **knobs) -> tuple[list[Grid], GenerationOutput]:  # fmt: skip
+def solve(
+    model,
+    puzzles: list[Grid],
+    digits: dict[int, int],
+    only_digits: bool,
+    seed: int,
+    seeds: list[int] | None = None,
+    **knobs,
+) -> tuple[list[Grid], GenerationOutput]:
     """(answers, generate's output); puzzle i samples with seed + i, or seeds[i]; `knobs`: turbo's."""
     tok, c, vocab = model.tokenizer, model.config.canvas_length, model.config.vocab_size
     (newline,) = tok.encode("\n", add_special_tokens=False)
@@ -141,8 +164,14 @@ def solve(model, puzzles: list[Grid], digits: dict[int, int], only_digits: bool,
         allowed = {position(i): list(digits.values()) for i, d in enumerate(p) if not d} if only_digits else None
         constraints.append(FirstCanvas(CanvasConstraints.build(c, vocab, fixed=fixed, allowed=allowed)))
     prompt = tok.encode(PROMPT)
-    out = model.generate([prompt] * len(puzzles), max_new_tokens=c, eos_token_ids=[], constraints=constraints,
-                         seed=seeds or [seed + i for i in range(len(puzzles))], **knobs)  # fmt: skip
+    out = model.generate(
+        [prompt] * len(puzzles),
+        max_new_tokens=c,
+        eos_token_ids=[],
+        constraints=constraints,
+        seed=seeds or [seed + i for i in range(len(puzzles))],
+        **knobs,
+    )
     digit_of = {t: d for d, t in digits.items()}
     return [tuple(digit_of.get(seq[position(i)], 0) for i in range(16)) for seq in out.sequences], out
 
@@ -155,8 +184,12 @@ def score(puzzles: list[Grid], answers: list[Grid], truth: list[Grid]) -> dict:
         tally = by_blanks.setdefault(p.count(0), [0, 0])
         tally[0] += valid(a)
         tally[1] += 1
-    return {"cells": right / blanks, "grids": sum(valid(a) for a in answers) / len(answers), "blank_cells": blanks,
-            "grids_by_blanks": {k: f"{v}/{n}" for k, (v, n) in sorted(by_blanks.items())}}  # fmt: skip
+    return {
+        "cells": right / blanks,
+        "grids": sum(valid(a) for a in answers) / len(answers),
+        "blank_cells": blanks,
+        "grids_by_blanks": {k: f"{v}/{n}" for k, (v, n) in sorted(by_blanks.items())},
+    }
 
 
 def compare_turbo(model, truth: list[Grid], puzzles: list[Grid], digits: dict[int, int], args) -> None:
@@ -165,7 +198,10 @@ def compare_turbo(model, truth: list[Grid], puzzles: list[Grid], digits: dict[in
     cmd = "python " + " ".join(["scripts/sudoku_infill.py", *sys.argv[1:]])
     print(f"\n`{cmd}`: {cpu_name()}, {torch.get_num_threads()} torch thread(s)", flush=True)
     for only_digits in (False, True):
-        sums = {name: {key: (np.zeros(k), np.zeros(k)) for key in ("cells", "grids", "same", "positions")} for name in settings}
+        sums = {
+            name: {key: (np.zeros(k), np.zeros(k)) for key in ("cells", "grids", "same", "positions")}
+            for name in settings
+        }
         seconds, exact = dict.fromkeys(settings, 0.0), {}
         for r in range(args.compare_seeds):
             for name, knobs in settings.items():
@@ -176,21 +212,34 @@ def compare_turbo(model, truth: list[Grid], puzzles: list[Grid], digits: dict[in
                 exact.setdefault(r, answers)
                 for i, (p, a, t) in enumerate(zip(puzzles, answers, truth)):
                     m = sums[name]
-                    for key, num, den in (("cells", sum(a[j] == t[j] for j in range(16) if not p[j]), p.count(0)),
-                                          ("grids", valid(a), 1), ("same", a == exact[r][i], 1),
-                                          ("positions", out.decoder_positions[i], len(out.sequences[i]))):  # fmt: skip
+                    for key, num, den in (
+                        ("cells", sum(a[j] == t[j] for j in range(16) if not p[j]), p.count(0)),
+                        ("grids", valid(a), 1),
+                        ("same", a == exact[r][i], 1),
+                        ("positions", out.decoder_positions[i], len(out.sequences[i])),
+                    ):
                         m[key][0][i] += num
                         m[key][1][i] += den
-        print(f"\n--compare-turbo, fine-tuned, held-out grids, blank cells may hold {'digits only' if only_digits else 'any token'}: "
-              f"{k} puzzles x {args.compare_seeds} seeds\n")  # fmt: skip
-        print("| setting | cells right | grids valid | same grid as exact | positions per token | x fewer positions | seconds |")
+        print(
+            f"\n--compare-turbo, fine-tuned, held-out grids, blank cells may hold {'digits only' if only_digits else 'any token'}: "
+            f"{k} puzzles x {args.compare_seeds} seeds\n"
+        )
+        print(
+            "| setting | cells right | grids valid | same grid as exact | positions per token | x fewer positions | seconds |"
+        )
         print("|---|---|---|---|---|---|---|")
         for name in settings:
             m, e = sums[name], sums["exact"]
             fewer = bootstrap(*m["positions"], base=e["positions"], ratio=True)
-            cells = [name, interval(bootstrap(*m["cells"]), ".1%"), interval(bootstrap(*m["grids"]), ".1%"),
-                     interval(bootstrap(*m["same"]), ".1%"), f"{bootstrap(*m['positions'])['value']:.1f}",
-                     interval(fewer, ".2f"), f"{seconds[name]:.1f}"]  # fmt: skip
+            cells = [
+                name,
+                interval(bootstrap(*m["cells"]), ".1%"),
+                interval(bootstrap(*m["grids"]), ".1%"),
+                interval(bootstrap(*m["same"]), ".1%"),
+                f"{bootstrap(*m['positions'])['value']:.1f}",
+                interval(fewer, ".2f"),
+                f"{seconds[name]:.1f}",
+            ]
             print("| " + " | ".join(cells) + " |", flush=True)
 
 
@@ -222,8 +271,11 @@ def main() -> None:
     base = dgemma.load(args.model)
     digits = digit_tokens(base.tokenizer)
     mean_blanks = sum(p.count(0) for p in sets["held-out grids"][1]) / args.puzzles
-    print(f"{len(trained)} training grids, {len(held)} held-out; {args.puzzles} puzzles per set, "
-          f"{mean_blanks:.1f} blanks on average", flush=True)  # fmt: skip
+    print(
+        f"{len(trained)} training grids, {len(held)} held-out; {args.puzzles} puzzles per set, "
+        f"{mean_blanks:.1f} blanks on average",
+        flush=True,
+    )
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,8 +291,13 @@ def main() -> None:
                         continue
                     t0 = time.perf_counter()
                     answers, _ = solve(model, puzzles, digits, only_digits, args.seed, **knobs)
-                    row = {"model": label, "blanks": "digits only" if only_digits else "any token", "puzzles": name,
-                           **score(puzzles, answers, truth), "seconds": time.perf_counter() - t0}  # fmt: skip
+                    row = {
+                        "model": label,
+                        "blanks": "digits only" if only_digits else "any token",
+                        "puzzles": name,
+                        **score(puzzles, answers, truth),
+                        "seconds": time.perf_counter() - t0,
+                    }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     cmd = "python " + " ".join(["scripts/sudoku_infill.py", *sys.argv[1:]])
@@ -251,7 +308,9 @@ def main() -> None:
         print(f"| {r['model']} | {r['blanks']} | {r['puzzles']} | {r['cells']:.1%} | {r['grids']:.1%} |")
     for r in rows:
         if r["model"] == "fine-tuned" and r["puzzles"] == "held-out grids":
-            print(f"\ngrids valid by number of blanks (fine-tuned, {r['blanks']}, held-out grids): {r['grids_by_blanks']}")
+            print(
+                f"\ngrids valid by number of blanks (fine-tuned, {r['blanks']}, held-out grids): {r['grids_by_blanks']}"
+            )
 
 
 if __name__ == "__main__":

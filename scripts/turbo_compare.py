@@ -13,8 +13,12 @@ PRESETS = {
     "aggressive": {"turbo_dormant_entropy": 1.0},
     "refresh4": {"turbo_refresh_every": 4},
 }
-KNOBS = (("turbo_freeze_passes", int), ("turbo_freeze_entropy", float), ("turbo_refresh_every", int),
-         ("turbo_dormant_entropy", float))  # fmt: skip
+KNOBS = (
+    ("turbo_freeze_passes", int),
+    ("turbo_freeze_entropy", float),
+    ("turbo_refresh_every", int),
+    ("turbo_dormant_entropy", float),
+)
 NOISE = "exact, other seed"
 
 
@@ -25,14 +29,18 @@ def setting(text: str) -> tuple[str, dict]:
     name, sep, spec = text.partition("=")
     values = spec.split(",")
     if not sep or not name or name in ("exact", NOISE) or len(values) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"{text!r}: a setting is one of {', '.join(PRESETS)} or NAME=K,E,R[,D] (e.g. f3=3,0.1,0)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a setting is one of {', '.join(PRESETS)} or NAME=K,E,R[,D] (e.g. f3=3,0.1,0)"
+        )
     knobs: dict = {"turbo": True}
     for (key, kind), value in zip(KNOBS, values):
         if value:
             try:
                 knobs[key] = kind(value)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{text!r}: {key} takes {kind.__name__} values, got {value!r}") from None
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: {key} takes {kind.__name__} values, got {value!r}"
+                ) from None
     return name, knobs
 
 
@@ -73,8 +81,14 @@ def turbo_knobs(args: argparse.Namespace) -> dict:
     return knobs
 
 
-def bootstrap(num: np.ndarray, den: np.ndarray, resamples: int = 1000, seed: int = 0,
-              base: tuple[np.ndarray, np.ndarray] | None = None, ratio: bool = False) -> dict:
+def bootstrap(
+    num: np.ndarray,
+    den: np.ndarray,
+    resamples: int = 1000,
+    seed: int = 0,
+    base: tuple[np.ndarray, np.ndarray] | None = None,
+    ratio: bool = False,
+) -> dict:
     """sum(num) / sum(den) over prompts, with a 95% interval from resampling prompts.
 
     `base` (num, den of another setting on the same prompts): the statistic is this one minus

@@ -58,11 +58,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from infill_eval import cpu_name, held_out_files  # scripts/ is on sys.path when this runs
+from turbo_compare import NOISE, PRESETS, bootstrap, interval, setting
 
 import dgemma
 from dgemma.dense.kv_cache import DenseKVCache
-from infill_eval import cpu_name, held_out_files  # scripts/ is on sys.path when this runs
-from turbo_compare import NOISE, PRESETS, bootstrap, interval, setting
+
 
 def held_out_prompts(tok, count: int, prompt_tokens: int, fraction: float) -> list[tuple[str, str]]:
     """(file name, prompt text), round-robin over the held-out files (see the docstring)."""
@@ -187,15 +188,23 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--settings", nargs="+", type=setting, default=[setting("default"), setting("aggressive")],
-                   help=f"turbo settings: {', '.join(PRESETS)} or NAME=K,E,R[,D] (exact always runs)")  # fmt: skip
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        type=setting,
+        default=[setting("default"), setting("aggressive")],
+        help=f"turbo settings: {', '.join(PRESETS)} or NAME=K,E,R[,D] (exact always runs)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=128, help="a prompt is at most about this many tokens")
     p.add_argument("--eval-fraction", type=float, default=0.02, help="the training run's held-out fraction")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--bootstrap-seed", type=int, default=0)
     p.add_argument("--json", help="write the figures, the settings and every answer as JSON here")
-    p.add_argument("--ceiling", action="store_true",
-                   help="also the bound any freeze rule meets: exact's own acceptance schedule, streamed with drafts")  # fmt: skip
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also the bound any freeze rule meets: exact's own acceptance schedule, streamed with drafts",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = dgemma.load(args.model, dtype="float32")
@@ -207,8 +216,11 @@ def main() -> None:
         sys.exit("no prompts: no held-out file was found")
     ids = [tok.encode(text) for _, text in prompts]
     n = len(ids)
-    print(f"{n} prompts from {len({f for f, _ in prompts})} held-out files, {sum(map(len, ids)) / n:.0f} tokens on average; "
-          f"settings: {', '.join(f'{k} {v}' for k, v in chosen.items())}", flush=True)  # fmt: skip
+    print(
+        f"{n} prompts from {len({f for f, _ in prompts})} held-out files, {sum(map(len, ids)) / n:.0f} tokens on average; "
+        f"settings: {', '.join(f'{k} {v}' for k, v in chosen.items())}",
+        flush=True,
+    )
 
     for knobs in runs.values():  # warm-up, untimed
         model.generate(ids[:2], max_new_tokens=args.max_new_tokens, seed=[10**6] * min(2, n), **knobs)
@@ -227,7 +239,9 @@ def main() -> None:
                 t.add("repetition", i, repetitive(seq, eos))
                 t.add("tokens_per_forward", i, len(seq), out.decoder_passes[i])
                 t.add("positions_per_token", i, out.decoder_positions[i], len(seq))
-            print(f"seed {s}, {name}: {time.perf_counter() - t0:.1f} s, {sum(map(len, out.sequences))} tokens", flush=True)
+            print(
+                f"seed {s}, {name}: {time.perf_counter() - t0:.1f} s, {sum(map(len, out.sequences))} tokens", flush=True
+            )
     exact = tallies["exact"]
     for name, t in tallies.items():
         for s, answers in enumerate(t.sequences):
@@ -243,18 +257,26 @@ def main() -> None:
         ci = {key: bootstrap(*t.sums[key], seed=args.bootstrap_seed) for key in t.sums}
         if name != "exact":
             ci["delta_nll"] = bootstrap(*t.sums["nll"], seed=args.bootstrap_seed, base=exact.sums["nll"])
-            ci["x_fewer_positions"] = bootstrap(*t.sums["positions_per_token"], seed=args.bootstrap_seed,
-                                                base=exact.sums["positions_per_token"], ratio=True)  # fmt: skip
+            ci["x_fewer_positions"] = bootstrap(
+                *t.sums["positions_per_token"],
+                seed=args.bootstrap_seed,
+                base=exact.sums["positions_per_token"],
+                ratio=True,
+            )
         tokens = float(t.sums["length"][0].sum())
         rows[name] = {"knobs": runs[name], **ci, "tokens": tokens, "seconds": t.seconds, "tok_s": tokens / t.seconds}
 
     cmd = "python " + " ".join(["scripts/turbo_quality.py", *sys.argv[1:]])
-    setup = (f"{n} prompts x {args.seeds} seeds, max_new_tokens {args.max_new_tokens}, float32; {cpu_name()}, "
-             f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python {platform.python_version()}")  # fmt: skip
+    setup = (
+        f"{n} prompts x {args.seeds} seeds, max_new_tokens {args.max_new_tokens}, float32; {cpu_name()}, "
+        f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python {platform.python_version()}"
+    )
     print(f"\n`{cmd}`: {setup}\n")
 
-    print("| setting | agreement with exact | AR NLL/token | ΔNLL vs exact | length | early EOS | repetition "
-          "| tokens/forward | positions/token | x fewer positions | tok/s |")  # fmt: skip
+    print(
+        "| setting | agreement with exact | AR NLL/token | ΔNLL vs exact | length | early EOS | repetition "
+        "| tokens/forward | positions/token | x fewer positions | tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         none = name == "exact"
@@ -273,15 +295,24 @@ def main() -> None:
         ]
         print("| " + " | ".join(cells) + " |")
     if ceiling is not None:
-        print(f"\nCeiling (exact's own schedule, streamed with drafts; answers identical to exact's: "
-              f"{ceiling['identical']}/{ceiling['answers']}): exact computed {ceiling['exact']:,} canvas positions; "
-              f"freezing each position one pass after it was first accepted would compute {ceiling['fresh']:,} "
-              f"({ceiling['exact'] / ceiling['fresh']:.2f}x fewer); at its first acceptance (keys and values from a pass "
-              f"where its input was still noise) {ceiling['stale']:,} ({ceiling['exact'] / ceiling['stale']:.2f}x fewer)")  # fmt: skip
+        print(
+            f"\nCeiling (exact's own schedule, streamed with drafts; answers identical to exact's: "
+            f"{ceiling['identical']}/{ceiling['answers']}): exact computed {ceiling['exact']:,} canvas positions; "
+            f"freezing each position one pass after it was first accepted would compute {ceiling['fresh']:,} "
+            f"({ceiling['exact'] / ceiling['fresh']:.2f}x fewer); at its first acceptance (keys and values from a pass "
+            f"where its input was still noise) {ceiling['stale']:,} ({ceiling['exact'] / ceiling['stale']:.2f}x fewer)"
+        )
     if args.json:
-        record = {"ceiling": ceiling, "command": cmd, "setup": setup, "cpu": cpu_name(), "threads": torch.get_num_threads(), "rows": rows,
-                  "prompts": [{"file": f, "tokens": len(i)} for (f, _), i in zip(prompts, ids)],
-                  "answers": {name: t.sequences for name, t in tallies.items()}}  # fmt: skip
+        record = {
+            "ceiling": ceiling,
+            "command": cmd,
+            "setup": setup,
+            "cpu": cpu_name(),
+            "threads": torch.get_num_threads(),
+            "rows": rows,
+            "prompts": [{"file": f, "tokens": len(i)} for (f, _), i in zip(prompts, ids)],
+            "answers": {name: t.sequences for name, t in tallies.items()},
+        }
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
 

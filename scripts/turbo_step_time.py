@@ -24,15 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from step_breakdown import timed  # noqa: E402  (scripts/step_breakdown.py's wrapper)
 
-from dgemma.devices import resolve_dtype  # noqa: E402
 from dgemma.benchmark import random_model  # noqa: E402
+from dgemma.devices import resolve_dtype  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions, Request  # noqa: E402
 from dgemma.engine.step_plan import StepPlan  # noqa: E402
 from dgemma.engine.turbo import TurboState  # noqa: E402
 from dgemma.kernels.cpu import keep_freed_memory  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
-from step_breakdown import timed  # noqa: E402  (scripts/step_breakdown.py's wrapper)
 
 SHARES = (1.0, 0.5, 0.25, 0.1)
 
@@ -44,14 +44,21 @@ def cpu_name() -> str:
 
 def prepared(engine: Engine, model, prompt: list[int], turbo: bool) -> Request:
     """A request admitted, its prompt encoded and its first canvas started (no decoder pass yet)."""
-    cfg = model.generation_config.with_overrides(max_new_tokens=2 * model.config.canvas_length, eos_token_ids=(),
-                                                 max_denoising_steps=1000, confidence_threshold=1e-12, turbo=turbo)  # fmt: skip
+    cfg = model.generation_config.with_overrides(
+        max_new_tokens=2 * model.config.canvas_length,
+        eos_token_ids=(),
+        max_denoising_steps=1000,
+        confidence_threshold=1e-12,
+        turbo=turbo,
+    )
     req = Request(list(prompt), cfg, 0)
     engine.add(req)
     while req.canvas is None:
         plan = engine.scheduler.schedule()
         engine.runner.run(StepPlan(encode=plan.encode))
-        engine.scheduler.update(StepPlan(encode=plan.encode, events=plan.events), [])  # the canvas starts with the last chunk
+        engine.scheduler.update(
+            StepPlan(encode=plan.encode, events=plan.events), []
+        )  # the canvas starts with the last chunk
     return req
 
 
@@ -103,6 +110,7 @@ def main() -> None:
         freeze_share(turbo, share, net)
         one_step(engine, turbo)
     times: dict[str, list[float]] = {"exact": []} | {f"{int(s * 100)}%": [] for s in SHARES}
+
     def measured(name: str, req: Request) -> None:
         split.clear()
         times[name].append(one_step(engine, req))
@@ -115,8 +123,10 @@ def main() -> None:
             freeze_share(turbo, share, net)
             measured(f"{int(share * 100)}%", turbo)
     base = statistics.median(times["exact"])
-    print(f"# {args.size} {args.dtype} {args.quantization or 'unquantised'}, canvas {model.config.canvas_length}, "
-          f"prompt {args.prompt_len}; CPU {cpu_name()}, {torch.get_num_threads()} threads; medians of {args.repeats}")  # fmt: skip
+    print(
+        f"# {args.size} {args.dtype} {args.quantization or 'unquantised'}, canvas {model.config.canvas_length}, "
+        f"prompt {args.prompt_len}; CPU {cpu_name()}, {torch.get_num_threads()} threads; medians of {args.repeats}"
+    )
     cols = " layers ms | experts ms |" if args.modules else ""
     print("| step | active positions | ms | x exact |" + cols)
     print("|---|---|---|---|" + "---|---|" * bool(args.modules))
@@ -124,9 +134,13 @@ def main() -> None:
     for name, values in times.items():
         active = c if name == "exact" else max(1, round(float(name[:-1]) / 100 * c))
         ms = statistics.median(values) * 1000
-        extra = "".join(f" {statistics.median(parts.get(name, {}).get(k, [0.0])) * 1000:.1f} |" for k in ("layers", "experts"))
-        print(f"| {'exact' if name == 'exact' else 'turbo'} | {active} ({name if name != 'exact' else '100%'}) | {ms:.1f} | "
-              f"{ms / 1000 / base:.2f} |" + (extra if args.modules else ""))  # fmt: skip
+        extra = "".join(
+            f" {statistics.median(parts.get(name, {}).get(k, [0.0])) * 1000:.1f} |" for k in ("layers", "experts")
+        )
+        print(
+            f"| {'exact' if name == 'exact' else 'turbo'} | {active} ({name if name != 'exact' else '100%'}) | {ms:.1f} | "
+            f"{ms / 1000 / base:.2f} |" + (extra if args.modules else "")
+        )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,26 @@ from dgemma.kernels.native import cpu_model
 from dgemma.model.vision import Vision
 
 RELEASED_TOWER = dict(
-    hidden_size=1152, intermediate_size=4304, num_layers=27, num_heads=16, num_kv_heads=16, head_dim=72,
-    patch_size=16, pooling_kernel_size=3, position_embedding_size=10240, rope_theta=100.0, rms_norm_eps=1e-6,
-    hidden_activation="gelu_pytorch_tanh", use_clipped_linears=False, standardize=True, output_dims=1152,
-    image_token_id=0, boi_token_id=0, eoi_token_id=0, bidirectional=True,
-)  # fmt: skip
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_layers=27,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=72,
+    patch_size=16,
+    pooling_kernel_size=3,
+    position_embedding_size=10240,
+    rope_theta=100.0,
+    rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh",
+    use_clipped_linears=False,
+    standardize=True,
+    output_dims=1152,
+    image_token_id=0,
+    boi_token_id=0,
+    eoi_token_id=0,
+    bidirectional=True,
+)
 
 
 def square_patches(soft_tokens: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +75,11 @@ def main() -> None:
                 t = time.perf_counter()
                 out = fast.image_features(pixels, positions)
                 times.append(time.perf_counter() - t)
-            print(f"{dtype_name:9s} budget {budget:5d}: {pixels.shape[1]:5d} patches -> {out.shape[0]:4d} soft tokens, "
-                  f"best {min(times) * 1000:8.1f} ms, median {sorted(times)[len(times) // 2] * 1000:8.1f} ms", flush=True)
+            print(
+                f"{dtype_name:9s} budget {budget:5d}: {pixels.shape[1]:5d} patches -> {out.shape[0]:4d} soft tokens, "
+                f"best {min(times) * 1000:8.1f} ms, median {sorted(times)[len(times) // 2] * 1000:8.1f} ms",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

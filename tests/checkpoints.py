@@ -23,7 +23,9 @@ def cut(row: list[int], max_new: int, eos: list[int] = EOS) -> list[int]:
     return out
 
 
-def step_logits(net, prompt: torch.Tensor, canvas: torch.Tensor, soft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def step_logits(
+    net, prompt: torch.Tensor, canvas: torch.Tensor, soft: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The encoder's logits over the prompt and the decoder's over the canvas, through a dense cache."""
     from dgemma.dense.kv_cache import DenseKVCache
 

@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import EOS, write_vision_with_processor  # noqa: E402
 from oracle import build_reference  # noqa: E402
 
-
 # Markers that follow from a fixture a test uses (the rest are set in the test files).
 FIXTURE_MARKERS = {
     "browser": "browser",  # test_playground.py: Debian's chromium
@@ -98,8 +97,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(model):
     """`model` served in-process as servers.MODEL; `server.app` is its app."""
-    from servers import tiny_random_app
     from dgemma.serve.http.listener import ServerThread
+    from servers import tiny_random_app
 
     app = tiny_random_app(model)
     with ServerThread(app) as s:

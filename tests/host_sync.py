@@ -31,9 +31,21 @@ DEVICE = torch.device("meta")
 
 # operations that read device data on the host, or whose output size depends on it
 SYNC_OPS = {
-    "_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "nonzero_static", "bincount", "unique",
-    "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_select", "allclose",
-}  # fmt: skip
+    "_local_scalar_dense",
+    "item",
+    "is_nonzero",
+    "equal",
+    "nonzero",
+    "nonzero_static",
+    "bincount",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "masked_select",
+    "allclose",
+}
 COPY_OPS = {"_to_copy", "copy_", "copy", "_copy_from", "_copy_from_and_resize"}
 
 
@@ -71,7 +83,9 @@ class _Guard(TorchDispatchMode):
             if src.device.type == "cpu" and dest.type != "cpu":
                 blocking = not (kwargs.get("non_blocking") or (name == "copy_" and len(args) > 2 and args[2]))
                 if self.copies == "none" or blocking:
-                    _refuse(f"a {'blocking ' if blocking else ''}copy from the host to the device (aten.{name}, {list(src.shape)})")
+                    _refuse(
+                        f"a {'blocking ' if blocking else ''}copy from the host to the device (aten.{name}, {list(src.shape)})"
+                    )
                 self.h2d_copies += 1
         else:
             devices = {t.device.type for t in tensors if t.dim() > 0 or t.device.type != "cpu"}
@@ -85,8 +99,12 @@ class _MethodGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in ("tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__") and args and \
-                isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":  # fmt: skip
+        if (
+            name in ("tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__")
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].device.type != "cpu"
+        ):
             _refuse(f"host sync: Tensor.{name}()")
         return func(*args, **(kwargs or {}))
 
@@ -99,7 +117,9 @@ def to_device(module: torch.nn.Module) -> torch.nn.Module:
             for name, t in store.items():
                 if t is not None:
                     moved = torch.empty(t.shape, dtype=t.dtype, device=DEVICE)
-                    store[name] = torch.nn.Parameter(moved, requires_grad=False) if isinstance(t, torch.nn.Parameter) else moved
+                    store[name] = (
+                        torch.nn.Parameter(moved, requires_grad=False) if isinstance(t, torch.nn.Parameter) else moved
+                    )
     return module
 
 

@@ -40,10 +40,27 @@ from torch.utils._pytree import tree_leaves
 
 # ATen operations that launch nothing on a GPU: allocations and metadata.
 NO_KERNEL = {
-    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
-    "_unsafe_view", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_local_scalar_dense",
-    "is_same_size", "_has_compatible_shallow_copy_type", "record_stream", "_nested_tensor_from_mask",
-}  # fmt: skip
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "_unsafe_view",
+    "set_",
+    "resize_",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "_local_scalar_dense",
+    "is_same_size",
+    "_has_compatible_shallow_copy_type",
+    "record_stream",
+    "_nested_tensor_from_mask",
+}
 
 # CUDA kernels per call of operations torch implements in several, as torch 2.11's CUDA build
 # launches them for the sizes a step uses (counted from torch's sources; kept on the high side):
@@ -181,9 +198,10 @@ _ACTIVE: list[_Counter] = []
 def count_launches(net=None):
     """Inside, every launch of device work counts (see the module); `net`'s layers get regions of
     their own. Triton launches are stubbed and counted by kernel name."""
-    from host_sync import stub_triton_launches
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
+
+    from host_sync import stub_triton_launches
 
     launches = Launches()
     counter = _Counter(launches)
@@ -326,10 +344,9 @@ def step_launches(net, batch: int, prompt: int = 512, on_counted=None, **knobs) 
     `prompt`-token prompts (prompts encoded and graphs captured by the steps before, uncounted):
     the whole step, captured region and the host's work around it. `on_counted()` is called just
     before the counted step; `knobs`: GenerationConfig fields (e.g. turbo)."""
-    from host_sync import count_host_reads
-
     from dgemma.config import GenerationConfig
     from dgemma.engine.engine import Request
+    from host_sync import count_host_reads
 
     with h200():
         engine = meta_engine(net)
@@ -352,10 +369,9 @@ def step_launches(net, batch: int, prompt: int = 512, on_counted=None, **knobs) 
 def encode_launches(net, prompt: int = 512) -> Launches:
     """The launches of one encoder pass: a committed block of one canvas (256 tokens at the
     released size) after a `prompt`-token prompt, as the engine's step encodes it (prefill)."""
-    from host_sync import count_host_reads
-
     from dgemma.config import GenerationConfig
     from dgemma.engine.engine import Request
+    from host_sync import count_host_reads
 
     with h200():
         engine = meta_engine(net)
@@ -375,14 +391,21 @@ def encode_launches(net, prompt: int = 512) -> Launches:
 def ar_token_launches(net, prompt: int = 512, rows: int = 1) -> Launches:
     """The launches of one AR token on the device path (engine/device/ar.py): the captured step
     (one replay) and the host's work of a read-back batch of one token (block tables up, the read)."""
-    from host_sync import count_host_reads
-
     from dgemma.engine.device.ar import device_ar_events
+    from host_sync import count_host_reads
 
     with h200():
         engine = meta_engine(net)
-        events = device_ar_events(engine, [list(range(10, 10 + prompt))] * rows, 4, 0.0, list(range(rows)), (), read_every=1,
-                                  capture=counting_capture)  # fmt: skip
+        events = device_ar_events(
+            engine,
+            [list(range(10, 10 + prompt))] * rows,
+            4,
+            0.0,
+            list(range(rows)),
+            (),
+            read_every=1,
+            capture=counting_capture,
+        )
         with torch.no_grad(), count_host_reads():
             with count_launches():
                 for _ in range(rows):  # the prompts and their first tokens

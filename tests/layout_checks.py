@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _parsed(path: Path, mtime_ns: int) -> ast.Module:
     return ast.parse(path.read_text(), str(path))
 
@@ -115,6 +115,7 @@ def defined_names(tree: ast.Module) -> set[str]:
                 visit(stmt.body + stmt.orelse)
             elif isinstance(stmt, ast.Try):
                 visit(stmt.body + stmt.orelse + stmt.finalbody + [s for h in stmt.handlers for s in h.body])
+
     visit(tree.body)
     for node in ast.walk(tree):  # `global name` in a function that assigns it defines it here too
         if isinstance(node, ast.Global):
@@ -151,7 +152,7 @@ def _module_aliases(root: Path, path: Path, tree: ast.AST) -> dict[str, str]:
 
 
 def _split_target(root: Path, dotted: str) -> tuple[str, str] | None:
-    """"pkg.mod.name(.attr...)" -> ("pkg.mod", "name"): the longest prefix that is a module of the tree."""
+    """ "pkg.mod.name(.attr...)" -> ("pkg.mod", "name"): the longest prefix that is a module of the tree."""
     parts = dotted.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         if module_file(root, ".".join(parts[:cut])):
@@ -220,8 +221,13 @@ def import_graph(root: Path = ROOT, package: str = "dgemma") -> dict[str, set[st
     for path in python_files(root / package):
         name = module_name(root, path)
         tree = parse(path)
-        skipped = {id(n) for stmt in ast.walk(tree) if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test)
-                   for s in stmt.body for n in ast.walk(s)}  # fmt: skip
+        skipped = {
+            id(n)
+            for stmt in ast.walk(tree)
+            if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test)
+            for s in stmt.body
+            for n in ast.walk(s)
+        }
         edges = graph.setdefault(name, set())
         for node in ast.walk(tree):
             if id(node) in skipped:
@@ -234,7 +240,11 @@ def import_graph(root: Path = ROOT, package: str = "dgemma") -> dict[str, set[st
             else:
                 continue
             for candidate in candidates:
-                if (candidate == package or candidate.startswith(package + ".")) and module_file(root, candidate) and candidate != name:
+                if (
+                    (candidate == package or candidate.startswith(package + "."))
+                    and module_file(root, candidate)
+                    and candidate != name
+                ):
                     edges.add(candidate)
     return graph
 

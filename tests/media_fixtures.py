@@ -19,8 +19,8 @@ from unittest import mock
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from dgemma.model.checkpoint import SPECIAL_TOKENS
 from dgemma.inputs.tokenizer import GEMMA4_CHAT_TEMPLATE
+from dgemma.model.checkpoint import SPECIAL_TOKENS
 
 MEDIA_TOKENS = {
     "boi_token": "<|image>",
@@ -83,8 +83,12 @@ def build_gemma4_processor(
     chat_template: str = GEMMA4_CHAT_TEMPLATE, max_soft_tokens: int = 280, video: dict | None = None
 ):
     """transformers' Gemma4Processor over the media tokenizer, Gemma4ImageProcessorPil and the stand-in."""
-    from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessorPil, Gemma4Processor
-    from transformers import PreTrainedTokenizerFast
+    from transformers import (
+        Gemma4AudioFeatureExtractor,
+        Gemma4ImageProcessorPil,
+        Gemma4Processor,
+        PreTrainedTokenizerFast,
+    )
 
     named = {k: v for k, v in MEDIA_TOKENS.items() if k != "video_token"}  # Gemma4Processor adds <|video|> itself
     tokenizer = PreTrainedTokenizerFast(

@@ -27,9 +27,18 @@ class ServeProcess:
     def __init__(self, args: list[str], env: dict | None = None, startup_timeout: float = 180.0):
         environ = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **(env or {})}
         if "--threads" not in args:  # beside `-n 2` test processes a second intra-op thread waits on a busy
-            args = [*args, "--threads", "1"]  # core at every op: the tiny model's passes ran 10-30x slower (conftest.py)
-        self.proc = subprocess.Popen(SERVE + ["--host", "127.0.0.1", "--port", "0", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=environ)  # fmt: skip
+            args = [
+                *args,
+                "--threads",
+                "1",
+            ]  # core at every op: the tiny model's passes ran 10-30x slower (conftest.py)
+        self.proc = subprocess.Popen(
+            SERVE + ["--host", "127.0.0.1", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=environ,
+        )
         self.lines: list[str] = []
         self.url: str | None = None
         self._started = threading.Event()
@@ -87,7 +96,7 @@ class ServeProcess:
                 self.proc.wait()
         self._reader.join(5)
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         return self
 
     def __exit__(self, *exc) -> None:

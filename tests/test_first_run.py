@@ -27,7 +27,9 @@ def test_run_and_chat_build_in_the_background_the_others_wait(monkeypatch):
 
     policies = {}
     for module, name in ((run, "cmd_run"), (chat, "cmd_chat"), (memory, "cmd_memory")):
-        monkeypatch.setattr(module, name, lambda args, name=name: policies.setdefault(name, native.build_policy()) and 0)
+        monkeypatch.setattr(
+            module, name, lambda args, name=name: policies.setdefault(name, native.build_policy()) and 0
+        )
     monkeypatch.delenv(native.POLICY_VARIABLE, raising=False)
     for argv in (["run", "x"], ["chat"], ["memory"]):
         assert cli.main(argv) == 0
@@ -46,12 +48,16 @@ def test_describe_says_what_runs_and_what_builds(monkeypatch):
     building = SimpleNamespace(module=lambda wait=None: None, building=lambda: True, what=avx2.KERNELS.what)
     monkeypatch.setattr(avx2, "KERNELS", building)
     text = cpu.describe(net)
-    assert text.startswith("bf16 weights widened to float32 a tile at a time for torch's GEMMs (this CPU has no native bf16)")
+    assert text.startswith(
+        "bf16 weights widened to float32 a tile at a time for torch's GEMMs (this CPU has no native bf16)"
+    )
     assert text.endswith("(building in the background: dgemma's native AVX2 GEMM and dequantisation kernels)")
     assert "oneDNN" not in text and "lacks" not in text
     monkeypatch.undo()
     if avx2.extension() is not None:
-        assert cpu.describe(net).startswith("bf16 weights widened to float32 inside the native AVX2 GEMMs (this CPU has no native bf16)")
+        assert cpu.describe(net).startswith(
+            "bf16 weights widened to float32 inside the native AVX2 GEMMs (this CPU has no native bf16)"
+        )
 
 
 @pytest.mark.slow
@@ -82,8 +88,25 @@ def test_the_first_run_prints_its_text_while_the_kernels_build(tmp_path):
     for name in (native.POLICY_VARIABLE, native.REBUILD_VARIABLE, "DGEMMA_CPU_ISA"):
         env.pop(name, None)
     try:
-        done = subprocess.run([sys.executable, "-m", "dgemma", "run", "def fibonacci(n):", "--max-new-tokens", "16",
-                               "--steps", "4", "--threads", "1"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dgemma",
+                "run",
+                "def fibonacci(n):",
+                "--max-new-tokens",
+                "16",
+                "--steps",
+                "4",
+                "--threads",
+                "1",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         for pid in processes_with("TORCH_EXTENSIONS_DIR", str(extensions)):  # a compiler must not outlive the test
             try:
@@ -93,8 +116,15 @@ def test_the_first_run_prints_its_text_while_the_kernels_build(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip()
     lines = done.stderr.splitlines()
-    started = [line for line in lines if line.startswith("building dgemma's") and " in the background on one core " in line]
+    started = [
+        line for line in lines if line.startswith("building dgemma's") and " in the background on one core " in line
+    ]
     assert len(started) >= 1, done.stderr
-    assert not [line for line in lines if "(about" in line and "cached afterwards" in line]  # no build in the foreground
-    assert all(("are built (" in line) or ("are still building in the background" in line)
-               for line in lines if line.startswith("dgemma's native"))  # fmt: skip
+    assert not [
+        line for line in lines if "(about" in line and "cached afterwards" in line
+    ]  # no build in the foreground
+    assert all(
+        ("are built (" in line) or ("are still building in the background" in line)
+        for line in lines
+        if line.startswith("dgemma's native")
+    )

@@ -34,8 +34,15 @@ def test_no_test_file_imports_another():
 
 
 def test_the_test_import_check_fails_on_a_test_importing_a_test(tmp_path):
-    write(tmp_path, {"tests/test_a.py": "from test_b import helper\nimport servers\n", "tests/test_b.py": "def helper(): pass\n",
-                     "tests/servers.py": "from checkpoints import x\n", "tests/test_c.py": "def f():\n    import test_a\n"})  # fmt: skip
+    write(
+        tmp_path,
+        {
+            "tests/test_a.py": "from test_b import helper\nimport servers\n",
+            "tests/test_b.py": "def helper(): pass\n",
+            "tests/servers.py": "from checkpoints import x\n",
+            "tests/test_c.py": "def f():\n    import test_a\n",
+        },
+    )
     assert checks.tests_importing_tests(tmp_path) == [
         "tests/test_a.py:1: imports the test file test_b",
         "tests/test_c.py:2: imports the test file test_a",
@@ -48,29 +55,32 @@ def test_patches_target_the_module_that_defines_the_name():
 
 
 def test_the_patch_check_fails_on_a_patch_of_an_importing_module(tmp_path):
-    write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "import os\n\ndef f():\n    pass\n\nX = 1\nif True:\n    Y = 2\n",
-        "pkg/b.py": "from pkg.a import f\n\ndef g():\n    return f()\n",
-        "tests/test_p.py": (
-            "from unittest import mock\n"
-            "from pkg import a, b\n"
-            "import pkg.b as bb\n"
-            "import pkg\n"
-            "def test_it(monkeypatch, obj):\n"
-            "    monkeypatch.setattr(b, 'f', None)\n"          # 6: bad, b imports f
-            "    monkeypatch.setattr(a, 'f', None)\n"          # 7: good, a defines f
-            "    monkeypatch.setattr('pkg.b.f', None)\n"       # 8: bad, as a string
-            "    monkeypatch.setattr(bb, 'f', None)\n"         # 9: bad, through an alias
-            "    mock.patch('pkg.b.f')\n"                      # 10: bad, mock.patch
-            "    mock.patch.object(b, 'f')\n"                  # 11: bad, mock.patch.object
-            "    monkeypatch.setattr('pkg.a.X', 2)\n"          # 12: good
-            "    monkeypatch.setattr(pkg.a, 'Y', 3)\n"         # 13: good, set under `if`
-            "    monkeypatch.setattr(a, 'os', None)\n"         # 14: bad, a imports os
-            "    monkeypatch.setattr(obj, 'f', None)\n"        # 15: not a module: not checked
-            "    monkeypatch.setattr(pkg.b, 'g', None)\n"      # 16: good
-        ),
-    })  # fmt: skip
+    write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "import os\n\ndef f():\n    pass\n\nX = 1\nif True:\n    Y = 2\n",
+            "pkg/b.py": "from pkg.a import f\n\ndef g():\n    return f()\n",
+            "tests/test_p.py": (
+                "from unittest import mock\n"
+                "from pkg import a, b\n"
+                "import pkg.b as bb\n"
+                "import pkg\n"
+                "def test_it(monkeypatch, obj):\n"
+                "    monkeypatch.setattr(b, 'f', None)\n"  # 6: bad, b imports f
+                "    monkeypatch.setattr(a, 'f', None)\n"  # 7: good, a defines f
+                "    monkeypatch.setattr('pkg.b.f', None)\n"  # 8: bad, as a string
+                "    monkeypatch.setattr(bb, 'f', None)\n"  # 9: bad, through an alias
+                "    mock.patch('pkg.b.f')\n"  # 10: bad, mock.patch
+                "    mock.patch.object(b, 'f')\n"  # 11: bad, mock.patch.object
+                "    monkeypatch.setattr('pkg.a.X', 2)\n"  # 12: good
+                "    monkeypatch.setattr(pkg.a, 'Y', 3)\n"  # 13: good, set under `if`
+                "    monkeypatch.setattr(a, 'os', None)\n"  # 14: bad, a imports os
+                "    monkeypatch.setattr(obj, 'f', None)\n"  # 15: not a module: not checked
+                "    monkeypatch.setattr(pkg.b, 'g', None)\n"  # 16: good
+            ),
+        },
+    )
     found = checks.misdirected_patches(tmp_path, package="pkg")
     assert [line.split(":")[1] for line in found] == ["6", "8", "9", "10", "11", "14"], found
     assert "patches pkg.b.f, which pkg.b does not define" in found[0]
@@ -82,13 +92,16 @@ def test_dgemma_has_no_import_cycles():
 
 
 def test_the_cycle_check_finds_function_level_cycles(tmp_path):
-    write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/x.py": "from pkg import y\n",
-        "pkg/y.py": "def f():\n    from .x import g\n",                                # a cycle through a function
-        "pkg/z.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import x\n",
-        "pkg/w.py": "import pkg.z\n",
-    })  # fmt: skip
+    write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/x.py": "from pkg import y\n",
+            "pkg/y.py": "def f():\n    from .x import g\n",  # a cycle through a function
+            "pkg/z.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import x\n",
+            "pkg/w.py": "import pkg.z\n",
+        },
+    )
     graph = checks.import_graph(tmp_path, "pkg")
     assert graph["pkg.z"] == set() and graph["pkg.w"] == {"pkg.z"}  # type-checking imports do not count
     assert checks.import_cycles(graph) == [["pkg.x", "pkg.y"]]
@@ -105,13 +118,31 @@ def test_the_wheel_ships_the_package_data(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "dgemma", source / "dgemma", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "out"), str(source)],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "out"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "out").glob("dgemma-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     wanted = {
-        "the playground's html, js and css": [*(ROOT / "dgemma/serve/playground").glob("*.html"), *(ROOT / "dgemma/serve/playground").glob("*.js"),
-                                              *(ROOT / "dgemma/serve/playground").glob("*.css")],  # fmt: skip
+        "the playground's html, js and css": [
+            *(ROOT / "dgemma/serve/playground").glob("*.html"),
+            *(ROOT / "dgemma/serve/playground").glob("*.js"),
+            *(ROOT / "dgemma/serve/playground").glob("*.css"),
+        ],
         "the kernels' C++ sources": list((ROOT / "dgemma/kernels/csrc").glob("*")),
         "dgemma-tiny": list((ROOT / "dgemma/assets/dgemma-tiny").glob("*")),
     }
@@ -119,8 +150,13 @@ def test_the_wheel_ships_the_package_data(tmp_path):
         assert files, what
         missing = [str(f.relative_to(ROOT)) for f in files if str(f.relative_to(ROOT)) not in names]
         assert not missing, f"{what} missing from the wheel: {missing}"
-    for needed in ("dgemma/serve/playground/index.html", "dgemma/kernels/csrc/gemm_avx2.cpp", "dgemma/assets/dgemma-tiny/model.safetensors",
-                   "dgemma/assets/dgemma-tiny/tokenizer.json", "dgemma/assets/dgemma-tiny/config.json"):  # fmt: skip
+    for needed in (
+        "dgemma/serve/playground/index.html",
+        "dgemma/kernels/csrc/gemm_avx2.cpp",
+        "dgemma/assets/dgemma-tiny/model.safetensors",
+        "dgemma/assets/dgemma-tiny/tokenizer.json",
+        "dgemma/assets/dgemma-tiny/config.json",
+    ):
         assert needed in names
 
 
@@ -138,7 +174,10 @@ def test_the_readme_says_which_torch_beside_the_commands_ci_runs():
     readme = (ROOT / "README.md").read_text()
     start = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e "
     commands = [line for line in readme.splitlines() if line.startswith(start)]
-    assert commands == [start + '. && dgemma run "def fibonacci(n):"', (ROOT / ".ci/run").read_text().strip().splitlines()[-1]]
+    assert commands == [
+        start + '. && dgemma run "def fibonacci(n):"',
+        (ROOT / ".ci/run").read_text().strip().splitlines()[-1],
+    ]
     note = readme[readme.index(commands[1]) :][:1500]  # the lines after the test command
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in note
     assert "CUDA build" in note and "GPU" in note and "verbatim" in note

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dgemma.cli import main
-from dgemma.memory_plan import Workload, plan_memory, weight_bytes
 from dgemma.hub import FitError, FitRequest
 from dgemma.hub.fit import CheckpointFacts, check_fit
+from dgemma.memory_plan import Workload, plan_memory, weight_bytes
 from dgemma.model.checkpoint import make_config
 from dgemma.model.diffusion_gemma import DiffusionGemma
 from dgemma.model.presets import PRESETS
@@ -38,16 +38,28 @@ def test_the_released_model_on_a_24_gb_card(tmp_path):
     flags = ("--quantization", "--max-context", "--max-active", "--force")
 
     def fit(scheme, context=8192):
-        request = FitRequest(torch.device("cuda"), lambda _: torch.bfloat16, scheme, None, 8, context, memory=card,
-                             memory_source="--card", flags=flags)  # fmt: skip
+        request = FitRequest(
+            torch.device("cuda"),
+            lambda _: torch.bfloat16,
+            scheme,
+            None,
+            8,
+            context,
+            memory=card,
+            memory_source="--card",
+            flags=flags,
+        )
         return check_fit(facts, request)
 
     int4 = fit("int4")  # fits
     assert int4.fits and int4.scheme == "int4" and int4.plan.total <= card
     assert 13 * GIB < sum(int4.plan.weights.values()) < 15 * GIB  # docs/quantization.md measured 13.49 GiB
     assert sum(plan_memory(config, torch.bfloat16, Workload(batch=8, context=8192)).weights.values()) > 45 * GIB
-    with pytest.raises(FitError, match=r"does not fit this device's 22\.4 GiB \(--card\): weights .* it would fit with "
-                                       r"--quantization int4 .*; --force loads it anyway"):  # fmt: skip
+    with pytest.raises(
+        FitError,
+        match=r"does not fit this device's 22\.4 GiB \(--card\): weights .* it would fit with "
+        r"--quantization int4 .*; --force loads it anyway",
+    ):
         fit(None)
     with pytest.raises(FitError, match="--max-context"):
         fit("int4", context=None)  # the full 131072 positions

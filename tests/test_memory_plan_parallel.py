@@ -11,13 +11,22 @@ import pytest
 import torch
 
 from dgemma.cli import main
-from dgemma.memory_plan import (
-    COLLECTIVE_RESERVE, RESERVE, Workload, kv_bytes, largest, plan_memory, rank_kv_bytes_per_token, rank_plans, rank_weight_bytes,
-    step_buffer_bytes, weight_bytes,
-)  # fmt: skip
 from dgemma.hub import FitError, FitRequest
 from dgemma.hub.fit import CheckpointFacts, check_fit, rank_plans_for
 from dgemma.hub.resolve import resolve_checkpoint
+from dgemma.memory_plan import (
+    COLLECTIVE_RESERVE,
+    RESERVE,
+    Workload,
+    kv_bytes,
+    largest,
+    plan_memory,
+    rank_kv_bytes_per_token,
+    rank_plans,
+    rank_weight_bytes,
+    step_buffer_bytes,
+    weight_bytes,
+)
 from dgemma.model.checkpoint import config_json, make_config
 from dgemma.model.presets import PRESETS
 from dgemma.parallel.plan import ShardError, ShardPlan
@@ -33,8 +42,19 @@ def real():
 
 
 def request(memory: int, size: int = 1, scheme=None, context=8192, flags=FLAGS, **extra) -> FitRequest:
-    return FitRequest(torch.device("cuda"), lambda _: BF16, scheme, None, 8, context, memory=memory,
-                      memory_source="--card", flags=flags, tensor_parallel_size=size, **extra)  # fmt: skip
+    return FitRequest(
+        torch.device("cuda"),
+        lambda _: BF16,
+        scheme,
+        None,
+        8,
+        context,
+        memory=memory,
+        memory_source="--card",
+        flags=flags,
+        tensor_parallel_size=size,
+        **extra,
+    )
 
 
 def test_size_one_is_todays_plan():
@@ -44,7 +64,11 @@ def test_size_one_is_todays_plan():
         assert plan_memory(config, BF16, Workload(scheme, 16, batch=4, context=256, tensor_parallel_size=1)) == today
         (one,) = rank_plans(config, BF16, Workload(scheme, 16, 4, 256, tensor_parallel_size=1))
         assert (one.weights, one.kv_cache, one.step_buffers, one.reserve) == (
-            today.weights, today.kv_cache, today.step_buffers, RESERVE)  # fmt: skip
+            today.weights,
+            today.kv_cache,
+            today.step_buffers,
+            RESERVE,
+        )
         assert "per rank" not in today.describe() and today.ranks == 1
 
 
@@ -81,10 +105,17 @@ def test_four_ranks_replicate_the_global_layers_kv_heads(real):
 
 def test_expert_parallelism_counts_whole_experts(real):
     full = weight_bytes(real, "int4", None, BF16)["experts"]
-    with pytest.raises(ShardError, match=r"^layers\.0\.experts: the 352 of each expert's intermediate .* groups of 64: "
-                                         r"use expert parallelism, or a group size that divides 352$"):  # fmt: skip
-        rank_plans(real, BF16, Workload("int4", None, 8, 8192, tensor_parallel_size=2))  # the loader refuses that split: so does the plan
-    split = rank_plans(real, BF16, Workload("int4", 32, 8, 8192, tensor_parallel_size=2))[0]  # groups of 32 divide 352 and 1056
+    with pytest.raises(
+        ShardError,
+        match=r"^layers\.0\.experts: the 352 of each expert's intermediate .* groups of 64: "
+        r"use expert parallelism, or a group size that divides 352$",
+    ):
+        rank_plans(
+            real, BF16, Workload("int4", None, 8, 8192, tensor_parallel_size=2)
+        )  # the loader refuses that split: so does the plan
+    split = rank_plans(real, BF16, Workload("int4", 32, 8, 8192, tensor_parallel_size=2))[
+        0
+    ]  # groups of 32 divide 352 and 1056
     whole = rank_plans(real, BF16, Workload("int4", None, 8, 8192, tensor_parallel_size=2, expert_parallel=True))[0]
     matrices = real.num_layers * 2  # gate_up_proj and down_proj: each stores its int4 weight_shape (8 bytes) once
     assert 2 * whole.weights["experts"] == full + 8 * matrices  # 64 whole experts a rank: their groups whole
@@ -128,14 +159,20 @@ def total_line(out: str) -> list[float]:
 def test_memory_command_two_24_gb_cards(capsys):
     code, out = memory_command(capsys, "--card", "24GB", "--tensor-parallel-size", "2", "--quantization", "int4")
     assert code == 2 and "use expert parallelism, or a group size that divides 352" in out  # the loader's refusal
-    code, out = memory_command(capsys, "--card", "24GB", "--tensor-parallel-size", "2", "--quantization", "int4",
-                               "--expert-parallel")  # fmt: skip
+    code, out = memory_command(
+        capsys, "--card", "24GB", "--tensor-parallel-size", "2", "--quantization", "int4", "--expert-parallel"
+    )
     assert code == 0 and "per rank (2 ranks, expert parallel)" in out and "ranks 0-1" in out
     assert "note: int4's groups of 64 do not divide" in out and out.strip().splitlines()[-1].startswith("fits: rank 0")
     (int4,) = total_line(out)
     assert 12 < int4 < 14  # 6.8 GiB of weights, a 131072-position KV pool, 8 canvases' buffers
-    code, out = memory_command(capsys, "--card", "24GB", "--tensor-parallel-size", "2")  # bf16: 23.5 GiB of weights a rank
-    assert code == 1 and "does not fit: --size real does not fit this device's 22.4 GiB (--card, tensor-parallel size 2)" in out
+    code, out = memory_command(
+        capsys, "--card", "24GB", "--tensor-parallel-size", "2"
+    )  # bf16: 23.5 GiB of weights a rank
+    assert (
+        code == 1
+        and "does not fit: --size real does not fit this device's 22.4 GiB (--card, tensor-parallel size 2)" in out
+    )
     assert "it would fit with --quantization fp8 (" in out and "--tensor-parallel-size 4 (" in out
     code, out = memory_command(capsys, "--card", "24GB", "--tensor-parallel-size", "2", "--quantization", "auto")
     assert code == 0 and "fp8 weights" in out
@@ -144,11 +181,13 @@ def test_memory_command_two_24_gb_cards(capsys):
 def test_memory_command_four_16_gb_cards(capsys):
     code, out = memory_command(capsys, "--card", "16GB", "--tensor-parallel-size", "4", "--max-context", "8192")
     assert code == 1 and "ranks 0-3" in out and "--max-active 4 (" in out  # 11.8 GiB of weights a rank
-    code, out = memory_command(capsys, "--card", "16GB", "--tensor-parallel-size", "4", "--max-context", "8192",
-                               "--max-active", "4")  # fmt: skip
+    code, out = memory_command(
+        capsys, "--card", "16GB", "--tensor-parallel-size", "4", "--max-context", "8192", "--max-active", "4"
+    )
     assert code == 0 and total_line(out)[0] < 14.9
-    code, out = memory_command(capsys, "--card", "16GB", "--tensor-parallel-size", "4", "--expert-parallel",
-                               "--quantization", "fp8")  # fmt: skip
+    code, out = memory_command(
+        capsys, "--card", "16GB", "--tensor-parallel-size", "4", "--expert-parallel", "--quantization", "fp8"
+    )
     assert code == 0 and "per rank (4 ranks, expert parallel)" in out
     code, out = memory_command(capsys, "--tensor-parallel-size", "4", "--tokens", "131072")  # the KV report, a rank's
     assert "per rank (4 ranks)" in out and " 10240 " in out  # the global layers: 1 of 2 KV heads, not half of one
@@ -156,13 +195,18 @@ def test_memory_command_four_16_gb_cards(capsys):
 
 def test_fit_refuses_per_rank_before_loading(real, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config_json(real), "dtype": "bfloat16"}))  # no weights at all
-    with pytest.raises(FitError, match=r"\(--card, tensor-parallel size 2\): per rank \(2 ranks\): weights 23\.5 GiB .* "
-                                       r"--tensor-parallel-size 4 \(.* GiB per rank\)"):  # fmt: skip
+    with pytest.raises(
+        FitError,
+        match=r"\(--card, tensor-parallel size 2\): per rank \(2 ranks\): weights 23\.5 GiB .* "
+        r"--tensor-parallel-size 4 \(.* GiB per rank\)",
+    ):
         resolve_checkpoint(tmp_path, fit=request(24 * 10**9, 2))
     checkpoint = resolve_checkpoint(tmp_path, fit=request(24 * 10**9, 2, "int4", expert_parallel=True))
     assert checkpoint.fit.fits and checkpoint.fit.plan.ranks == 2 and checkpoint.quantization == "int4"
     api = request(24 * 10**9, 2, flags=())  # dgemma.load's words
-    with pytest.raises(FitError, match=r"quantization='fp8' .* or tensor_parallel_size=4 .*; force=True loads it anyway"):
+    with pytest.raises(
+        FitError, match=r"quantization='fp8' .* or tensor_parallel_size=4 .*; force=True loads it anyway"
+    ):
         check_fit(CheckpointFacts("real", tmp_path, real), api)
     forced = check_fit(CheckpointFacts("real", tmp_path, real), api, force=True)
     assert not forced.fits and "tensor-parallel size 2" in forced.message
@@ -182,6 +226,10 @@ def test_a_prequantised_checkpoint_is_cut_by_each_ranks_share(real):
     quant = types.SimpleNamespace(scheme="int4", group_size=64)
     facts = CheckpointFacts("real-int4", None, real, quant, {"all": ("U8", (stored,))})
     plans = rank_plans_for(facts, BF16, None, request(24 * 10**9, 2, expert_parallel=True))
-    share = sum(rank_plans(real, BF16, Workload("int4", 64, 8, 8192, tensor_parallel_size=2, expert_parallel=True))[0].weights.values())
+    share = sum(
+        rank_plans(real, BF16, Workload("int4", 64, 8, 8192, tensor_parallel_size=2, expert_parallel=True))[
+            0
+        ].weights.values()
+    )
     whole = sum(weight_bytes(real, "int4", 64, BF16).values())
     assert [p.weights for p in plans] == [{"stored": stored * share // whole}] * 2 and plans[0].scheme == "int4"

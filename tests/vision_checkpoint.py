@@ -13,8 +13,16 @@ import torch
 from oracle import SHAPES, TINY_VISION
 
 VISION = dict(  # a tower that does some work: two layers, two heads, standardize and clamps on
-    TINY_VISION, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=2, head_dim=16, position_embedding_size=256, standardize=True, use_clipped_linears=True,
+    TINY_VISION,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    position_embedding_size=256,
+    standardize=True,
+    use_clipped_linears=True,
 )
 
 # Placeholder ids when no processor is written (hand-made prompts); a saved processor's tokenizer decides otherwise.

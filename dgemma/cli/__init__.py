@@ -48,8 +48,10 @@ def _check_ranks_fit_this_host(size: int, device: str) -> None:
     gpu = str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     have, what = (torch.cuda.device_count(), "GPUs") if gpu else (os.cpu_count() or 1, "CPU cores")
     if size > have:
-        raise CliError(f"--tensor-parallel-size {size}: this host has {have} {what}, one rank each at most "
-                       "(ranks on several hosts: torchrun, docs/parallel.md)")
+        raise CliError(
+            f"--tensor-parallel-size {size}: this host has {have} {what}, one rank each at most "
+            "(ranks on several hosts: torchrun, docs/parallel.md)"
+        )
 
 
 def _launch_ranks(args, argv: list[str] | None) -> int | None:

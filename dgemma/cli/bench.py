@@ -24,14 +24,32 @@ from pathlib import Path
 import torch
 
 from ..benchmark import (
-    BenchEngine, RunResult, check_room, load_reference, memory_figures, memory_report, random_model, run_dgemma,
-    run_reference, summarize, write_checkpoint,
-)  # fmt: skip
+    BenchEngine,
+    RunResult,
+    check_room,
+    load_reference,
+    memory_figures,
+    memory_report,
+    random_model,
+    run_dgemma,
+    run_reference,
+    summarize,
+    write_checkpoint,
+)
 from ..model.presets import PRESETS
 from .common import (
-    MODEL_HELP, TURBO_FLAGS, add_device_flags, add_hub_flags, add_parallel_flags, parallel_load_args, add_threads_flag, add_turbo_flags, apply_threads,
-    resolve_model, turbo_knobs,
-)  # fmt: skip
+    MODEL_HELP,
+    TURBO_FLAGS,
+    add_device_flags,
+    add_hub_flags,
+    add_parallel_flags,
+    add_threads_flag,
+    add_turbo_flags,
+    apply_threads,
+    parallel_load_args,
+    resolve_model,
+    turbo_knobs,
+)
 
 
 def print_table(rows: list[dict], header: str) -> None:
@@ -87,7 +105,9 @@ def resolve_settings(args, canvas: int) -> None:
     args.peers = [p.strip() for p in args.peers.split(",") if p.strip()] if isinstance(args.peers, str) else args.peers
     unknown = sorted(set(args.peers) - set(PEER_NAMES))
     if unknown or not args.peers:
-        raise ValueError(f"--peers takes a comma list of default, ar, reference, turbo (got {','.join(unknown) or 'none'})")
+        raise ValueError(
+            f"--peers takes a comma list of default, ar, reference, turbo (got {','.join(unknown) or 'none'})"
+        )
     if getattr(args, "turbo", None) and "turbo" not in args.peers:  # its row right after dgemma's
         at = args.peers.index("default") + 1 if "default" in args.peers else len(args.peers)
         args.peers = args.peers[:at] + ["turbo"] + args.peers[at:]
@@ -121,10 +141,14 @@ def plan_lines(args, config, device) -> list[str]:
     total = (args.runs + args.warmup) * len(args.peers)
     threads = torch.get_num_threads()
     lines = [
-        (f"dgemma bench{' --quick' if args.quick else ''}: {model}, {params} parameters, "
-         f"{device} {args.dtype}{quant}, {threads} thread{'s' * (threads > 1)}"),
-        (f"  each run: batch {args.batch}, {args.prompt_len} prompt + {args.new_tokens} new tokens "
-         f"({canvases} canvas{'es' * (canvases > 1)} of {canvas}), {steps}"),
+        (
+            f"dgemma bench{' --quick' if args.quick else ''}: {model}, {params} parameters, "
+            f"{device} {args.dtype}{quant}, {threads} thread{'s' * (threads > 1)}"
+        ),
+        (
+            f"  each run: batch {args.batch}, {args.prompt_len} prompt + {args.new_tokens} new tokens "
+            f"({canvases} canvas{'es' * (canvases > 1)} of {canvas}), {steps}"
+        ),
         f"  peers {peers}, interleaved: {rounds} = {total} run{'s' * (total > 1)}",
         "  estimate: the bar's remaining time from the first committed canvas on, and a line after every round",
     ]
@@ -143,15 +167,29 @@ def bench_model(args, device, dtype, peers: list[str], tmp: Path, say):
 
     if args.model:
         say(f"loading {args.model}")  # its plan was checked once already, by resolve_model (at --batch)
-        return load(args.model, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size,
-                    force=True, **parallel_load_args(args)), Path(args.model)  # fmt: skip
+        return load(
+            args.model,
+            device=device,
+            dtype=dtype,
+            quantization=args.quantization,
+            group_size=args.group_size,
+            force=True,
+            **parallel_load_args(args),
+        ), Path(args.model)
     if args.tensor_parallel_size > 1:
         if not args.force:
             check_room(args.size, "cpu", dtype)
         say(f"building random weights of --size {args.size} on the cpu, written for the ranks")
         path = write_checkpoint(random_model(args.size, "cpu", dtype), tmp, dtype)
-        return load(path, device=device, dtype=dtype, quantization=args.quantization, group_size=args.group_size,
-                    force=args.force, **parallel_load_args(args)), path  # fmt: skip
+        return load(
+            path,
+            device=device,
+            dtype=dtype,
+            quantization=args.quantization,
+            group_size=args.group_size,
+            force=args.force,
+            **parallel_load_args(args),
+        ), path
     if not args.force:
         check_room(args.size, device, dtype, args.quantization, args.group_size)
     say(f"building random {args.quantization or args.dtype} weights of --size {args.size} on {device}")
@@ -211,9 +249,16 @@ def cmd_bench(args) -> int:
         engine = BenchEngine.build(model, args.batch, args.prompt_len, args.new_tokens) if diffusion else None
         rounds = ["warm-up"] * args.warmup + [f"round {i + 1}/{args.runs}" for i in range(args.runs)]
 
-        say(f"running ({'the warm-up round pays for allocation and kernel selection' if args.warmup else 'no warm-up'})")
-        bar = tqdm(total=len(rounds) * len(peers) * per_run, file=sys.stderr, smoothing=0, dynamic_ncols=True,
-                   bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens [{elapsed}<{remaining}{postfix}]")  # fmt: skip
+        say(
+            f"running ({'the warm-up round pays for allocation and kernel selection' if args.warmup else 'no warm-up'})"
+        )
+        bar = tqdm(
+            total=len(rounds) * len(peers) * per_run,
+            file=sys.stderr,
+            smoothing=0,
+            dynamic_ncols=True,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens [{elapsed}<{remaining}{postfix}]",
+        )
 
         def once(peer: str) -> RunResult:
             credited = 0
@@ -228,8 +273,17 @@ def cmd_bench(args) -> int:
                 result = run_reference(ref, prompts, args.new_tokens, args.steps, args.adaptive, progress)
             else:
                 mode = "ar" if peer == "ar" else "diffusion"
-                result = run_dgemma(model, prompts, args.new_tokens, args.steps, args.adaptive, mode, progress,
-                                    turbo=turbo if peer == "turbo" else None, engine=engine)  # fmt: skip
+                result = run_dgemma(
+                    model,
+                    prompts,
+                    args.new_tokens,
+                    args.steps,
+                    args.adaptive,
+                    mode,
+                    progress,
+                    turbo=turbo if peer == "turbo" else None,
+                    engine=engine,
+                )
             bar.update(per_run - credited)  # a row that ended early (EOS) still counts as its whole run
             return result
 
@@ -245,9 +299,14 @@ def cmd_bench(args) -> int:
                     if name != "warm-up":
                         results.append(result)
                 left = len(rounds) - index - 1
-                guess = left * sum(times.values())  # the latest round (the warm-up's overestimates: first calls allocate)
+                guess = left * sum(
+                    times.values()
+                )  # the latest round (the warm-up's overestimates: first calls allocate)
                 each = ", ".join(f"{k} {v:.1f} s" for k, v in times.items())
-                say(f"{name}: {each}" + (f"; estimate ~{guess:.0f} s for the {left} round{'s' * (left > 1)} left" if left else ""))
+                say(
+                    f"{name}: {each}"
+                    + (f"; estimate ~{guess:.0f} s for the {left} round{'s' * (left > 1)} left" if left else "")
+                )
     rows = summarize(results)
     memory = memory_figures(model, engine, results)
     header = (
@@ -260,7 +319,18 @@ def cmd_bench(args) -> int:
     )
     say(f"done: {args.runs} timed round{'s' * (args.runs > 1)} of {len(peers)} peer{'s' * (len(peers) > 1)}")
     if args.json:
-        print(json.dumps({"setup": header, "memory": memory_report(memory), "memory_bytes": memory, "rows": rows, "runs": [asdict(r) for r in results]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "setup": header,
+                    "memory": memory_report(memory),
+                    "memory_bytes": memory,
+                    "rows": rows,
+                    "runs": [asdict(r) for r in results],
+                },
+                indent=2,
+            )
+        )
     else:
         print(memory_report(memory))
         print_table(rows, header)
@@ -269,45 +339,87 @@ def cmd_bench(args) -> int:
 
 def add_cli(sub) -> None:
     """The `bench` subcommand."""
-    p = sub.add_parser("bench", help="time dgemma against its AR mode and the transformers reference",
-                       description="Runs the peers interleaved on the same weights and prompt and prints medians and "
-                                   "ratios (stdout); the plan, an estimate and the progress go to stderr. "
-                                   "--quick: a check in under a minute on the tiny model.")  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help="a preset for a check in under a minute on tiny: 1 canvas of prompt, 2 new, 4 steps, "
-                        "peers default,ar, 1 warm-up + 1 timed round; flags given explicitly override it (default: off)")
+    p = sub.add_parser(
+        "bench",
+        help="time dgemma against its AR mode and the transformers reference",
+        description="Runs the peers interleaved on the same weights and prompt and prints medians and "
+        "ratios (stdout); the plan, an estimate and the progress go to stderr. "
+        "--quick: a check in under a minute on the tiny model.",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a preset for a check in under a minute on tiny: 1 canvas of prompt, 2 new, 4 steps, "
+        "peers default,ar, 1 warm-up + 1 timed round; flags given explicitly override it (default: off)",
+    )
     p.add_argument("--model", "-m", help=f"{MODEL_HELP} (default: random weights of --size)")
     add_hub_flags(p)
-    p.add_argument("--size", choices=list(PRESETS), default="tiny",
-                   help="model size preset for random weights, dgemma/model/presets.py (default: tiny)")
+    p.add_argument(
+        "--size",
+        choices=list(PRESETS),
+        default="tiny",
+        help="model size preset for random weights, dgemma/model/presets.py (default: tiny)",
+    )
     add_parallel_flags(p)
     add_device_flags(p)  # random --size weights on CUDA: --dtype auto is bfloat16, the released model's
-    p.add_argument("--quantization", choices=["fp8", "int8", "int4", "nvfp4"], default=None,
-                   help="quantised weights; random --size models are built directly quantised (default: none)")
+    p.add_argument(
+        "--quantization",
+        choices=["fp8", "int8", "int4", "nvfp4"],
+        default=None,
+        help="quantised weights; random --size models are built directly quantised (default: none)",
+    )
     p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
-    p.add_argument("--prompt-len", type=int, default=None, metavar="N",
-                   help="prompt tokens, random ids (default: 2 canvases of the model: 64 on tiny, 512 on mid; "
-                        "--quick: 1 canvas)")
-    p.add_argument("--new-tokens", type=int, default=None, metavar="N",
-                   help="tokens to generate per prompt, no EOS stop (default: 3 canvases: 96 on tiny, 768 on mid; "
-                        "--quick: 2 canvases)")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens, random ids (default: 2 canvases of the model: 64 on tiny, 512 on mid; --quick: 1 canvas)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens to generate per prompt, no EOS stop (default: 3 canvases: 96 on tiny, 768 on mid; "
+        "--quick: 2 canvases)",
+    )
     p.add_argument("--batch", type=int, default=1, help="prompts generated together (default: 1)")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"fixed denoising steps per canvas (default: {DEFAULTS['steps']}; --quick: {QUICK['steps']})")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"fixed denoising steps per canvas (default: {DEFAULTS['steps']}; --quick: {QUICK['steps']})",
+    )
     p.add_argument("--adaptive", action="store_true", help="adaptive stopping instead of fixed steps (default: fixed)")
-    p.add_argument("--peers", default=None,
-                   help=f"comma list of default, ar, reference, turbo (default: {DEFAULTS['peers']}; --quick: "
-                        f"{QUICK['peers']})")  # fmt: skip
-    p.add_argument("--turbo", action="store_true", default=None,
-                   help="add a dgemma-turbo row: the diffusion peer with turbo denoising, same prompts and seeds; "
-                        "positions_per_token then shows the decoder positions it computed per committed token "
-                        "(default: off)")  # fmt: skip
+    p.add_argument(
+        "--peers",
+        default=None,
+        help=f"comma list of default, ar, reference, turbo (default: {DEFAULTS['peers']}; --quick: {QUICK['peers']})",
+    )
+    p.add_argument(
+        "--turbo",
+        action="store_true",
+        default=None,
+        help="add a dgemma-turbo row: the diffusion peer with turbo denoising, same prompts and seeds; "
+        "positions_per_token then shows the decoder positions it computed per committed token "
+        "(default: off)",
+    )
     add_turbo_flags(p, switch=False)
-    p.add_argument("--runs", type=int, default=None, metavar="N",
-                   help=f"timed runs per peer, interleaved; the table gives medians (default: {DEFAULTS['runs']}; "
-                        f"--quick: {QUICK['runs']})")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the untimed warm-up round (default: one warm-up run of each peer first)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"timed runs per peer, interleaved; the table gives medians (default: {DEFAULTS['runs']}; "
+        f"--quick: {QUICK['runs']})",
+    )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the untimed warm-up round (default: one warm-up run of each peer first)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (default: a table)")
     add_threads_flag(p)
     p.set_defaults(func=cmd_bench)

@@ -37,9 +37,20 @@ from pathlib import Path
 
 from ..engine.request import check_seed
 from .common import (
-    CliError, add_chat_template_flag, add_engine_flags, add_model_flags, add_sampler_flags, add_threads_flag,
-    apply_chat_template_file, apply_threads, check_seed_flag, engine_options, load_model, print_growing, sampler_knobs,
-)  # fmt: skip
+    CliError,
+    add_chat_template_flag,
+    add_engine_flags,
+    add_model_flags,
+    add_sampler_flags,
+    add_threads_flag,
+    apply_chat_template_file,
+    apply_threads,
+    check_seed_flag,
+    engine_options,
+    load_model,
+    print_growing,
+    sampler_knobs,
+)
 
 HISTORY_FILE = Path.home() / ".cache" / "dgemma" / "chat_history"
 
@@ -105,8 +116,13 @@ def _content_ok(content) -> bool:
     if isinstance(content, str):
         return True
     return isinstance(content, list) and all(
-        isinstance(p, dict) and (p.get("type") == "text" and isinstance(p.get("text"), str)
-                                 or p.get("type") == "image" and isinstance(p.get("image"), str))  # fmt: skip
+        isinstance(p, dict)
+        and (
+            p.get("type") == "text"
+            and isinstance(p.get("text"), str)
+            or p.get("type") == "image"
+            and isinstance(p.get("image"), str)
+        )
         for p in content
     )
 
@@ -189,7 +205,9 @@ class Session:
             self.images = []
             return self.say("attached images dropped", "dim")
         if not self.model.supports_images:
-            return self.say(f"/image: {self.model.path or 'this model'} has no vision tower: it cannot take images", "red")
+            return self.say(
+                f"/image: {self.model.path or 'this model'} has no vision tower: it cannot take images", "red"
+            )
         try:
             self.model.processor.image(Path(path).expanduser())
         except (MediaError, OSError) as e:
@@ -242,10 +260,14 @@ class Session:
         try:
             data = json.loads(Path(path).read_text())
             if not isinstance(data, list) or not all(
-                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and _content_ok(m.get("content"))
+                isinstance(m, dict)
+                and m.get("role") in ("system", "user", "assistant")
+                and _content_ok(m.get("content"))
                 for m in data
             ):
-                raise ValueError("expected a JSON list of {role, content} messages (content: text, or text and image parts)")
+                raise ValueError(
+                    "expected a JSON list of {role, content} messages (content: text, or text and image parts)"
+                )
             if any(isinstance(m["content"], list) for m in data) and not self.model.supports_images:
                 raise ValueError("it holds images and this model has no vision tower")
         except (OSError, ValueError) as e:
@@ -336,10 +358,14 @@ class Session:
                             printed = print_growing(answer, printed)
                     elif isinstance(ev, Draft) and live is not None:
                         view = Text(self.tok.decode(tokens))
-                        view.append_text(canvas_frame(token_pieces(self.tok, ev.canvas), ev.accepted, ev.entropy, ev.frozen))
+                        view.append_text(
+                            canvas_frame(token_pieces(self.tok, ev.canvas), ev.accepted, ev.entropy, ev.frozen)
+                        )
                         frozen = f", {sum(ev.frozen)} frozen" if ev.frozen else ""
-                        view.append(f"\n[block {ev.block + 1}, step {ev.step}: {sum(ev.accepted)}/{len(ev.accepted)} accepted{frozen}]",
-                                    style="dim")  # fmt: skip
+                        view.append(
+                            f"\n[block {ev.block + 1}, step {ev.step}: {sum(ev.accepted)}/{len(ev.accepted)} accepted{frozen}]",
+                            style="dim",
+                        )
                         live.update(view)
         except KeyboardInterrupt:  # a second Ctrl-C, or one without the terminal's handler: at once
             cut = True
@@ -353,9 +379,13 @@ class Session:
         elapsed = time.perf_counter() - start
         answer = self.tok.decode(tokens).strip()
         self.messages.append({"role": "assistant", "content": answer})
-        self.encoded = None if prompt_text is None else Encoded(
-            [dict(m) for m in self.conversation()], prompt_text, list(prompt) + self.answer_ids(tokens), len(prompt)
-        )  # fmt: skip
+        self.encoded = (
+            None
+            if prompt_text is None
+            else Encoded(
+                [dict(m) for m in self.conversation()], prompt_text, list(prompt) + self.answer_ids(tokens), len(prompt)
+            )
+        )
         if self.tty:
             if live is None:
                 sys.stdout.write("\n")
@@ -386,7 +416,7 @@ class CtrlC:
     def __init__(self, terminal: bool):
         self.terminal, self.pressed, self.previous = terminal, 0, None
 
-    def __enter__(self) -> "CtrlC":
+    def __enter__(self) -> CtrlC:
         if self.terminal and threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self._press)
         return self
@@ -487,8 +517,12 @@ def add_cli(sub) -> None:
     add_model_flags(p)
     add_sampler_flags(p)
     p.add_argument("--system", help="system prompt (/system changes it during the chat)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="sampler seed of every turn, for repeatable answers (default: a random one per turn; /set seed)")  # fmt: skip
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampler seed of every turn, for repeatable answers (default: a random one per turn; /set seed)",
+    )
     p.add_argument("--no-canvas", dest="canvas", action="store_false", help="do not draw the canvas while it denoises")
     add_chat_template_flag(p)
     add_threads_flag(p)

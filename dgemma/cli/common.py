@@ -30,25 +30,49 @@ SAMPLER_FLAGS = (
 # turbo denoising (engine/turbo.py): `--turbo` is a switch (absent: the checkpoint's default, off);
 # run and chat take them with the sampler flags, serve and bench on their own (add_turbo_flags)
 TURBO_FLAGS = (
-    ("--turbo", "turbo", bool, "turbo denoising: canvas positions that have converged stop being recomputed "
-                               "(approximate, fewer positions per pass; docs/performance.md)"),
-    ("--turbo-freeze-passes", "turbo_freeze_passes", int, "with turbo: passes in a row a position's token must be "
-                                                          "accepted unchanged before it freezes"),
-    ("--turbo-freeze-entropy", "turbo_freeze_entropy", float, "with turbo: the entropy (nats) a position may have "
-                                                              "at most to freeze"),
-    ("--turbo-refresh-every", "turbo_refresh_every", int, "with turbo: recompute every position's keys and values "
-                                                          "each N passes (0: never)"),
-    ("--turbo-dormant-entropy", "turbo_dormant_entropy", float, "with turbo: a position still noise whose entropy "
-                                                                "(nats) is above this is computed every other pass (0: every pass)"),
-)  # fmt: skip
+    (
+        "--turbo",
+        "turbo",
+        bool,
+        "turbo denoising: canvas positions that have converged stop being recomputed "
+        "(approximate, fewer positions per pass; docs/performance.md)",
+    ),
+    (
+        "--turbo-freeze-passes",
+        "turbo_freeze_passes",
+        int,
+        "with turbo: passes in a row a position's token must be accepted unchanged before it freezes",
+    ),
+    (
+        "--turbo-freeze-entropy",
+        "turbo_freeze_entropy",
+        float,
+        "with turbo: the entropy (nats) a position may have at most to freeze",
+    ),
+    (
+        "--turbo-refresh-every",
+        "turbo_refresh_every",
+        int,
+        "with turbo: recompute every position's keys and values each N passes (0: never)",
+    ),
+    (
+        "--turbo-dormant-entropy",
+        "turbo_dormant_entropy",
+        float,
+        "with turbo: a position still noise whose entropy "
+        "(nats) is above this is computed every other pass (0: every pass)",
+    ),
+)
 SAMPLER_FLAGS = SAMPLER_FLAGS + TURBO_FLAGS
 
 # --device and --dtype of run, chat, serve and bench; `dgemma.devices.resolve_device` and
 # `resolve_dtype` decide what they mean (the one place "auto" is resolved)
 DEVICE_HELP = "cpu, cuda, cuda:N (the GPU of index N) or auto: cuda when torch sees a GPU (default: cpu)"
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
-DTYPE_HELP = ("the weights' dtype in memory (default: auto = the checkpoint's stored dtype, bfloat16 for the "
-              "released model and the shipped dgemma-tiny)")  # fmt: skip
+DTYPE_HELP = (
+    "the weights' dtype in memory (default: auto = the checkpoint's stored dtype, bfloat16 for the "
+    "released model and the shipped dgemma-tiny)"
+)
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -62,20 +86,31 @@ QUANTIZATION_CHOICES = ["auto", "fp8", "int8", "int4", "nvfp4"]
 
 def add_hub_flags(p: argparse.ArgumentParser) -> None:
     """--revision and --force of every command that names a model (dgemma/hub/)."""
-    p.add_argument("--revision", default=None,
-                   help="with a hub id: the branch, tag or commit to use (default: main)")  # fmt: skip
-    p.add_argument("--force", action="store_true",
-                   help="go on when the memory plan does not fit the device, or a download the disk's free space "
-                        "(default: refuse, saying what would fit)")  # fmt: skip
+    p.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit to use (default: main)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="go on when the memory plan does not fit the device, or a download the disk's free space "
+        "(default: refuse, saying what would fit)",
+    )
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     """--tensor-parallel-size and --expert-parallel (dgemma/parallel; docs/parallel.md)."""
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model across N ranks: N processes on this host, one per GPU on a GPU host (across "
-                        "hosts: start the ranks with torchrun, docs/parallel.md) (default: 1)")  # fmt: skip
-    p.add_argument("--expert-parallel", action="store_true",
-                   help="with --tensor-parallel-size: whole experts per rank instead of every expert split (default: split)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model across N ranks: N processes on this host, one per GPU on a GPU host (across "
+        "hosts: start the ranks with torchrun, docs/parallel.md) (default: 1)",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: whole experts per rank instead of every expert split (default: split)",
+    )
     p.set_defaults(launch_ranks=True)  # cli/__init__.py starts the ranks (`dgemma memory` only plans them)
 
 
@@ -90,9 +125,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_hub_flags(p)
     add_device_flags(p)
     add_parallel_flags(p)
-    add_quantization_flags(p, "quantise the text layers' linears and experts while loading (docs/quantization.md); "
-                              "auto: the best scheme whose memory plan fits the device (a pre-quantised checkpoint: "
-                              "its own)")  # fmt: skip
+    add_quantization_flags(
+        p,
+        "quantise the text layers' linears and experts while loading (docs/quantization.md); "
+        "auto: the best scheme whose memory plan fits the device (a pre-quantised checkpoint: "
+        "its own)",
+    )
 
 
 def add_quantization_flags(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -101,8 +139,22 @@ def add_quantization_flags(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
 
 
-SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-              "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -116,18 +168,33 @@ def parse_size(text: str) -> int:
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """KV cache and scheduling flags shared by `dgemma run` and `dgemma serve` (see EngineOptions)."""
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="memory for the KV cache blocks, e.g. 4GiB (default: half of the free memory on CUDA, a quarter on a CPU, at most "
-                        "what 8 requests of max_position_embeddings need)")  # fmt: skip
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="memory for the KV cache blocks, e.g. 4GiB (default: half of the free memory on CUDA, a quarter on a CPU, at most "
+        "what 8 requests of max_position_embeddings need)",
+    )
     p.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
-    p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help="prompt tokens encoded per engine step, between other requests' decoder steps (default: 2048)")  # fmt: skip
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="do not reuse the cached keys/values of earlier prompts and committed blocks")  # fmt: skip
-    p.add_argument("--batched-passes", action="store_true",
-                   help="run a step's canvases as one batched pass even on CPU (faster; a seeded request's text "
-                        "then depends on its batch and on the prefix cache at float-rounding level). "
-                        "Default: batched on GPU only")  # fmt: skip
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        help="prompt tokens encoded per engine step, between other requests' decoder steps (default: 2048)",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="do not reuse the cached keys/values of earlier prompts and committed blocks",
+    )
+    p.add_argument(
+        "--batched-passes",
+        action="store_true",
+        help="run a step's canvases as one batched pass even on CPU (faster; a seeded request's text "
+        "then depends on its batch and on the prefix cache at float-rounding level). "
+        "Default: batched on GPU only",
+    )
 
 
 def engine_options(args):
@@ -135,15 +202,23 @@ def engine_options(args):
     from ..engine.options import EngineOptions
 
     return EngineOptions(
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
-        prefill_chunk=args.prefill_chunk, batch_invariant=False if args.batched_passes else None,
-    )  # fmt: skip
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        prefix_cache=args.prefix_cache,
+        prefill_chunk=args.prefill_chunk,
+        batch_invariant=False if args.batched_passes else None,
+    )
 
 
 def add_threads_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="CPU threads for the model's matmuls (default: torch's choice, one per core it sees); "
-                        "on a shared or busy CPU fewer, even 1, can be several times faster")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads for the model's matmuls (default: torch's choice, one per core it sees); "
+        "on a shared or busy CPU fewer, even 1, can be several times faster",
+    )
 
 
 def apply_threads(args) -> None:
@@ -159,9 +234,12 @@ def apply_threads(args) -> None:
 
 
 def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chat-template", metavar="FILE", default=None,
-                   help="a Jinja chat template to use instead of the checkpoint's (tokenizer_config.json or "
-                        "chat_template.jinja)")  # fmt: skip
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template to use instead of the checkpoint's (tokenizer_config.json or chat_template.jinja)",
+    )
 
 
 def read_chat_template(args) -> str | None:
@@ -179,7 +257,9 @@ def read_chat_template(args) -> str | None:
     try:
         ImmutableSandboxedEnvironment().parse(text)
     except TemplateSyntaxError as e:
-        raise CliError(f"--chat-template: {path} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+        raise CliError(
+            f"--chat-template: {path} is not a valid Jinja template: {e.message} (line {e.lineno})"
+        ) from None
     return text
 
 
@@ -197,8 +277,13 @@ def apply_chat_template_file(model, args, text: str | None = None) -> None:
 def _add_flags(p: argparse.ArgumentParser, table: tuple) -> None:
     for flag, dest, kind, text in table:
         if kind is bool:  # a switch: absent is None, so the checkpoint's default applies
-            p.add_argument(flag, dest=dest, action="store_true", default=None,
-                           help=f"{text} (default: generation_config.json, else off)")  # fmt: skip
+            p.add_argument(
+                flag,
+                dest=dest,
+                action="store_true",
+                default=None,
+                help=f"{text} (default: generation_config.json, else off)",
+            )
         else:
             p.add_argument(flag, dest=dest, type=kind, default=None, help=f"{text} (default: generation_config.json)")
 
@@ -231,7 +316,9 @@ def refuse_turbo(args, why: str | None) -> None:
     """--turbo where `why` (a flag the user gave, e.g. --sampling reference) rules it out: one
     line, before loading."""
     if getattr(args, "turbo", None) and why is not None:
-        raise CliError(f"--turbo does not go with {why}: turbo denoising runs on the engine's sampler only; drop one of them")
+        raise CliError(
+            f"--turbo does not go with {why}: turbo denoising runs on the engine's sampler only; drop one of them"
+        )
 
 
 def check_turbo_knobs(args, config) -> None:
@@ -300,21 +387,28 @@ def fit_request(args, device):
     flags = tuple(f for f in FIT_FLAGS if hasattr(args, f[2:].replace("-", "_")))
     context = args.max_context if hasattr(args, "max_context") else SINGLE_REQUEST_CONTEXT
     return FitRequest(
-        device, partial(resolve_dtype, getattr(args, "dtype", "auto"), device), getattr(args, "quantization", None),
-        getattr(args, "group_size", None), max_active=getattr(args, "max_active", None) or getattr(args, "batch", None) or 1,
-        max_context=context, kv_cache_memory=getattr(args, "kv_cache_memory", None),
-        prefill_chunk=getattr(args, "prefill_chunk", 2048), turbo=bool(getattr(args, "turbo", None)),
-        memory=device_memory_override(), flags=flags + ("--force",), **parallel_load_args(args),
-    )  # fmt: skip
+        device,
+        partial(resolve_dtype, getattr(args, "dtype", "auto"), device),
+        getattr(args, "quantization", None),
+        getattr(args, "group_size", None),
+        max_active=getattr(args, "max_active", None) or getattr(args, "batch", None) or 1,
+        max_context=context,
+        kv_cache_memory=getattr(args, "kv_cache_memory", None),
+        prefill_chunk=getattr(args, "prefill_chunk", 2048),
+        turbo=bool(getattr(args, "turbo", None)),
+        memory=device_memory_override(),
+        flags=flags + ("--force",),
+        **parallel_load_args(args),
+    )
 
 
 def resolve_model(args, fit: bool = True):
     """--model (a directory or a hub id, at --revision) as a local checkpoint (`hub.Checkpoint`),
     fetched if need be; with `fit`, its memory plan checked against --device first (--force: a
     warning only). Without --model: the shipped dgemma-tiny."""
-    from ..api import default_model_dir
     from ..devices import resolve_device
     from ..hub import resolve_checkpoint
+    from ..loading import default_model_dir
 
     revision = getattr(args, "revision", None)
     if args.model is None:
@@ -323,8 +417,9 @@ def resolve_model(args, fit: bool = True):
         if not (default_model_dir() / "config.json").exists():
             raise CliError("no --model given and the shipped model is missing; create one with `dgemma make-tiny DIR`")
     request = fit_request(args, resolve_device(args.device)) if fit else None
-    return resolve_checkpoint(args.model or default_model_dir(), revision, fit=request,
-                              force=getattr(args, "force", False), say=say)  # fmt: skip
+    return resolve_checkpoint(
+        args.model or default_model_dir(), revision, fit=request, force=getattr(args, "force", False), say=say
+    )
 
 
 def load_model(args):
@@ -334,8 +429,15 @@ def load_model(args):
     import dgemma
 
     checkpoint = resolve_model(args)  # force=True below: checked here, with the command's own flags
-    model = dgemma.load(checkpoint.path, device=args.device, dtype=args.dtype, quantization=checkpoint.quantization,
-                        group_size=getattr(args, "group_size", None), force=True, **parallel_load_args(args))  # fmt: skip
+    model = dgemma.load(
+        checkpoint.path,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=checkpoint.quantization,
+        group_size=getattr(args, "group_size", None),
+        force=True,
+        **parallel_load_args(args),
+    )
     model.name = checkpoint.name
     return model
 

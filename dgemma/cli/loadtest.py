@@ -37,8 +37,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 
 @dataclass
@@ -82,7 +83,12 @@ async def one_request(client, url: str, body: dict) -> Sample:
         elif first is None and chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
             first = time.perf_counter() - start
     latency = time.perf_counter() - start
-    return Sample(latency, first if first is not None else latency, usage.get("completion_tokens", 0), usage.get("decoder_passes", 0))
+    return Sample(
+        latency,
+        first if first is not None else latency,
+        usage.get("completion_tokens", 0),
+        usage.get("decoder_passes", 0),
+    )
 
 
 async def run_level(url: str, model: str, clients: int, requests: int, args) -> dict:
@@ -146,11 +152,18 @@ def _tenths(x: float) -> str:
 
 
 LEVEL_COLUMNS = (
-    ("clients", "clients", str), ("requests", "requests", str), ("tokens", "tokens", str), ("wall s", "wall_s", _tenths),
-    ("tokens/s", "tokens_per_s", _tenths), ("latency p50 s", "latency_p50", _seconds), ("p90 s", "latency_p90", _seconds),
-    ("p99 s", "latency_p99", _seconds), ("first block p50 s", "first_block_p50", _seconds), ("p90 s", "first_block_p90", _seconds),
+    ("clients", "clients", str),
+    ("requests", "requests", str),
+    ("tokens", "tokens", str),
+    ("wall s", "wall_s", _tenths),
+    ("tokens/s", "tokens_per_s", _tenths),
+    ("latency p50 s", "latency_p50", _seconds),
+    ("p90 s", "latency_p90", _seconds),
+    ("p99 s", "latency_p99", _seconds),
+    ("first block p50 s", "first_block_p50", _seconds),
+    ("p90 s", "first_block_p90", _seconds),
     ("tokens/forward", "tokens_per_forward", _seconds),
-)  # fmt: skip
+)
 
 
 # ------------------------------------------------------------------------------- multi-turn chat
@@ -226,9 +239,13 @@ async def one_chat(client, url: str, body: dict) -> ChatTurn:
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return ChatTurn(
-        latency, first if first is not None else latency, usage.get("prompt_tokens", 0),
-        cached if isinstance(cached, int) else None, usage.get("completion_tokens", 0), "".join(parts),
-    )  # fmt: skip
+        latency,
+        first if first is not None else latency,
+        usage.get("prompt_tokens", 0),
+        cached if isinstance(cached, int) else None,
+        usage.get("completion_tokens", 0),
+        "".join(parts),
+    )
 
 
 async def calibrate(url: str, model: str, args) -> tuple[int, float]:
@@ -244,8 +261,10 @@ async def calibrate(url: str, model: str, args) -> tuple[int, float]:
     async with httpx.AsyncClient(timeout=args.timeout) as http:
         counts = []
         for chars in (0, probe_chars):
-            messages = [{"role": "system", "content": system_prompt("warm-up", chars)},
-                        {"role": "user", "content": user_message(0, 0, 0)}]  # fmt: skip
+            messages = [
+                {"role": "system", "content": system_prompt("warm-up", chars)},
+                {"role": "user", "content": user_message(0, 0, 0)},
+            ]
             counts.append((await one_chat(http, url, chat_body(model, messages, 0, args))).prompt_tokens)
     measured = len(system_prompt("warm-up", probe_chars)) - len(system_prompt("warm-up", 0))
     tokens = counts[1] - counts[0]
@@ -285,20 +304,22 @@ async def run_chat_level(url: str, model: str, clients: int, tag: str, chars: in
         cached = [x.cached_tokens for x in turns if x.cached_tokens is not None]
         first = [x.first_block for x in turns]
         lat = [x.latency for x in turns]
-        rows.append({
-            "clients": clients,
-            "turn": t + 1,
-            "requests": len(turns),
-            "prompt_tokens": statistics.fmean(x.prompt_tokens for x in turns),
-            "prompt_tokens_min": min(x.prompt_tokens for x in turns),
-            "prompt_tokens_max": max(x.prompt_tokens for x in turns),
-            "cached_tokens": statistics.fmean(cached) if cached else None,
-            "completion_tokens": statistics.fmean(x.completion_tokens for x in turns),
-            "first_block_p50": percentile(first, 50),
-            "first_block_p90": percentile(first, 90),
-            "latency_p50": percentile(lat, 50),
-            "latency_p90": percentile(lat, 90),
-        })  # fmt: skip
+        rows.append(
+            {
+                "clients": clients,
+                "turn": t + 1,
+                "requests": len(turns),
+                "prompt_tokens": statistics.fmean(x.prompt_tokens for x in turns),
+                "prompt_tokens_min": min(x.prompt_tokens for x in turns),
+                "prompt_tokens_max": max(x.prompt_tokens for x in turns),
+                "cached_tokens": statistics.fmean(cached) if cached else None,
+                "completion_tokens": statistics.fmean(x.completion_tokens for x in turns),
+                "first_block_p50": percentile(first, 50),
+                "first_block_p90": percentile(first, 90),
+                "latency_p50": percentile(lat, 50),
+                "latency_p90": percentile(lat, 90),
+            }
+        )
     tokens = sum(x.completion_tokens for conv in conversations for x in conv)
     return rows, tokens / wall
 
@@ -310,11 +331,17 @@ def _count(x: float | None) -> str:
 
 
 CHAT_COLUMNS = (
-    ("clients", "clients", str), ("turn", "turn", str), ("requests", "requests", str), ("prompt tokens", "prompt_tokens", _count),
-    ("cached tokens", "cached_tokens", _count), ("reply tokens", "completion_tokens", _count),
-    ("first block p50 s", "first_block_p50", _seconds), ("p90 s", "first_block_p90", _seconds),
-    ("latency p50 s", "latency_p50", _seconds), ("p90 s", "latency_p90", _seconds),
-)  # fmt: skip
+    ("clients", "clients", str),
+    ("turn", "turn", str),
+    ("requests", "requests", str),
+    ("prompt tokens", "prompt_tokens", _count),
+    ("cached tokens", "cached_tokens", _count),
+    ("reply tokens", "completion_tokens", _count),
+    ("first block p50 s", "first_block_p50", _seconds),
+    ("p90 s", "first_block_p90", _seconds),
+    ("latency p50 s", "latency_p50", _seconds),
+    ("p90 s", "latency_p90", _seconds),
+)
 
 
 def run_multi_turn(url: str, args) -> tuple[list[dict], str]:
@@ -338,9 +365,26 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     """`dgemma serve` on a free port; returns the process and its URL once it answers /health."""
     import httpx
 
-    cmd = [sys.executable, "-m", "dgemma.cli", "serve", "--model", args.model, "--port", "0", "--device", args.device,
-           "--max-active", str(args.max_active), "--max-queue", str(args.max_queue), "--log-level", "warning",
-           "--served-model-name", args.served_model_name] + (["--batched-passes"] if args.batched_passes else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dgemma.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        "0",
+        "--device",
+        args.device,
+        "--max-active",
+        str(args.max_active),
+        "--max-queue",
+        str(args.max_queue),
+        "--log-level",
+        "warning",
+        "--served-model-name",
+        args.served_model_name,
+    ] + (["--batched-passes"] if args.batched_passes else [])
     cmd += args.server_arg or []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
     line = proc.stdout.readline()
@@ -377,14 +421,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batched-passes", action="store_true", help="with --model: serve with --batched-passes")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json", action="store_true", help="print the rows as JSON as well")
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="with --model: one more argument for `dgemma serve` (repeatable; --server-arg=--flag)")  # fmt: skip
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="with --model: one more argument for `dgemma serve` (repeatable; --server-arg=--flag)",
+    )
     chat = p.add_argument_group("multi-turn chat (--multi-turn)")
-    chat.add_argument("--multi-turn", action="store_true",
-                      help="chat conversations through /v1/chat/completions that resend their history each turn")  # fmt: skip
+    chat.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="chat conversations through /v1/chat/completions that resend their history each turn",
+    )
     chat.add_argument("--turns", type=int, default=2, help="turns per conversation (default: 2)")
-    chat.add_argument("--prefix-tokens", type=int, default=2048,
-                      help="about this many tokens of shared system prompt (default: 2048)")  # fmt: skip
+    chat.add_argument(
+        "--prefix-tokens", type=int, default=2048, help="about this many tokens of shared system prompt (default: 2048)"
+    )
     return p
 
 

@@ -25,9 +25,19 @@ def print_memory_plan(config, args) -> int:
     facts = local_facts(Path(args.model)) if args.model else CheckpointFacts(name, Path("."), config)
     ranks = args.tensor_parallel_size
     flags = ("--quantization", "--max-context", "--max-active") + (("--tensor-parallel-size",) if ranks > 1 else ())
-    request = FitRequest(torch.device("cuda"), lambda _: dtype, args.quantization, args.group_size, args.max_active,
-                         args.max_context, memory=args.card, memory_source="--card", flags=flags,
-                         tensor_parallel_size=ranks, expert_parallel=args.expert_parallel)  # fmt: skip
+    request = FitRequest(
+        torch.device("cuda"),
+        lambda _: dtype,
+        args.quantization,
+        args.group_size,
+        args.max_active,
+        args.max_context,
+        memory=args.card,
+        memory_source="--card",
+        flags=flags,
+        tensor_parallel_size=ranks,
+        expert_parallel=args.expert_parallel,
+    )
     try:
         fit = check_fit(facts, request, force=True)
     except (FitError, ValueError) as e:
@@ -35,8 +45,10 @@ def print_memory_plan(config, args) -> int:
     if ranks > 1:
         return print_rank_plans(facts, request, fit, name, args)
     plan, gib = fit.plan, 2**30
-    print(f"serving {name} on a {args.card / gib:.1f} GiB device, {args.dtype}, "
-          f"{plan.scheme or 'unquantised'} weights, batch {plan.batch}, context {plan.context}:")  # fmt: skip
+    print(
+        f"serving {name} on a {args.card / gib:.1f} GiB device, {args.dtype}, "
+        f"{plan.scheme or 'unquantised'} weights, batch {plan.batch}, context {plan.context}:"
+    )
     for part, size in plan.weights.items():
         print(f"  weights: {part:<12} {size / gib:8.2f} GiB")
     for part, size in (("KV cache", plan.kv_cache), ("step buffers", plan.step_buffers), ("reserve", plan.reserve)):
@@ -56,9 +68,11 @@ def print_rank_plans(facts, request, fit, name: str, args) -> int:
 
     every = rank_plans_for(facts, request.dtype(facts.config_dir), fit.scheme, request)
     gib, split = 2**30, "expert parallel" if args.expert_parallel else "tensor parallel"
-    print(f"serving {name} on {len(every)} devices of {args.card / gib:.1f} GiB, {args.dtype}, "
-          f"{fit.plan.scheme or 'unquantised'} weights, batch {fit.plan.batch}, context {fit.plan.context}, "
-          f"per rank ({len(every)} ranks, {split}), GiB:")  # fmt: skip
+    print(
+        f"serving {name} on {len(every)} devices of {args.card / gib:.1f} GiB, {args.dtype}, "
+        f"{fit.plan.scheme or 'unquantised'} weights, batch {fit.plan.batch}, context {fit.plan.context}, "
+        f"per rank ({len(every)} ranks, {split}), GiB:"
+    )
     groups: list[list] = []  # consecutive ranks that hold the same bytes share a column
     for plan in every:
         if groups and groups[-1][-1].weights == plan.weights and groups[-1][-1].total == plan.total:
@@ -69,8 +83,15 @@ def print_rank_plans(facts, request, fit, name: str, args) -> int:
     plans = [g[0] for g in groups]
     print(f"  {'':<21}" + "".join(f"{label:>12}" for label in labels))
     rows = [(f"weights: {part}", [p.weights[part] for p in plans]) for part in plans[0].weights]
-    rows += [(part, [getattr(p, field) for p in plans]) for part, field in
-             (("KV cache", "kv_cache"), ("step buffers", "step_buffers"), ("reserve", "reserve"), ("total", "total"))]  # fmt: skip
+    rows += [
+        (part, [getattr(p, field) for p in plans])
+        for part, field in (
+            ("KV cache", "kv_cache"),
+            ("step buffers", "step_buffers"),
+            ("reserve", "reserve"),
+            ("total", "total"),
+        )
+    ]
     for label, sizes in rows:
         print(f"  {label:<21}" + "".join(f"{size / gib:12.2f}" for size in sizes))
     for note in fit.plan.notes:
@@ -100,8 +121,8 @@ def kv_config(config, args):
 
 def cmd_memory(args) -> int:
     """KV cache bytes of one request: the paged layout against preallocated rows."""
-    from ..devices import resolve_dtype
     from ..config import load_model_config
+    from ..devices import resolve_dtype
     from ..memory_plan import kv_report
 
     if args.model:
@@ -123,15 +144,23 @@ def cmd_memory(args) -> int:
     r = kv_report(config, args.tokens, resolve_dtype(args.dtype), args.block_size)
     unit, scale = ("GiB", 2**30) if r["dense_total"] >= 2**30 else ("MiB", 2**20)
     ranks = f", per rank ({args.tensor_parallel_size} ranks)" if args.tensor_parallel_size > 1 else ""
-    print(f"KV cache for one request of {r['tokens']} tokens, {args.dtype}, blocks of {r['block_size']} positions "
-          f"({args.model or args.size}: window {full.sliding_window}){ranks}")  # fmt: skip
+    print(
+        f"KV cache for one request of {r['tokens']} tokens, {args.dtype}, blocks of {r['block_size']} positions "
+        f"({args.model or args.size}: window {full.sliding_window}){ranks}"
+    )
     print(f"{'layers':<20} {'bytes/token':>12} {'paged ' + unit:>10} {'preallocated rows ' + unit:>22}")
     for kind in r["paged"]:
         n = sum(1 for spec in config.layers if spec.kind == kind)
-        print(f"{f'{n} {kind}':<20} {r['bytes_per_token'][kind]:>12} {r['paged'][kind] / scale:>10.2f} {r['dense'][kind] / scale:>22.2f}")
-    print(f"{'total':<20} {sum(r['bytes_per_token'].values()):>12} {r['paged_total'] / scale:>10.2f} {r['dense_total'] / scale:>22.2f}")
-    print("paged: sliding layers hold the blocks their window sees, global layers every block; "
-          "preallocated rows: every layer holds every position")
+        print(
+            f"{f'{n} {kind}':<20} {r['bytes_per_token'][kind]:>12} {r['paged'][kind] / scale:>10.2f} {r['dense'][kind] / scale:>22.2f}"
+        )
+    print(
+        f"{'total':<20} {sum(r['bytes_per_token'].values()):>12} {r['paged_total'] / scale:>10.2f} {r['dense_total'] / scale:>22.2f}"
+    )
+    print(
+        "paged: sliding layers hold the blocks their window sees, global layers every block; "
+        "preallocated rows: every layer holds every position"
+    )
     return 0
 
 
@@ -141,19 +170,42 @@ def add_cli(sub) -> None:
     mem.add_argument("--model", "-m", help="checkpoint directory (its config.json); default: --size")
     mem.add_argument("--size", default="real", help="a model-size preset (default: real, the released model)")
     mem.add_argument("--tokens", type=int, default=131072, help="tokens of the request (default: 131072)")
-    mem.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                     help="dtype of the KV cache and weights (default: bfloat16)")  # fmt: skip
+    mem.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the KV cache and weights (default: bfloat16)",
+    )
     mem.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
-    mem.add_argument("--card", type=parse_size, default=None,
-                     help="plan serving on a device of this many bytes (e.g. 24GB, 80GiB): weights, KV, step buffers, fit")  # fmt: skip
-    mem.add_argument("--quantization", default=None, choices=["auto", "fp8", "int8", "int4", "nvfp4"],
-                     help="with --card: the scheme (auto: the best that fits)")  # fmt: skip
+    mem.add_argument(
+        "--card",
+        type=parse_size,
+        default=None,
+        help="plan serving on a device of this many bytes (e.g. 24GB, 80GiB): weights, KV, step buffers, fit",
+    )
+    mem.add_argument(
+        "--quantization",
+        default=None,
+        choices=["auto", "fp8", "int8", "int4", "nvfp4"],
+        help="with --card: the scheme (auto: the best that fits)",
+    )
     mem.add_argument("--group-size", type=int, default=None, help="with --card: int4's group size (default 64)")
     mem.add_argument("--max-active", type=int, default=8, help="with --card: canvases denoised at once (default 8)")
-    mem.add_argument("--max-context", type=int, default=None,
-                     help="with --card: positions of the longest request (default: max_position_embeddings)")  # fmt: skip
-    mem.add_argument("--tensor-parallel-size", type=int, default=1,
-                     help="plan per rank of a model split across this many devices (default 1)")  # fmt: skip
-    mem.add_argument("--expert-parallel", action="store_true",
-                     help="with --tensor-parallel-size: whole experts per rank instead of each expert split")  # fmt: skip
+    mem.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="with --card: positions of the longest request (default: max_position_embeddings)",
+    )
+    mem.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="plan per rank of a model split across this many devices (default 1)",
+    )
+    mem.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: whole experts per rank instead of each expert split",
+    )
     mem.set_defaults(func=cmd_memory)

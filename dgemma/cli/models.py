@@ -16,9 +16,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=cmd_list)
     rm = sub.add_parser("rm", help="remove a checkpoint from the Hugging Face cache")
     rm.add_argument("repo_id", metavar="ID", help="a hub id, owner/name, as `dgemma list` shows it")
-    rm.add_argument("--revision", default=None,
-                    help="only this revision: a branch, a tag or a commit (its first characters will do); "
-                         "default: every cached revision")  # fmt: skip
+    rm.add_argument(
+        "--revision",
+        default=None,
+        help="only this revision: a branch, a tag or a commit (its first characters will do); "
+        "default: every cached revision",
+    )
     rm.set_defaults(func=cmd_rm)
 
 
@@ -53,8 +56,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         say(f"no DiffusionGemma checkpoints in the cache ({cache_dir()}); `dgemma pull owner/name` fetches one")
         return 0
     device = resolve_device(args.device)
-    request = FitRequest(device, partial(resolve_dtype, args.dtype, device), "auto", memory=device_memory_override(),
-                         flags=("--quantization",))  # fmt: skip
+    request = FitRequest(
+        device,
+        partial(resolve_dtype, args.dtype, device),
+        "auto",
+        memory=device_memory_override(),
+        flags=("--quantization",),
+    )
     memory, where = device_memory(device, request.memory)
     here = f"FITS {device} ({memory / GIB:.1f} GiB {where})" if memory else f"FITS {device}"
     rows = [("MODEL", "REVISION", "SIZE", "SCHEME", here)]

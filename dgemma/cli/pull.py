@@ -8,26 +8,40 @@ from __future__ import annotations
 import argparse
 
 from .common import (
-    CliError, add_device_flags, add_hub_flags, add_quantization_flags, fit_request, say,
-)  # fmt: skip
+    CliError,
+    add_device_flags,
+    add_hub_flags,
+    add_quantization_flags,
+    fit_request,
+    say,
+)
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     """Register `dgemma pull`."""
     from ..hub.fit import SINGLE_REQUEST_CONTEXT
 
-    p = sub.add_parser("pull", help="download a checkpoint from the Hugging Face hub (only what dgemma reads), "
-                                    "after checking it fits this device, and verify it")  # fmt: skip
+    p = sub.add_parser(
+        "pull",
+        help="download a checkpoint from the Hugging Face hub (only what dgemma reads), "
+        "after checking it fits this device, and verify it",
+    )
     p.add_argument("repo_id", metavar="ID", help="a Hugging Face hub id, owner/name")
     add_hub_flags(p)
     add_device_flags(p)
-    add_quantization_flags(p, "plan for this scheme, as run and serve would quantise while loading (auto: the best "
-                              "that fits)")  # fmt: skip
-    p.add_argument("--max-context", type=int, default=SINGLE_REQUEST_CONTEXT,
-                   help=f"plan for requests of this many positions (default: {SINGLE_REQUEST_CONTEXT}, as run and chat "
-                        "plan; serve plans the model's whole context)")  # fmt: skip
-    p.add_argument("--max-active", type=int, default=1,
-                   help="plan for this many requests at once (default: 1; serve: 8)")  # fmt: skip
+    add_quantization_flags(
+        p, "plan for this scheme, as run and serve would quantise while loading (auto: the best that fits)"
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=SINGLE_REQUEST_CONTEXT,
+        help=f"plan for requests of this many positions (default: {SINGLE_REQUEST_CONTEXT}, as run and chat "
+        "plan; serve plans the model's whole context)",
+    )
+    p.add_argument(
+        "--max-active", type=int, default=1, help="plan for this many requests at once (default: 1; serve: 8)"
+    )
     p.set_defaults(func=cmd_pull)
 
 

@@ -9,8 +9,14 @@ from ..model.presets import PRESETS
 from ..quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, QuantError
 from .common import MODEL_HELP, add_hub_flags, parse_size, resolve_model
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}  # fmt: skip
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 
 
 def cmd_quantize(args) -> int:
@@ -57,24 +63,47 @@ def write_random_quantized(size: str, out: str, scheme: str, group_size: int | N
     dtype = dtype or torch.bfloat16
     config_dict = dict(config_json(config), dtype=str(dtype).removeprefix("torch."))
 
-    return write_quantized_from(RandomTensors(config, dtype), config_dict, out, scheme, group_size, dtype=dtype,
-                                side_files=lambda d: save_side_files(d, config, tokenizer=byte_tokenizer()), **options)  # fmt: skip
+    return write_quantized_from(
+        RandomTensors(config, dtype),
+        config_dict,
+        out,
+        scheme,
+        group_size,
+        dtype=dtype,
+        side_files=lambda d: save_side_files(d, config, tokenizer=byte_tokenizer()),
+        **options,
+    )
 
 
 def add_cli(sub) -> None:
     """The `quantize` subcommand."""
-    p = sub.add_parser("quantize", help="write a quantised checkpoint (compressed-tensors format; docs/quantization.md)")
+    p = sub.add_parser(
+        "quantize", help="write a quantised checkpoint (compressed-tensors format; docs/quantization.md)"
+    )
     p.add_argument("--model", "-m", default=None, help=f"the full-precision checkpoint: {MODEL_HELP}")
     add_hub_flags(p)
-    p.add_argument("--size", choices=sorted(PRESETS), default=None,
-                   help="instead of --model: random weights of a named size (bf16), drawn as they are written "
-                   "(`--size real` writes the released model's size without its weights; docs/quantization.md)")  # fmt: skip
+    p.add_argument(
+        "--size",
+        choices=sorted(PRESETS),
+        default=None,
+        help="instead of --model: random weights of a named size (bf16), drawn as they are written "
+        "(`--size real` writes the released model's size without its weights; docs/quantization.md)",
+    )
     p.add_argument("--scheme", required=True, help=f"one of {', '.join(SCHEMES)}")
     p.add_argument("--out", "-o", required=True, help="output directory (new or empty)")
-    p.add_argument("--group-size", type=int, default=None, help=f"inputs per int4 scale (default: {DEFAULT_GROUP_SIZE})")
-    p.add_argument("--dtype", default=None, help="dtype of the tensors kept in full precision: bf16, fp16, fp32 "
-                   "(default: as stored)")  # fmt: skip
-    p.add_argument("--quantize-embeddings", choices=["int8", "fp8"], default=None,
-                   help="quantise the tied embedding table per row too (dgemma reads it; vLLM does not)")  # fmt: skip
+    p.add_argument(
+        "--group-size", type=int, default=None, help=f"inputs per int4 scale (default: {DEFAULT_GROUP_SIZE})"
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="dtype of the tensors kept in full precision: bf16, fp16, fp32 (default: as stored)",
+    )
+    p.add_argument(
+        "--quantize-embeddings",
+        choices=["int8", "fp8"],
+        default=None,
+        help="quantise the tied embedding table per row too (dgemma reads it; vLLM does not)",
+    )
     p.add_argument("--shard-size", default="5GB", help="largest output file (default: 5GB)")
     p.set_defaults(func=cmd_quantize)

@@ -11,18 +11,33 @@ import time
 from pathlib import Path
 
 from .common import (
-    CliError, add_engine_flags, add_model_flags, add_sampler_flags, add_threads_flag, apply_threads, check_seed_flag,
-    check_turbo_knobs, engine_options, load_model, print_growing, refuse_turbo, sampler_knobs,
-)  # fmt: skip
+    CliError,
+    add_engine_flags,
+    add_model_flags,
+    add_sampler_flags,
+    add_threads_flag,
+    apply_threads,
+    check_seed_flag,
+    check_turbo_knobs,
+    engine_options,
+    load_model,
+    print_growing,
+    refuse_turbo,
+    sampler_knobs,
+)
 
-DEMO_MODEL_NOTE = ("dgemma: no --model: the shipped demo model dgemma-tiny (10M parameters, trained on Python's "
-                   "standard library: expect Python-flavoured text, not working code); --model DIR or a hub id "
-                   "(owner/name) for a real checkpoint")  # fmt: skip
+DEMO_MODEL_NOTE = (
+    "dgemma: no --model: the shipped demo model dgemma-tiny (10M parameters, trained on Python's "
+    "standard library: expect Python-flavoured text, not working code); --model DIR or a hub id "
+    "(owner/name) for a real checkpoint"
+)
 
 
 def chat_messages(args, content) -> list[dict]:
     """`dgemma run --chat`'s conversation: the --system prompt, then the user's content."""
-    return ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": content}]
+    return ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": content}
+    ]
 
 
 def soft_token_budget(args, name: str) -> int | None:
@@ -67,8 +82,11 @@ def run_grammar(model, args):
     """The Grammar of --json-schema FILE / --regex / --grammar FILE (Lark), or None."""
     from ..engine.constraints.grammar import GrammarError
 
-    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--regex", args.regex),
-                                                ("--grammar", args.grammar)) if value is not None]  # fmt: skip
+    given = [
+        (flag, value)
+        for flag, value in (("--json-schema", args.json_schema), ("--regex", args.regex), ("--grammar", args.grammar))
+        if value is not None
+    ]
     if not given:
         return None
     if len(given) > 1:
@@ -104,9 +122,13 @@ def run_suffix(args) -> str | None:
         if args.span_length is not None:
             raise CliError("--span-length needs --suffix or --suffix-file")
         return None
-    for flag, bad in (("--chat", args.chat), ("--mode ar", args.mode == "ar"), ("--sampling reference", args.sampling == "reference"),
-                      ("--image/--video", bool(args.media)), ("--json-schema/--regex/--grammar",
-                      any(v is not None for v in (args.json_schema, args.regex, args.grammar)))):  # fmt: skip
+    for flag, bad in (
+        ("--chat", args.chat),
+        ("--mode ar", args.mode == "ar"),
+        ("--sampling reference", args.sampling == "reference"),
+        ("--image/--video", bool(args.media)),
+        ("--json-schema/--regex/--grammar", any(v is not None for v in (args.json_schema, args.regex, args.grammar))),
+    ):
         if bad:
             raise CliError(f"--suffix (infill) does not go with {flag}")
     if args.show_canvas and args.span_length is None:
@@ -127,8 +149,10 @@ def cmd_infill(model, args, suffix: str) -> int:
             sys.stdout.write(result.text + "\n")
             sys.stdout.flush()
             if not args.quiet:
-                sys.stderr.write(f"dgemma: a span of {result.span_length} tokens (of {len(result.scores)} candidate lengths) "
-                                 f"in {time.perf_counter() - started:.2f} s\n")  # fmt: skip
+                sys.stderr.write(
+                    f"dgemma: a span of {result.span_length} tokens (of {len(result.scores)} candidate lengths) "
+                    f"in {time.perf_counter() - started:.2f} s\n"
+                )
             return 0
         from rich.console import Console
         from rich.live import Live
@@ -158,15 +182,21 @@ def run_prompt(args) -> str:
         try:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise CliError(f"--prompt-file: cannot read {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+            raise CliError(
+                f"--prompt-file: cannot read {args.prompt_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
     elif args.prompt == "-":
         text = sys.stdin.read()
     elif args.prompt is None:
-        raise CliError("no prompt: give the text to complete, '-' to read it from standard input, or --prompt-file FILE")
+        raise CliError(
+            "no prompt: give the text to complete, '-' to read it from standard input, or --prompt-file FILE"
+        )
     else:
         text = args.prompt
     if not text.strip() and not args.media:
-        raise CliError("the prompt is empty (or only white space): give the text to complete (with --chat, the question)")
+        raise CliError(
+            "the prompt is empty (or only white space): give the text to complete (with --chat, the question)"
+        )
     return text
 
 
@@ -183,8 +213,10 @@ def check_temperature(args) -> float:
     if args.temperature is None:
         return 0.0
     if args.mode != "ar":
-        raise CliError("--temperature is for --mode ar; the diffusion sampler's temperatures are --t-max (the first "
-                       "step's) and --t-min (the last step's)")  # fmt: skip
+        raise CliError(
+            "--temperature is for --mode ar; the diffusion sampler's temperatures are --t-max (the first "
+            "step's) and --t-min (the last step's)"
+        )
     if not 0 <= args.temperature < float("inf"):
         raise CliError(f"--temperature must be a number >= 0 (got {args.temperature})")
     return args.temperature
@@ -229,7 +261,9 @@ def cmd_run(args) -> int:
     follower = int(os.environ.get("RANK", "0")) > 0 and args.prompt == "-"
     args.prompt = "" if follower else run_prompt(args)
     temperature = check_temperature(args)
-    refuse_turbo(args, "--sampling reference" if args.sampling == "reference" else "--mode ar" if args.mode == "ar" else None)
+    refuse_turbo(
+        args, "--sampling reference" if args.sampling == "reference" else "--mode ar" if args.mode == "ar" else None
+    )
     check_seed_flag(args)
     apply_threads(args)
     suffix = run_suffix(args)
@@ -258,7 +292,12 @@ def cmd_run(args) -> int:
         events = ar_stream(model, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed)
     else:
         events = model.stream(
-            prompt, drafts=args.show_canvas, seed=args.seed, sampling=args.sampling, grammar=grammar, **sampler_knobs(args)
+            prompt,
+            drafts=args.show_canvas,
+            seed=args.seed,
+            sampling=args.sampling,
+            grammar=grammar,
+            **sampler_knobs(args),
         )
         if config.turbo:
             events = timing.counting(events)
@@ -299,47 +338,97 @@ def cmd_run(args) -> int:
 
 def add_media_flags(p: argparse.ArgumentParser) -> None:
     """`dgemma run`'s images and videos (a checkpoint with a vision tower); see docs/media.md."""
-    p.add_argument("--image", dest="media", action="append", type=lambda path: ("image", path), default=[],
-                   metavar="PATH", help="an image file (PNG, JPEG, WebP, GIF) for the prompt; repeatable")  # fmt: skip
-    p.add_argument("--video", dest="media", action="append", type=lambda path: ("video", path), default=[],
-                   metavar="PATH", help="a video file for the prompt (its sampled frames); repeatable")  # fmt: skip
-    p.add_argument("--max-soft-tokens", type=int, default=None,
-                   help="soft tokens per image: 70, 140, 280, 560 or 1120 (default: the processor config)")  # fmt: skip
-    p.add_argument("--video-max-soft-tokens", type=int, default=None,
-                   help="soft tokens per video frame: 70 .. 1120 as above (default: the processor config)")  # fmt: skip
+    p.add_argument(
+        "--image",
+        dest="media",
+        action="append",
+        type=lambda path: ("image", path),
+        default=[],
+        metavar="PATH",
+        help="an image file (PNG, JPEG, WebP, GIF) for the prompt; repeatable",
+    )
+    p.add_argument(
+        "--video",
+        dest="media",
+        action="append",
+        type=lambda path: ("video", path),
+        default=[],
+        metavar="PATH",
+        help="a video file for the prompt (its sampled frames); repeatable",
+    )
+    p.add_argument(
+        "--max-soft-tokens",
+        type=int,
+        default=None,
+        help="soft tokens per image: 70, 140, 280, 560 or 1120 (default: the processor config)",
+    )
+    p.add_argument(
+        "--video-max-soft-tokens",
+        type=int,
+        default=None,
+        help="soft tokens per video frame: 70 .. 1120 as above (default: the processor config)",
+    )
 
 
 def add_cli(sub) -> None:
     """The `run` subcommand."""
     run = sub.add_parser("run", help="generate a completion, printed as each block commits")
-    run.add_argument("prompt", nargs="?", default=None,
-                     help="the text to complete ('-' reads it from standard input; or give --prompt-file)")  # fmt: skip
+    run.add_argument(
+        "prompt",
+        nargs="?",
+        default=None,
+        help="the text to complete ('-' reads it from standard input; or give --prompt-file)",
+    )
     run.add_argument("--prompt-file", metavar="FILE", default=None, help="read the prompt from FILE (UTF-8)")
     add_model_flags(run)
     add_sampler_flags(run)
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     run.add_argument("--system", help="system prompt (with --chat)")
     run.add_argument("--show-canvas", action="store_true", help="redraw the canvas live while it denoises")
-    run.add_argument("--seed", type=int, default=None,
-                     help="seed of the sampler's random numbers: the same seed gives the same text (default: random)")  # fmt: skip
-    run.add_argument("--sampling", choices=["default", "reference"], default="default",
-                     help="default: dgemma's engine; reference: transformers' random-number order, token for token "
-                          "(default: default)")  # fmt: skip
-    run.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion",
-                     help="diffusion: denoise canvases (the model's way); ar: autoregressive decoding with the encoder "
-                          "(default: diffusion)")  # fmt: skip
-    run.add_argument("--temperature", type=float, default=None,
-                     help="with --mode ar: sampling temperature, 0 = greedy (default: 0); diffusion's temperatures "
-                          "are --t-max (first step) and --t-min (last step)")  # fmt: skip
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the sampler's random numbers: the same seed gives the same text (default: random)",
+    )
+    run.add_argument(
+        "--sampling",
+        choices=["default", "reference"],
+        default="default",
+        help="default: dgemma's engine; reference: transformers' random-number order, token for token "
+        "(default: default)",
+    )
+    run.add_argument(
+        "--mode",
+        choices=["diffusion", "ar"],
+        default="diffusion",
+        help="diffusion: denoise canvases (the model's way); ar: autoregressive decoding with the encoder "
+        "(default: diffusion)",
+    )
+    run.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="with --mode ar: sampling temperature, 0 = greedy (default: 0); diffusion's temperatures "
+        "are --t-max (first step) and --t-min (last step)",
+    )
     run.add_argument("--quiet", "-q", action="store_true", help="no timing line on stderr after the completion")
     add_threads_flag(run)
-    run.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this JSON Schema (enforced while denoising)")
+    run.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON matching this JSON Schema (enforced while denoising)"
+    )
     run.add_argument("--regex", help="the output matches this regular expression (enforced while denoising)")
-    run.add_argument("--grammar", metavar="FILE", help="the output is a sentence of this Lark grammar (llguidance's dialect)")
+    run.add_argument(
+        "--grammar", metavar="FILE", help="the output is a sentence of this Lark grammar (llguidance's dialect)"
+    )
     run.add_argument("--suffix", help="infill: print the text between the prompt (prefix) and this suffix")
     run.add_argument("--suffix-file", metavar="FILE", help="infill with the suffix read from FILE")
-    run.add_argument("--span-length", type=int, default=None,
-                     help="infill span in tokens (default: the model chooses among several lengths)")  # fmt: skip
+    run.add_argument(
+        "--span-length",
+        type=int,
+        default=None,
+        help="infill span in tokens (default: the model chooses among several lengths)",
+    )
     add_media_flags(run)
     add_engine_flags(run)
     run.set_defaults(func=cmd_run)

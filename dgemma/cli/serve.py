@@ -11,15 +11,26 @@ import logging
 import os
 from pathlib import Path
 
-from ..serve.http.access import Access
 from ..serve.app import create_app
+from ..serve.http.access import Access
 from ..serve.http.listener import Limits, bind, uvicorn_config
 from ..serve.media.policy import MediaPolicy
 from ..serve.openai.protocol import Budgets
 from .common import (
-    CliError, add_chat_template_flag, add_engine_flags, add_model_flags, add_threads_flag, add_turbo_flags,
-    apply_chat_template_file, apply_threads, engine_options, load_model, parse_size, read_chat_template, turbo_knobs,
-)  # fmt: skip
+    CliError,
+    add_chat_template_flag,
+    add_engine_flags,
+    add_model_flags,
+    add_threads_flag,
+    add_turbo_flags,
+    apply_chat_template_file,
+    apply_threads,
+    engine_options,
+    load_model,
+    parse_size,
+    read_chat_template,
+    turbo_knobs,
+)
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -30,21 +41,41 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_chat_template_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
-    p.add_argument("--max-active", type=int, default=8, help="requests admitted at once, each denoising its canvas (default: 8)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for admission; more get HTTP 429 (default: 64)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="prompt plus output positions per request (default: the model's max_position_embeddings)")  # fmt: skip
-    p.add_argument("--served-model-name", default=None,
-                   help="model id clients send (default: the hub id, owner/name, or the checkpoint directory's name)")  # fmt: skip
+    p.add_argument(
+        "--max-active", type=int, default=8, help="requests admitted at once, each denoising its canvas (default: 8)"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait for admission; more get HTTP 429 (default: 64)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="prompt plus output positions per request (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send (default: the hub id, owner/name, or the checkpoint directory's name)",
+    )
     add_engine_flags(p)
     add_turbo_flags(p)  # the default of requests without a `turbo` field (and of the knobs when they turn it on)
     add_media_flags(p)
     add_safety_flags(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="what the server logs: uvicorn's lines and dgemma's (refusals, clients that left) (default: info)")  # fmt: skip
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="what the server logs: uvicorn's lines and dgemma's (refusals, clients that left) (default: info)",
+    )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="no playground page at GET / (the API only)")
-    p.add_argument("--no-docs", dest="docs", action="store_false", help="no /openapi.json and /docs (the API's description)")
+    p.add_argument(
+        "--no-docs", dest="docs", action="store_false", help="no /openapi.json and /docs (the API's description)"
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -56,32 +87,60 @@ def _names(text: str) -> tuple[str, ...]:
 def add_safety_flags(p: argparse.ArgumentParser) -> None:
     """Who may use the server and what one request may cost (see docs/security.md)."""
     b, limits = Budgets(), Limits()
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every API route and /metrics (default: $DGEMMA_API_KEY; "
-                        "none: no key)")  # fmt: skip
-    p.add_argument("--allowed-hosts", type=_names, default=(),
-                   help="more Host names to answer to, comma-separated, e.g. a proxy's name ('*': any); by default only "
-                        "local names and IP literals (localhost, this machine's name, *.local, private addresses)")  # fmt: skip
-    p.add_argument("--allowed-origins", type=_names, default=(),
-                   help="origins whose web pages may call the API (CORS), comma-separated, e.g. http://localhost:3000 "
-                        "(default: none; the playground page is served by the server itself)")  # fmt: skip
-    p.add_argument("--max-denoising-steps", type=int, default=b.max_denoising_steps,
-                   help=f"denoising steps per canvas a request may ask for (default: {b.max_denoising_steps})")  # fmt: skip
-    p.add_argument("--request-timeout", type=float, default=b.request_timeout,
-                   help=f"seconds a request may take from arrival to its end; then it ends with finish_reason 'timeout' "
-                        f"(default: {b.request_timeout:g}; 0: no limit)")  # fmt: skip
-    p.add_argument("--read-timeout", type=float, default=limits.read_timeout,
-                   help=f"seconds a client has to send a request's headers, and again its body (default: {limits.read_timeout:g})")  # fmt: skip
-    p.add_argument("--limit-concurrency", type=int, default=limits.limit_concurrency,
-                   help=f"open connections at once; more get HTTP 503 (default: {limits.limit_concurrency})")  # fmt: skip
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every API route and /metrics (default: $DGEMMA_API_KEY; "
+        "none: no key)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=(),
+        help="more Host names to answer to, comma-separated, e.g. a proxy's name ('*': any); by default only "
+        "local names and IP literals (localhost, this machine's name, *.local, private addresses)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=_names,
+        default=(),
+        help="origins whose web pages may call the API (CORS), comma-separated, e.g. http://localhost:3000 "
+        "(default: none; the playground page is served by the server itself)",
+    )
+    p.add_argument(
+        "--max-denoising-steps",
+        type=int,
+        default=b.max_denoising_steps,
+        help=f"denoising steps per canvas a request may ask for (default: {b.max_denoising_steps})",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=b.request_timeout,
+        help=f"seconds a request may take from arrival to its end; then it ends with finish_reason 'timeout' "
+        f"(default: {b.request_timeout:g}; 0: no limit)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=limits.read_timeout,
+        help=f"seconds a client has to send a request's headers, and again its body (default: {limits.read_timeout:g})",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=limits.limit_concurrency,
+        help=f"open connections at once; more get HTTP 503 (default: {limits.limit_concurrency})",
+    )
 
 
 def safety(args: argparse.Namespace) -> tuple[Access, Budgets, Limits]:
     """Who may call the server, what a request may cost, and the listener's limits, from the
     flags (ValueError naming the flag on a bad value)."""
     key = args.api_key if args.api_key is not None else (os.environ.get("DGEMMA_API_KEY") or None)
-    access = Access(api_key=key, allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                    bind_host=args.host)  # fmt: skip
+    access = Access(
+        api_key=key, allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins, bind_host=args.host
+    )
     budgets = Budgets(args.max_denoising_steps, args.request_timeout or None)
     return access, budgets, Limits(args.read_timeout, args.limit_concurrency)
 
@@ -90,30 +149,57 @@ def add_media_flags(p: argparse.ArgumentParser) -> None:
     """Where `dgemma serve`'s chat images and video may come from, and how much of them (see
     docs/media.md); `dgemma run`'s --image/--video are other flags."""
     d = MediaPolicy()
-    p.add_argument("--allowed-media-dir", type=Path, default=None,
-                   help="serve file:// image/video URLs from below this directory (default: file URLs are off)")  # fmt: skip
-    p.add_argument("--allow-remote-media", action="store_true",
-                   help="fetch http(s):// image/video URLs, from public addresses only (not loopback, private, "
-                        "link-local or other internal ones; see --allowed-media-domains)")  # fmt: skip
-    p.add_argument("--allowed-media-domains", type=_names, default=(), metavar="HOST,...",
-                   help="with --allow-remote-media: hosts whose URLs are fetched whatever their address, e.g. an "
-                        "internal media server; comma-separated, exact names, '*.example.com' for subdomains "
-                        "(default: none)")  # fmt: skip
-    p.add_argument("--max-media-bytes", type=parse_size, default=d.max_bytes,
-                   help=f"bytes per image or video, e.g. 20MB (default: {d.max_bytes})")  # fmt: skip
-    p.add_argument("--media-timeout", type=float, default=d.timeout,
-                   help=f"seconds one remote fetch may take (default: {d.timeout:g})")  # fmt: skip
-    p.add_argument("--max-images-per-request", type=int, default=d.max_items,
-                   help=f"images plus videos in one request; a video counts once (default: {d.max_items})")  # fmt: skip
+    p.add_argument(
+        "--allowed-media-dir",
+        type=Path,
+        default=None,
+        help="serve file:// image/video URLs from below this directory (default: file URLs are off)",
+    )
+    p.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="fetch http(s):// image/video URLs, from public addresses only (not loopback, private, "
+        "link-local or other internal ones; see --allowed-media-domains)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        type=_names,
+        default=(),
+        metavar="HOST,...",
+        help="with --allow-remote-media: hosts whose URLs are fetched whatever their address, e.g. an "
+        "internal media server; comma-separated, exact names, '*.example.com' for subdomains "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--max-media-bytes",
+        type=parse_size,
+        default=d.max_bytes,
+        help=f"bytes per image or video, e.g. 20MB (default: {d.max_bytes})",
+    )
+    p.add_argument(
+        "--media-timeout",
+        type=float,
+        default=d.timeout,
+        help=f"seconds one remote fetch may take (default: {d.timeout:g})",
+    )
+    p.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=d.max_items,
+        help=f"images plus videos in one request; a video counts once (default: {d.max_items})",
+    )
 
 
 def media_policy(args: argparse.Namespace) -> MediaPolicy:
     """The media flags as a MediaPolicy (ValueError naming the flag on a bad value)."""
     return MediaPolicy(
-        allowed_dir=args.allowed_media_dir, allow_remote=args.allow_remote_media,
-        allowed_domains=args.allowed_media_domains, max_bytes=args.max_media_bytes, timeout=args.media_timeout,
+        allowed_dir=args.allowed_media_dir,
+        allow_remote=args.allow_remote_media,
+        allowed_domains=args.allowed_media_domains,
+        max_bytes=args.max_media_bytes,
+        timeout=args.media_timeout,
         max_items=args.max_images_per_request,
-    )  # fmt: skip
+    )
 
 
 def media_summary(model, policy: MediaPolicy) -> str:
@@ -148,14 +234,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     apply_chat_template_file(model, args, template)
     name = args.served_model_name or model.name
     try:
-        app = create_app(model, name, args.max_active, args.max_queue, args.max_context, engine_options(args), policy,
-                         args.ui, access, budgets, limits, args.docs, sampler)  # fmt: skip
+        app = create_app(
+            model,
+            name,
+            args.max_active,
+            args.max_queue,
+            args.max_context,
+            engine_options(args),
+            policy,
+            args.ui,
+            access,
+            budgets,
+            limits,
+            args.docs,
+            sampler,
+        )
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
     except (RuntimeError, MemoryError) as e:  # the KV pools do not fit in memory
         first = str(e).splitlines()[-1] if str(e) else type(e).__name__
-        raise CliError(f"cannot allocate the engine's KV cache ({args.kv_cache_memory or 'default size'}): {first}") from None
+        raise CliError(
+            f"cannot allocate the engine's KV cache ({args.kv_cache_memory or 'default size'}): {first}"
+        ) from None
     host, port = sock.getsockname()[:2]
     engine = app.state.service.engine_thread.engine
     # what runs (as `dgemma bench` reports it), not what does not; asking builds what the model
@@ -169,7 +270,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"dgemma: serving '{name}' on http://{host}:{port} (max-active {args.max_active}, max-queue {args.max_queue}, "
         f"context {app.state.service.context}, KV blocks of {engine.options.block_size}: {kv}; "
         f"prefix cache {'on' if engine.options.prefix_cache else 'off'}; {media_summary(model, policy)}; device {model.device}"
-        + ("; turbo on unless a request says \"turbo\": false" if app.state.service.defaults.turbo else "") + ")"
+        + ('; turbo on unless a request says "turbo": false' if app.state.service.defaults.turbo else "")
+        + ")"
         + (f"; playground at http://{host}:{port}/" if args.ui else "")
         + f"; API key {'required' if access.api_key else 'off'}",
         flush=True,
@@ -177,8 +279,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if kernels is not None:  # (after the line scripts wait for)
         print(f"dgemma: kernels: {kernels}", flush=True)
     if access.api_key is None and not _loopback(args.host):
-        print(f"dgemma: warning: listening on {args.host} without --api-key: anyone who can reach this address can use "
-              "the model (docs/security.md)", flush=True)  # fmt: skip
+        print(
+            f"dgemma: warning: listening on {args.host} without --api-key: anyone who can reach this address can use "
+            "the model (docs/security.md)",
+            flush=True,
+        )
     uvicorn.Server(uvicorn_config(app, limits, args.log_level, args.access_log)).run(sockets=[sock])
     if hasattr(engine, "stop"):  # a split model: the worker ranks leave their loops
         engine.stop()

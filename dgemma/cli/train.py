@@ -43,8 +43,12 @@ def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
     p.add_argument("--out", "-o", required=True, help="output directory (checkpoints, final model, log)")
     p.add_argument("--tokenizer", help="tokenizer.json or checkpoint dir (train: default trains a BPE on --data)")
     p.add_argument("--eval-data", nargs="+", help="held-out data (default: --eval-fraction of --data)")
-    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction,
-                   help=f"share of --data held out for eval losses, without --eval-data (default: {d.eval_fraction})")  # fmt: skip
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=d.eval_fraction,
+        help=f"share of --data held out for eval losses, without --eval-data (default: {d.eval_fraction})",
+    )
     for flag, kind, default, text in (
         ("--steps", int, d.steps, "optimizer steps"),
         ("--batch-size", int, d.batch_size, "sequences per micro-batch per process"),
@@ -69,7 +73,9 @@ def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
     ):
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (bf16 autocast)")
-    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the final weights")
+    p.add_argument(
+        "--save-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the final weights"
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--fresh", action="store_true", help="ignore checkpoints in --out and start over")
 

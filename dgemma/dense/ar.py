@@ -7,15 +7,15 @@ decoding with it is the honest baseline for diffusion's tokens per forward.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
-from ..model.diffusion_gemma import DiffusionGemma
 from ..engine.events import Block, GenerationOutput
-from .kv_cache import DenseKVCache
 from ..engine.prefill import prefill
 from ..engine.sampler import sample_from_weights
+from ..model.diffusion_gemma import DiffusionGemma
+from .kv_cache import DenseKVCache
 
 
 @torch.no_grad()
@@ -66,9 +66,16 @@ def ar_events(
     return GenerationOutput(sequences=outputs, tokens_per_forward=[1.0] * batch, decoder_passes=passes)
 
 
-def ar_stream(model, prompt_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None):
+def ar_stream(
+    model, prompt_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None
+):
     """AR events for one prompt, with the checkpoint's max_new_tokens and EOS list by default
     (`Model.ar_events`: the device loop on a GPU, this module's elsewhere)."""
     gen = model.generation_config
-    return model.ar_events([list(prompt_ids)], max_new_tokens or gen.max_new_tokens, temperature,
-                           [seed if seed is not None else 0], gen.eos_token_ids)  # fmt: skip
+    return model.ar_events(
+        [list(prompt_ids)],
+        max_new_tokens or gen.max_new_tokens,
+        temperature,
+        [seed if seed is not None else 0],
+        gen.eos_token_ids,
+    )

@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..model.attention import attend_then_sdpa, decoder_mask, encoder_mask, within_images
 from ..config import ModelConfig
+from ..model.attention import attend_then_sdpa, decoder_mask, encoder_mask, within_images
 
 
 @dataclass
@@ -45,7 +45,7 @@ class KeyPlan:
 class CachePass:
     """Everything the layers of one forward pass need from the cache."""
 
-    cache: "DenseKVCache"
+    cache: DenseKVCache
     rows: torch.Tensor | None  # subset of cache rows, or None for all rows
     row_slice: slice | None  # the same subset when it is a contiguous range (views instead of gathers)
     positions: torch.Tensor  # [B, T] storage index (= RoPE position) of each new token
@@ -73,13 +73,12 @@ class CachePass:
             setattr(self, name, replace(plan, mask=mask, is_causal=False))
 
 
-
 @dataclass
 class _Placement:
     """A pass's new positions in the cache: its rows (None: all), their lengths before it, the
     positions [B, T], the end `hi` of the keys it sees and whether any key before `hi` is padding."""
 
-    cache: "DenseKVCache"
+    cache: DenseKVCache
     rows: torch.Tensor | None
     row_ids: list[int]
     lens: list[int]
@@ -104,6 +103,7 @@ class _Placement:
             full=full,
             advance=advance,
         )
+
 
 class DenseKVCache:
     def __init__(
@@ -175,7 +175,7 @@ class DenseKVCache:
     def _key_valid(self, rows: torch.Tensor | None) -> torch.Tensor:
         return self.key_valid if rows is None else self.key_valid[rows]
 
-    def _placed(self, rows, tokens: int) -> "_Placement":
+    def _placed(self, rows, tokens: int) -> _Placement:
         """Where `tokens` new positions go in `rows` (checked to fit): both plans start here."""
         rows = self._as_rows(rows)
         row_ids = self._row_list(rows)

@@ -14,18 +14,18 @@ prefix caching) is the engine's (`engine.py`). Both emit the same events (`event
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
 from ..config import GenerationConfig
-from ..model.diffusion_gemma import DiffusionGemma
 from ..engine import sampler
 from ..engine.events import Block, Draft, GenerationOutput, cut_block, shown_entropy
-from .kv_cache import DenseKVCache
 from ..engine.prefill import PlacedImage, prefill
 from ..engine.request import validate_prompts
+from ..model.diffusion_gemma import DiffusionGemma
+from .kv_cache import DenseKVCache
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 from .engine import Engine
 from .events import Finished

@@ -16,15 +16,15 @@ import itertools
 import torch
 
 from ..model.diffusion_gemma import DiffusionGemma
-from .sharded import runtime
 from .kv.block_manager import BlockManager
 from .kv.budget import plan_blocks
-from .options import EngineOptions
 from .kv.paged_cache import SequenceBlocks
+from .options import EngineOptions
 from .prefill import prefill
 from .request import Request
 from .runner import Runner
 from .scheduler import Scheduler
+from .sharded import runtime
 
 __all__ = ["Engine", "EngineOptions", "Request", "make_current"]
 
@@ -67,12 +67,17 @@ class Engine:
             options = dataclasses.replace(options, triton=False)
         self.options = options.resolve(net.config, net.device, net.dtype)
         o = self.options
-        num_blocks = plan_blocks(net.kv_config, net.dtype, o.block_size, o.kv_cache_memory, o.max_span(net.config), o.max_active)
+        num_blocks = plan_blocks(
+            net.kv_config, net.dtype, o.block_size, o.kv_cache_memory, o.max_span(net.config), o.max_active
+        )
         num_blocks = runtime.agreed_blocks(net, num_blocks)  # tensor parallel: every rank's scheduler the same
         blocks = BlockManager(
-            num_blocks, self.options.block_size, net.config.sliding_window, self.options.max_span(net.config),
+            num_blocks,
+            self.options.block_size,
+            net.config.sliding_window,
+            self.options.max_span(net.config),
             prefix_cache=self.options.prefix_cache,
-        )  # fmt: skip
+        )
         self.scheduler = Scheduler(net.config, self.options, blocks, net.device)
         self.runner = Runner(net, self.options, num_blocks, self.scheduler.stats)
         self._prefixes: dict[int, int] = {}  # encode_prefix sequences -> their block owner id

@@ -47,7 +47,7 @@ class EngineOptions:
     cuda_graphs: bool | None = None
     triton: bool | None = None
 
-    def resolve(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> "EngineOptions":
+    def resolve(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> EngineOptions:
         block = config.canvas_length if self.block_size is None else self.block_size
         if block < 1:
             raise ValueError(f"block_size must be >= 1 (got {block})")
@@ -67,8 +67,15 @@ class EngineOptions:
         from ..kernels.choice import triton_runs
 
         kernels = triton_runs(device, self.triton)
-        return replace(self, block_size=block, prefill_chunk=chunk, kv_cache_memory=int(memory),
-                       batch_invariant=invariant, cuda_graphs=graphs, triton=kernels)  # fmt: skip
+        return replace(
+            self,
+            block_size=block,
+            prefill_chunk=chunk,
+            kv_cache_memory=int(memory),
+            batch_invariant=invariant,
+            cuda_graphs=graphs,
+            triton=kernels,
+        )
 
     def max_span(self, config: ModelConfig) -> int:
         """Most positions a request encodes in one step: a prefill chunk, a committed canvas

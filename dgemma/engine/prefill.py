@@ -8,7 +8,7 @@ tower beforehand) replace their placeholders' embeddings here, and a pass never 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -73,7 +73,8 @@ def _with_images(net: DiffusionGemma, ids: torch.Tensor, plan, placed: list, off
     """The pass's input embeddings with image features written over their placeholders (None
     when the pass holds no image); with bidirectional vision, each image's tokens see each other."""
     inside = [
-        [(s - off, f) for s, f in row if s < off + ids.shape[1] and s + f.shape[0] > off] for row, off in zip(placed, offsets)
+        [(s - off, f) for s, f in row if s < off + ids.shape[1] and s + f.shape[0] > off]
+        for row, off in zip(placed, offsets)
     ]
     if not any(inside):
         return None

@@ -12,8 +12,8 @@ from __future__ import annotations
 import enum
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -165,7 +165,9 @@ def image_spans(prompt: list[int], images: list[ImagePatches], image_token_id: i
         raise ValueError(f"the prompt holds {len(spans)} runs of image tokens for {len(images)} images")
     for k, ((a, b), image) in enumerate(zip(spans, images)):
         if b - a != image.num_soft_tokens:
-            raise ValueError(f"image {k} has {image.num_soft_tokens} soft tokens, but its placeholder run holds {b - a}")
+            raise ValueError(
+                f"image {k} has {image.num_soft_tokens} soft tokens, but its placeholder run holds {b - a}"
+            )
     return spans
 
 
@@ -180,7 +182,9 @@ def validate_prompts(prompts: list[list[int]], vocab_size: int) -> None:
                 raise ValueError(f"prompt {i} holds {t!r}, not a token id in [0, {vocab_size})")
 
 
-SEED_MAX = 2**64 - 1  # a request's seed: any unsigned 64-bit integer (the generator and the Triton sampler take all of them)
+SEED_MAX = (
+    2**64 - 1
+)  # a request's seed: any unsigned 64-bit integer (the generator and the Triton sampler take all of them)
 
 
 def check_seed(seed: object, what: str = "seed") -> int:

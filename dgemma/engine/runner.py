@@ -21,29 +21,28 @@ the prefix cache held. Otherwise a step's canvases run as one batched decoder pa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
 from ..kernels import native, triton_step
 from ..kernels.choice import plan_kernels
 from ..model.diffusion_gemma import DiffusionGemma
-from .sharded import runtime
+from . import prefill as prefill_pass
 from . import sampler
 from .constraints.grammar import PassRows
 from .device import step as device_step
-from .device.step import decides_on_device
 from .device.graphs import DecoderGraphs
-from .options import EngineOptions
+from .device.step import decides_on_device
 from .kv.paged_cache import PagedKVCache, PagedPass
-from . import prefill as prefill_pass
+from .options import EngineOptions
 from .prefill import PlacedImage
 from .request import Request
+from .sharded import runtime
 from .step_plan import DecodeResult, EncodeWork, EngineStats, StepPlan
 from .turbo_step import turbo_step
 from .vision_cache import VisionCache
-
 
 
 @dataclass
@@ -63,9 +62,13 @@ class StepDecisions:
 
 
 class Runner:
-    def __init__(self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int], stats: EngineStats | None = None):
+    def __init__(
+        self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int], stats: EngineStats | None = None
+    ):
         self.kernels = plan_kernels(net, bool(options.triton), bool(options.cuda_graphs))
-        if self.kernels.network == "triton":  # attention's norms + RoPE and the MoE block on the Triton kernels (kernels/gpu.py)
+        if (
+            self.kernels.network == "triton"
+        ):  # attention's norms + RoPE and the MoE block on the Triton kernels (kernels/gpu.py)
             from ..kernels.gpu import triton_modules
 
             net = triton_modules(net)
@@ -123,12 +126,19 @@ class Runner:
         batch-invariant runs, and works with images, encode one by one."""
         batched = [] if self.options.batch_invariant else [w for w in works if not w.request.images]
         if batched:
-            prefill_pass.prefill(self.net, self.cache, [w.request.kv for w in batched], [w.request.sequence[w.start : w.end] for w in batched])
+            prefill_pass.prefill(
+                self.net,
+                self.cache,
+                [w.request.kv for w in batched],
+                [w.request.sequence[w.start : w.end] for w in batched],
+            )
         alone = [w for w in works if w.request.images] if batched else works
         for work in alone:
             req = work.request
             images = [self._images_in(work)] if req.images else None
-            prefill_pass.prefill(self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images)
+            prefill_pass.prefill(
+                self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images
+            )
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A step input built on the host, queued for the device without waiting: a blocking copy
@@ -172,7 +182,9 @@ class Runner:
     def _soft_tokens_from_rank_0(self, image) -> torch.Tensor:
         """An image's soft tokens [num_soft_tokens, hidden] as rank 0's tower made them (every rank
         encodes the same images at the same step: their engines replay one scheduler's decisions)."""
-        features = torch.empty(image.num_soft_tokens, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
+        features = torch.empty(
+            image.num_soft_tokens, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device
+        )
         return self.net.shards.broadcast(features)
 
     def _graph_key(self, group: list[Request]) -> tuple | None:
@@ -227,7 +239,9 @@ class Runner:
         if all(r.soft is None for r in group):
             return None
         # a zero input is exactly "no self-conditioning" (the MLP maps 0 to 0)
-        zeros = torch.zeros(self.config.canvas_length, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device)
+        zeros = torch.zeros(
+            self.config.canvas_length, self.config.hidden_size, dtype=self.net.dtype, device=self.net.device
+        )
         return torch.stack([zeros if r.soft is None else r.soft for r in group])
 
     def allowed_masks(self, group: list[Request]) -> torch.Tensor | None:
@@ -256,7 +270,9 @@ class Runner:
         n, c = canvas.shape
         return self.statistics(self.net.decode(canvas, plan, soft), temps, allowed)
 
-    def statistics(self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def statistics(
+        self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """What the sampler needs from a decoder pass's final hidden states [n, c, H] (c: the
         canvas, or a turbo pass's active rows): argmax [n, c], entropy [n, c], weights [n*c, V]
         (unnormalised; with Triton, softmax's probabilities), totals [n*c] and the next
@@ -267,9 +283,13 @@ class Runner:
             raw = self.net.lm_head(hidden.view(n * c, -1))
             low = self.net.dtype in (torch.bfloat16, torch.float16)
             argmax, entropy, total, probs = triton_step.step_statistics(
-                raw, temps, self.config.final_logit_softcapping or 0.0, allowed, self.net.dtype if low else torch.float32,
+                raw,
+                temps,
+                self.config.final_logit_softcapping or 0.0,
+                allowed,
+                self.net.dtype if low else torch.float32,
                 normalize=True,
-            )  # fmt: skip
+            )
             scale = float(torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.net.dtype))
             soft_next = torch.addmm(self.zero, probs, self.net.embed_tokens.weight, beta=0, alpha=scale).view(n, c, -1)
             return argmax.view(n, c), entropy.view(n, c), probs, total, soft_next
@@ -306,7 +326,9 @@ class Runner:
             raw = raw.float()
         mask = allowed if allowed is not None else torch.empty(0, dtype=torch.int32)
         argmax, entropy, total = self.native.step_statistics(raw, cap, temps.reshape(-1), weights, probs, mask)
-        return sampler.StepStatistics(argmax=argmax, entropy=entropy, weights=weights, total=total), (probs if low else weights)
+        return sampler.StepStatistics(argmax=argmax, entropy=entropy, weights=weights, total=total), (
+            probs if low else weights
+        )
 
     def _buffer(self, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """A [rows, vocab] tensor kept across steps (CPU: a fresh 32 MB one is a fresh mmap)."""
@@ -344,9 +366,13 @@ class Runner:
         stops, histories = [], []
         for i, r in enumerate(group):
             stop, history = sampler.stable_and_confident(
-                r.history, argmax[i : i + 1], entropy[i : i + 1], r.config.stability_threshold,
-                r.config.confidence_threshold, None if free is None else free[i : i + 1],
-            )  # fmt: skip
+                r.history,
+                argmax[i : i + 1],
+                entropy[i : i + 1],
+                r.config.stability_threshold,
+                r.config.confidence_threshold,
+                None if free is None else free[i : i + 1],
+            )
             stops.append(stop)
             histories.append(history)
         # what a draft shows: fixed positions keep their tokens, with nothing left to decide (entropy 0)
@@ -360,17 +386,31 @@ class Runner:
         stops = d.stops.tolist()
         logprobs = self._logprobs(group, d.argmax, d.weights, stops)
         return [
-            DecodeResult(r, d.canvas[i], d.argmax[i], d.soft_next[i], d.histories[i], stop, logprobs[i], d.kept[i], d.shown[i],
-                         positions=self.config.canvas_length)  # fmt: skip
+            DecodeResult(
+                r,
+                d.canvas[i],
+                d.argmax[i],
+                d.soft_next[i],
+                d.histories[i],
+                stop,
+                logprobs[i],
+                d.kept[i],
+                d.shown[i],
+                positions=self.config.canvas_length,
+            )
             for i, (r, stop) in enumerate(zip(group, stops))
         ]
 
-    def _sample(self, group: list[Request], accepted: torch.Tensor, weights: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    def _sample(
+        self, group: list[Request], accepted: torch.Tensor, weights: torch.Tensor, total: torch.Tensor
+    ) -> torch.Tensor:
         """The next input canvas [n, C]: each accepted position's token sampled from the pass's
         weights, every other position a uniform random token (re-noised)."""
         c, vocab, device = self.config.canvas_length, self.config.vocab_size, self.net.device
         if self.triton:  # the request's Philox stream, at its pass count: drawn on the device
-            seeds = self.to_device(torch.tensor([triton_step.seed_bits(r.seed) for r in group], dtype=torch.long))  # seeds to 2^64 - 1
+            seeds = self.to_device(
+                torch.tensor([triton_step.seed_bits(r.seed) for r in group], dtype=torch.long)
+            )  # seeds to 2^64 - 1
             passes = self.to_device(torch.tensor([r.passes + r.block_passes for r in group], dtype=torch.long))
             uniforms, noise = triton_step.philox_draws(seeds, passes, c, vocab)
             sampled = triton_step.sample_rows(weights, total, uniforms.view(-1)).view(len(group), c)
@@ -400,7 +440,7 @@ class Runner:
             return self.sharded.row_logprobs(weights, tokens, top_logprobs)
         return sampler.row_logprobs(weights, tokens, top_logprobs)
 
-    def full_rows(self, weights: torch.Tensor) -> "torch.Tensor | PassRows":
+    def full_rows(self, weights: torch.Tensor) -> torch.Tensor | PassRows:
         """One canvas's weight rows [R, V] as a grammar's walk reads them: the rows themselves, or
         on a model cut by vocabulary `PassRows` over this rank's [R, Vs] (each shard's top-k
         gathered once per pass, one gather per position those do not settle; every rank walks
@@ -430,9 +470,10 @@ class Runner:
         c = self.config.canvas_length
         refined = [
             self.to_device(r.constraints.refine(argmax[i].cpu(), self.full_rows(weights[i * c : (i + 1) * c])))
-            if r.refines else argmax[i]
+            if r.refines
+            else argmax[i]
             for i, r in enumerate(group)
-        ]  # fmt: skip
+        ]
         return torch.stack(refined)
 
     def fixed_tokens(self, group: list[Request]) -> torch.Tensor | None:
@@ -442,4 +483,3 @@ class Runner:
             return None
         none = torch.full((self.config.canvas_length,), -1, dtype=torch.long)
         return self.to_device(torch.stack([none if f is None else f for f in fixed]))
-

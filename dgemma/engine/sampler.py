@@ -143,7 +143,9 @@ def unpack_token_mask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     """The packed bitmask int32 [..., W] (W >= ceil(vocab / 32)) -> bool [..., vocab]; bits past
     vocab are ignored."""
     if bits.dtype != torch.int32 or bits.shape[-1] * 32 < vocab:
-        raise ValueError(f"allowed-token mask: need int32 [..., >= {-(-vocab // 32)}], got {bits.dtype} {list(bits.shape)}")
+        raise ValueError(
+            f"allowed-token mask: need int32 [..., >= {-(-vocab // 32)}], got {bits.dtype} {list(bits.shape)}"
+        )
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     unpacked = (bits[..., None] >> shifts).bitwise_and_(1).bool()  # arithmetic shift: bit 31 still lands in bit 0
     return unpacked.flatten(-2)[..., :vocab]

@@ -23,8 +23,8 @@ import torch
 
 from ..config import ModelConfig
 from ..inputs.model_inputs import image_safe_end, splits_image
-from .kv.block_manager import BlockManager, extend_hashes
 from .events import Block, Draft, Finished, cut_block, shown_entropy
+from .kv.block_manager import BlockManager, extend_hashes
 from .options import EngineOptions
 from .request import Request, RequestStatus, image_spans, max_sequence_length
 from .step_plan import DecodeResult, EncodeWork, EngineStats, StepPlan
@@ -144,7 +144,11 @@ class Scheduler:
             b = self.options.block_size
             inside_images = {m for m in range(len(req.block_hashes) + 1) if splits_image(m * b, req.image_spans)}
             cached = self.blocks.admit(
-                req.request_id, req.kv, req.block_hashes, req.max_sequence_length(self.config.canvas_length), inside_images
+                req.request_id,
+                req.kv,
+                req.block_hashes,
+                req.max_sequence_length(self.config.canvas_length),
+                inside_images,
             )
             if cached is None:
                 self.waiting.appendleft(req)
@@ -196,7 +200,9 @@ class Scheduler:
             self.stats.decoder_positions += res.positions
             if req.drafts:
                 frozen = res.turbo.frozen.tolist() if res.turbo is not None else []
-                events.append(Draft(req.request_id, req.block, req.step, req.argmax.tolist(), *_draft_view(res), frozen))
+                events.append(
+                    Draft(req.request_id, req.block, req.step, req.argmax.tolist(), *_draft_view(res), frozen)
+                )
             if last:
                 req.canvas_logprobs = res.logprobs
                 converged.append(req)
@@ -255,15 +261,27 @@ class Scheduler:
         self.blocks.free(req.request_id, req.kv)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         events.append(
-            Finished(req.request_id, reason, req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), req.cached_tokens,
-                     req.decoder_positions)  # fmt: skip
+            Finished(
+                req.request_id,
+                reason,
+                req.tokens,
+                req.passes,
+                req.tokens_per_forward(),
+                len(req.prompt),
+                req.cached_tokens,
+                req.decoder_positions,
+            )
         )
 
     def _drop_cancelled(self, events: list) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             req.status, req.finish_reason = RequestStatus.FINISHED, "cancelled"
-            events.append(Finished(req.request_id, "cancelled", req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), 0, 0))
+            events.append(
+                Finished(
+                    req.request_id, "cancelled", req.tokens, req.passes, req.tokens_per_forward(), len(req.prompt), 0, 0
+                )
+            )
         for req in [r for r in self.running if r.cancelled]:
             req.passes += req.block_passes
             self._finish(req, "cancelled", events)

@@ -59,7 +59,7 @@ class TurboState:
     rested: torch.Tensor | None = None
 
     @classmethod
-    def fresh(cls, canvas_length: int, device: torch.device, buffers: "TurboState | None" = None) -> "TurboState":
+    def fresh(cls, canvas_length: int, device: torch.device, buffers: TurboState | None = None) -> TurboState:
         """A new canvas's state; `buffers`: the last canvas's state, whose K/V buffer is reused."""
         state = cls(
             frozen=torch.zeros(canvas_length, dtype=torch.bool, device=device),
@@ -78,7 +78,9 @@ class TurboState:
         """(canvas positions this pass computes, long [A]; positions resting, bool [C]): every
         position on a canvas's first pass and on refresh passes, else those neither frozen nor
         resting (`may_rest`: False where none may rest, e.g. a grammar's canvas)."""
-        everything = not self.keys or self.passes == 0 or (settings.refresh_every and self.passes % settings.refresh_every == 0)
+        everything = (
+            not self.keys or self.passes == 0 or (settings.refresh_every and self.passes % settings.refresh_every == 0)
+        )
         if everything:
             return torch.arange(self.frozen.numel(), device=self.frozen.device), torch.zeros_like(self.frozen)
         threshold = settings.dormant_entropy if may_rest else 0.0

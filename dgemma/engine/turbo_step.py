@@ -35,7 +35,9 @@ class Runner(Protocol):
     cache: PagedKVCache
     triton: bool
 
-    def statistics(self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]: ...
+    def statistics(
+        self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]: ...
     def temperatures(self, group: list[Request]) -> torch.Tensor: ...
     def allowed_masks(self, group: list[Request]) -> torch.Tensor | None: ...
     def fixed_tokens(self, group: list[Request]) -> torch.Tensor | None: ...
@@ -69,7 +71,10 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
         soft_in = torch.stack([(zeros if r.soft is None else r.soft)[rows] for r, rows in zip(group, padded)])
     hidden = runner.net.decode(canvas_in, TurboPass(plan, padded, states), soft_in)
     # each live row's place among its request's computed rows: all of them, or (everything passes) the live ones
-    picks = [live if q.numel() != live.numel() else torch.arange(live.numel(), device=device) for q, live in zip(queries, lives)]
+    picks = [
+        live if q.numel() != live.numel() else torch.arange(live.numel(), device=device)
+        for q, live in zip(queries, lives)
+    ]
     hidden = torch.cat([hidden[i, pick] for i, pick in enumerate(picks)])[None]
     flat = torch.cat([i * c + live for i, live in enumerate(lives)])  # the live rows among the group's n * C
     temps = runner.temperatures(group)[flat]
@@ -79,8 +84,20 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
     results, start = [], 0
     for r, live, rows, rest in zip(group, lives, queries, resting):
         end = start + live.numel()  # its own rows count as its positions; the padding is the batch's
-        results.append(_decide(runner, r, live, rest, rows.numel(), argmax_l[0, start:end], entropy_l[0, start:end],
-                               weights[start:end], total[start:end], soft_l[0, start:end]))  # fmt: skip
+        results.append(
+            _decide(
+                runner,
+                r,
+                live,
+                rest,
+                rows.numel(),
+                argmax_l[0, start:end],
+                entropy_l[0, start:end],
+                weights[start:end],
+                total[start:end],
+                soft_l[0, start:end],
+            )
+        )
         start = end
     return results
 
@@ -91,8 +108,18 @@ def _may_rest(r: Request) -> bool:
     return not r.refines and not r.block_ends(False)
 
 
-def _decide(runner: Runner, r: Request, live: torch.Tensor, resting: torch.Tensor, positions: int, argmax_l: torch.Tensor,
-            entropy_l: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, soft_l: torch.Tensor) -> DecodeResult:  # fmt: skip
+def _decide(
+    runner: Runner,
+    r: Request,
+    live: torch.Tensor,
+    resting: torch.Tensor,
+    positions: int,
+    argmax_l: torch.Tensor,
+    entropy_l: torch.Tensor,
+    weights: torch.Tensor,
+    total: torch.Tensor,
+    soft_l: torch.Tensor,
+) -> DecodeResult:
     """One request's sampler decisions over its whole canvas, from its live rows' statistics
     (argmax, entropy [R], weights [R, V], totals [R], self-conditioning inputs [R, H]);
     `resting` [C]: positions not computed (never accepted); `positions`: the canvas positions its
@@ -128,21 +155,34 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, resting: torch.Tenso
     argmax = torch.where(state.frozen, state.tokens, argmax)  # a frozen position never changes
 
     stop, history = sampler.stable_and_confident(
-        r.history, argmax[None], entropy[None], r.config.stability_threshold, r.config.confidence_threshold,
+        r.history,
+        argmax[None],
+        entropy[None],
+        r.config.stability_threshold,
+        r.config.confidence_threshold,
         None if free is None else free[None],
-    )  # fmt: skip
+    )
     kept = accepted if free is None else accepted | ~free
     frozen, streak = freeze(
-        state.frozen, state.streak, state.tokens, argmax, kept, weighed, settings,
-        prefix_only=grammar, eos_ids=tuple(r.config.eos_token_ids),
-    )  # fmt: skip
+        state.frozen,
+        state.streak,
+        state.tokens,
+        argmax,
+        kept,
+        weighed,
+        settings,
+        prefix_only=grammar,
+        eos_ids=tuple(r.config.eos_token_ids),
+    )
     canvas = torch.where(frozen, argmax, canvas)  # a frozen position holds its token (read again on refresh passes)
     stop = (bool(stop[0]) and not bool(resting.any())) or bool(frozen.all())  # what commits was computed
 
     logprobs = dict(state.logprobs)
     if r.top_logprobs is not None:
         newly = (frozen & ~state.frozen)[live]
-        for pos, lp in zip(live[newly].tolist(), runner.row_logprobs(weights[newly], argmax[live][newly], r.top_logprobs)):
+        for pos, lp in zip(
+            live[newly].tolist(), runner.row_logprobs(weights[newly], argmax[live][newly], r.top_logprobs)
+        ):
             logprobs[pos] = lp
     block_logprobs = None
     if r.top_logprobs is not None and r.block_ends(stop):
@@ -151,10 +191,23 @@ def _decide(runner: Runner, r: Request, live: torch.Tensor, resting: torch.Tenso
 
     soft = torch.zeros(c, config.hidden_size, dtype=soft_l.dtype, device=device) if r.soft is None else r.soft.clone()
     soft[live] = soft_l.to(soft.dtype)
-    new_state = TurboState(frozen, streak, argmax, entropy, state.keys, state.values, state.passes + 1, logprobs, resting)
+    new_state = TurboState(
+        frozen, streak, argmax, entropy, state.keys, state.values, state.passes + 1, logprobs, resting
+    )
     shown = entropy if free is None else entropy * free
-    return DecodeResult(r, canvas, argmax, soft, history, stop, block_logprobs, kept | state.frozen, shown,
-                        positions=positions, turbo=new_state)  # fmt: skip
+    return DecodeResult(
+        r,
+        canvas,
+        argmax,
+        soft,
+        history,
+        stop,
+        block_logprobs,
+        kept | state.frozen,
+        shown,
+        positions=positions,
+        turbo=new_state,
+    )
 
 
 def _draws(runner: Runner, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +223,9 @@ def _draws(runner: Runner, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
     return uniforms.to(device), noise.to(device)
 
 
-def _full_weights(weights: torch.Tensor | PassRows, live: torch.Tensor, state: TurboState, c: int) -> torch.Tensor | PassRows:
+def _full_weights(
+    weights: torch.Tensor | PassRows, live: torch.Tensor, state: TurboState, c: int
+) -> torch.Tensor | PassRows:
     """[C, V] weights for a grammar's walk: the pass's rows where computed, and a frozen
     position's own token with all the weight (it is what that position holds). From the walk's
     reads of the live rows (`PassRows`: a model cut by vocabulary), the same walk's reads of

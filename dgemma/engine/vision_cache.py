@@ -8,7 +8,7 @@ while they last, and this cache keeps their soft tokens, so the vision tower run
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

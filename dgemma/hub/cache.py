@@ -83,9 +83,17 @@ def cached_checkpoints() -> list[CachedCheckpoint]:
                 continue
             if not isinstance(raw, dict) or ARCHITECTURE not in (raw.get("architectures") or ()):
                 continue
-            out.append(CachedCheckpoint(repo.repo_id, rev.commit_hash, tuple(sorted(rev.refs)), rev.snapshot_path,
-                                        rev.size_on_disk, describe_scheme(raw, rev.snapshot_path),
-                                        _complete(rev.snapshot_path)))  # fmt: skip
+            out.append(
+                CachedCheckpoint(
+                    repo.repo_id,
+                    rev.commit_hash,
+                    tuple(sorted(rev.refs)),
+                    rev.snapshot_path,
+                    rev.size_on_disk,
+                    describe_scheme(raw, rev.snapshot_path),
+                    _complete(rev.snapshot_path),
+                )
+            )
     return out
 
 

@@ -9,8 +9,8 @@ exception, never a traceback of the HTTP layer.
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 class HubError(ValueError):
@@ -39,8 +39,10 @@ def not_cached(repo_id: str, revision: str | None, reason: BaseException | None 
 
     at = repo_id + (f" (revision {revision})" if revision else "")
     if is_offline_mode():
-        return (f"{at} is not in the cache ({cache_dir()}) and HF_HUB_OFFLINE=1 forbids downloading it: run "
-                f"`dgemma pull {repo_id}` with network access first")  # fmt: skip
+        return (
+            f"{at} is not in the cache ({cache_dir()}) and HF_HUB_OFFLINE=1 forbids downloading it: run "
+            f"`dgemma pull {repo_id}` with network access first"
+        )
     why = f" ({one_line(reason)})" if reason is not None and str(reason) else ""
     return f"cannot reach the hub at {constants.ENDPOINT}{why}, and {at} is not in the cache ({cache_dir()})"
 
@@ -51,21 +53,32 @@ def describe(error: BaseException, repo_id: str, revision: str | None = None, wh
     import httpx2
     from huggingface_hub import constants
     from huggingface_hub.errors import (
-        DisabledRepoError, EntryNotFoundError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-        NotASafetensorsRepoError, OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError,
+        DisabledRepoError,
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        NotASafetensorsRepoError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
         SafetensorsParsingError,
-    )  # fmt: skip
+    )
 
     endpoint = constants.ENDPOINT
     at = repo_id + (f" at revision {revision}" if revision else "")
     if isinstance(error, GatedRepoError):
         status = getattr(getattr(error, "response", None), "status_code", None)
         token = "the token in HF_TOKEN has no access to it yet" if status == 403 else "no HF_TOKEN was sent"
-        return (f"{repo_id} is gated ({token}): accept its license on {endpoint}/{repo_id} while signed in, then set "
-                "HF_TOKEN to an access token of that account")  # fmt: skip
+        return (
+            f"{repo_id} is gated ({token}): accept its license on {endpoint}/{repo_id} while signed in, then set "
+            "HF_TOKEN to an access token of that account"
+        )
     if isinstance(error, RepositoryNotFoundError):
-        return (f"checkpoint directory {repo_id} does not exist, and the hub ({endpoint}) has no model repo {repo_id} "
-                "(a private one needs HF_TOKEN)")  # fmt: skip
+        return (
+            f"checkpoint directory {repo_id} does not exist, and the hub ({endpoint}) has no model repo {repo_id} "
+            "(a private one needs HF_TOKEN)"
+        )
     if isinstance(error, DisabledRepoError):
         return f"{repo_id} is disabled on the hub ({endpoint})"
     if isinstance(error, RevisionNotFoundError):
@@ -83,8 +96,10 @@ def describe(error: BaseException, repo_id: str, revision: str | None = None, wh
     if isinstance(error, (NotASafetensorsRepoError, SafetensorsParsingError)):
         return f"{at}: {one_line(error)}"
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        return (f"no space left on the disk of the cache {cache_dir()} while downloading {repo_id}: free some "
-                "(`dgemma rm` removes cached checkpoints) or set HF_HOME to a larger disk")  # fmt: skip
+        return (
+            f"no space left on the disk of the cache {cache_dir()} while downloading {repo_id}: free some "
+            "(`dgemma rm` removes cached checkpoints) or set HF_HOME to a larger disk"
+        )
     if isinstance(error, OSError):
         return f"cannot write {repo_id} to the cache {cache_dir()}: {one_line(error.strerror or error)}"
     return None

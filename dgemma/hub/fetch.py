@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import glob
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..config import ConfigError, parse_model_config
 from ..model.layout import INDEX_FILE, SINGLE_FILE, WeightsError, weight_files
@@ -24,10 +24,18 @@ from .fit import CheckpointFacts, FitRequest, check_fit, hub_headers, local_fact
 
 ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
 SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "chat_template.jinja", "chat_template.json", "processor_config.json", "preprocessor_config.json",
-    "video_preprocessor_config.json", "hf_quant_config.json",
-)  # fmt: skip
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "hf_quant_config.json",
+)
 
 
 def size_text(size: int) -> str:
@@ -62,8 +70,10 @@ def check_architecture(raw: dict, name: str) -> None:
     """HubError unless config.json describes a DiffusionGemma (said before any weights are fetched)."""
     archs = raw.get("architectures")
     if isinstance(archs, list) and archs and ARCHITECTURE not in archs:
-        raise HubError(f"{name} is not a DiffusionGemma checkpoint: its config.json's architectures are "
-                       f"{', '.join(map(str, archs))}, not {ARCHITECTURE}")  # fmt: skip
+        raise HubError(
+            f"{name} is not a DiffusionGemma checkpoint: its config.json's architectures are "
+            f"{', '.join(map(str, archs))}, not {ARCHITECTURE}"
+        )
     try:
         parse_model_config(raw, where=f"{name}'s config.json")
     except ConfigError as e:
@@ -197,8 +207,10 @@ def fetch_snapshot(snapshot: Snapshot, fit: FitRequest | None, force: bool, say:
             say(f"{snapshot.repo_id} {result.describe()}")
     if missing:
         check_disk(snapshot.repo_id, size, force)
-        say(f"downloading {snapshot.repo_id} (commit {snapshot.commit[:7]}): {len(missing)} files, {size_text(size)} "
-            f"into {cache_dir()}")  # fmt: skip
+        say(
+            f"downloading {snapshot.repo_id} (commit {snapshot.commit[:7]}): {len(missing)} files, {size_text(size)} "
+            f"into {cache_dir()}"
+        )
         download(snapshot.repo_id, snapshot.commit, list(snapshot.files))
     scheme = scheme_to_load(result, fit)
     return Checkpoint(snapshot.path, snapshot.repo_id, snapshot.repo_id, snapshot.commit, scheme, result, size)
@@ -222,15 +234,21 @@ def check_disk(repo_id: str, need: int, force: bool) -> None:
     except OSError:
         return
     if need > free and not force:
-        raise HubError(f"{repo_id} needs {size_text(need)} in the cache {cache_dir()} and its disk has "
-                       f"{size_text(free)} free: free some (`dgemma rm`), set HF_HOME to a larger disk, "
-                       "or --force")  # fmt: skip
+        raise HubError(
+            f"{repo_id} needs {size_text(need)} in the cache {cache_dir()} and its disk has "
+            f"{size_text(free)} free: free some (`dgemma rm`), set HF_HOME to a larger disk, "
+            "or --force"
+        )
 
 
 def cached_checkpoint(
-    repo_id: str, revision: str | None, fit: FitRequest | None, force: bool, say: Callable[[str], None],
+    repo_id: str,
+    revision: str | None,
+    fit: FitRequest | None,
+    force: bool,
+    say: Callable[[str], None],
     reason: BaseException | None = None,
-) -> Checkpoint:  # fmt: skip
+) -> Checkpoint:
     """`repo_id` at `revision` from the cache alone (no request): complete, or a HubError."""
     from huggingface_hub import try_to_load_from_cache
 
@@ -242,8 +260,10 @@ def cached_checkpoint(
     try:
         weight_files(path)
     except WeightsError as e:
-        raise HubError(f"the cached {repo_id} (commit {path.name[:7]}) is incomplete ({e}): run `dgemma pull "
-                       f"{repo_id}` with network access") from None  # fmt: skip
+        raise HubError(
+            f"the cached {repo_id} (commit {path.name[:7]}) is incomplete ({e}): run `dgemma pull "
+            f"{repo_id}` with network access"
+        ) from None
     result = check_fit(local_facts(path, repo_id), fit, force) if fit is not None else None
     if result is not None and not result.fits:
         say(f"warning: {result.message}")
@@ -281,11 +301,14 @@ def verify(repo_id: str, path: Path, weights: tuple[str, ...], sizes: dict[str, 
     for name, size in (sizes or {name: None for name in weights}).items():
         file = path / name
         if not file.is_file():
-            raise HubError(f"{repo_id}: {name} is missing from {path} after the download; run `dgemma pull "
-                           f"{repo_id}` again")  # fmt: skip
+            raise HubError(
+                f"{repo_id}: {name} is missing from {path} after the download; run `dgemma pull {repo_id}` again"
+            )
         if size is not None and file.stat().st_size != size:
-            raise HubError(f"{repo_id}: {name} has {file.stat().st_size} bytes, the hub's has {size}: remove it with "
-                           f"`dgemma rm {repo_id}` and pull it again")  # fmt: skip
+            raise HubError(
+                f"{repo_id}: {name} has {file.stat().st_size} bytes, the hub's has {size}: remove it with "
+                f"`dgemma rm {repo_id}` and pull it again"
+            )
     for name in weights:
         try:
             with safe_open(path / name, framework="pt") as f:

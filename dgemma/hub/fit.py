@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -41,9 +41,27 @@ CPU_RESERVE = 2**29  # on a CPU, in place of the CUDA context: the interpreter, 
 TENSOR_PARALLEL_SIZES = (2, 4, 8, 16)  # larger splits a refusal may suggest
 CONTEXTS = (65536, 32768, 16384, 8192, 4096)  # shorter contexts a refusal may suggest
 BATCHES = (4, 2, 1)
-HEADER_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64,
-               "U32": 32, "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6,
-               "F6_E3M2": 6, "F4": 4}  # fmt: skip
+HEADER_BITS = {
+    "F64": 64,
+    "F32": 32,
+    "F16": 16,
+    "BF16": 16,
+    "I64": 64,
+    "I32": 32,
+    "I16": 16,
+    "I8": 8,
+    "U64": 64,
+    "U32": 32,
+    "U16": 16,
+    "U8": 8,
+    "BOOL": 8,
+    "F8_E4M3": 8,
+    "F8_E5M2": 8,
+    "F8_E8M0": 8,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "F4": 4,
+}
 FLOATS = ("F64", "F32", "F16", "BF16")
 QUANT_PARTS = ("scale", "zero_point", "weight_packed", "weight_shape", "g_idx")  # as model/weights.py
 GIB = 2**30
@@ -80,8 +98,17 @@ class FitRequest:
         from ..memory_plan import Workload
 
         longest = config.max_position_embeddings
-        return Workload(scheme, self.group_size, self.max_active, min(self.max_context or longest, longest), self.kv_cache_memory,
-                        self.prefill_chunk, self.turbo, self.tensor_parallel_size, self.expert_parallel)  # fmt: skip
+        return Workload(
+            scheme,
+            self.group_size,
+            self.max_active,
+            min(self.max_context or longest, longest),
+            self.kv_cache_memory,
+            self.prefill_chunk,
+            self.turbo,
+            self.tensor_parallel_size,
+            self.expert_parallel,
+        )
 
     def fix(self, knob: str, value: object) -> str:
         """How the caller changes `knob`: `--max-context 8192`, or `quantization='int4'`."""
@@ -162,8 +189,11 @@ def local_facts(path: Path, name: str | None = None) -> CheckpointFacts:
 
 def hub_headers(metadata) -> dict[str, tuple[str, tuple[int, ...]]]:
     """huggingface_hub's SafetensorsRepoMetadata as name -> (dtype, shape)."""
-    return {name: (info.dtype, tuple(info.shape)) for file in metadata.files_metadata.values()
-            for name, info in file.tensors.items()}  # fmt: skip
+    return {
+        name: (info.dtype, tuple(info.shape))
+        for file in metadata.files_metadata.values()
+        for name, info in file.tensors.items()
+    }
 
 
 def read_json_file(path: Path) -> dict:
@@ -175,8 +205,9 @@ def read_json_file(path: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ plans
-def device_memory(device: torch.device, override: int | None = None,
-                  source: str = DEVICE_MEMORY_ENV) -> tuple[int | None, str]:  # fmt: skip
+def device_memory(
+    device: torch.device, override: int | None = None, source: str = DEVICE_MEMORY_ENV
+) -> tuple[int | None, str]:
     """The bytes the weights and the engine share on `device` (or `override`, named `source`), and
     what they are; None where unknown (then nothing is checked)."""
     if override is not None:
@@ -239,8 +270,10 @@ def rank_plans_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | Non
         known = known if known in AUTO_ORDER else None  # "mixed": the unquantised shares
         plans = rank_plans(facts.config, dtype, replace(work, scheme=known, group_size=facts.quant.group_size))
         whole = sum(weight_bytes(facts.config, known, facts.quant.group_size, dtype).values())
-        plans = [replace(p, weights={"stored": stored * sum(p.weights.values()) // whole}, scheme=facts.quant.scheme)
-                 for p in plans]  # fmt: skip
+        plans = [
+            replace(p, weights={"stored": stored * sum(p.weights.values()) // whole}, scheme=facts.quant.scheme)
+            for p in plans
+        ]
     else:
         plans = rank_plans(facts.config, dtype, work)
     if request.device.type == "cpu":
@@ -248,8 +281,14 @@ def rank_plans_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | Non
     return plans
 
 
-def variant(plan, facts: CheckpointFacts, dtype: torch.dtype, request: FitRequest, batch: int | None = None,
-            context: int | None = None):  # fmt: skip
+def variant(
+    plan,
+    facts: CheckpointFacts,
+    dtype: torch.dtype,
+    request: FitRequest,
+    batch: int | None = None,
+    context: int | None = None,
+):
     """`plan` for another batch or context: the same weights, memory_plan's KV pool and step buffers
     for the new shape (without building the model again, as plan_memory does)."""
     from ..memory_plan import kv_bytes, step_buffer_bytes
@@ -290,8 +329,10 @@ def check_fit(facts: CheckpointFacts, request: FitRequest, force: bool = False) 
     dtype = request.dtype(facts.config_dir)
     memory, where = rank_memory(request)
     if facts.quant is not None and request.quantization not in (None, "auto"):
-        raise HubError(f"{facts.name} is already quantised ({facts.quant.scheme}): load it without "
-                       f"{'--quantization' if request.flags else 'quantization'}")  # fmt: skip
+        raise HubError(
+            f"{facts.name} is already quantised ({facts.quant.scheme}): load it without "
+            f"{'--quantization' if request.flags else 'quantization'}"
+        )
     if request.quantization == "auto" and facts.quant is None:
         for scheme in AUTO_ORDER:  # the first whose plan fits
             plan = plan_for(facts, dtype, scheme, request)
@@ -322,8 +363,10 @@ def refusal(facts: CheckpointFacts, request: FitRequest, dtype: torch.dtype, pla
                 break
     if request.tensor_parallel_size > 1 or request.has("tensor_parallel_size"):
         fixes += larger_split(facts, request, dtype, plan)
-    for knob, values, now, shape in (("max_context", CONTEXTS, plan.context, "context"),
-                                      ("max_active", BATCHES, plan.batch, "batch")):  # fmt: skip
+    for knob, values, now, shape in (
+        ("max_context", CONTEXTS, plan.context, "context"),
+        ("max_active", BATCHES, plan.batch, "batch"),
+    ):
         if not request.has(knob):
             continue
         for value in values:  # the largest smaller value whose plan fits
@@ -332,7 +375,11 @@ def refusal(facts: CheckpointFacts, request: FitRequest, dtype: torch.dtype, pla
                 fixes.append(f"{request.fix(knob, value)} ({other.total / GIB:.1f} GiB)")
                 break
     split = ", larger tensor-parallel size" if request.tensor_parallel_size > 1 else ""
-    hint = "it would fit with " + " or ".join(fixes) if fixes else f"no smaller scheme{split}, context or batch fits it either"
+    hint = (
+        "it would fit with " + " or ".join(fixes)
+        if fixes
+        else f"no smaller scheme{split}, context or batch fits it either"
+    )
     if request.flags:
         force = "; --force loads it anyway" if "--force" in request.flags else ""
     else:

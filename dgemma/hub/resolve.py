@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .checkpoint import Checkpoint, scheme_to_load
 from .errors import HubError
@@ -45,11 +45,14 @@ def resolve_checkpoint(
     path = Path(ref).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise FileNotFoundError(f"{path} is a file: a checkpoint is the directory that holds config.json, the "
-                                    "weights and the tokenizer")  # fmt: skip
+            raise FileNotFoundError(
+                f"{path} is a file: a checkpoint is the directory that holds config.json, the weights and the tokenizer"
+            )
         if revision is not None:
-            raise HubError(f"revision {revision!r}: {ref} is a local directory; a revision names a branch, tag or "
-                           "commit of a hub repo (owner/name)")  # fmt: skip
+            raise HubError(
+                f"revision {revision!r}: {ref} is a local directory; a revision names a branch, tag or "
+                "commit of a hub repo (owner/name)"
+            )
         result = check_fit(local_facts(path), fit, force) if fit is not None else None
         if result is not None and not result.fits:
             say(f"warning: {result.message}")
@@ -61,4 +64,3 @@ def resolve_checkpoint(
     from .fetch import fetch_checkpoint
 
     return fetch_checkpoint(text, revision, fit, force, say)
-

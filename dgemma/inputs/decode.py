@@ -30,12 +30,25 @@ DEFAULT_MAX_FRAMES = 256
 # would open other files or URLs beside the server.
 VIDEO_DEMUXERS = ("mov", "mp4", "matroska", "webm", "avi", "mpeg", "mpegts")
 # The demuxer a declared MIME type names; video/mpeg (program or transport stream) is probed.
-VIDEO_FORMAT_OF_MIME = {"video/mp4": "mp4", "video/quicktime": "mov", "video/webm": "webm",
-                        "video/x-matroska": "matroska", "video/x-msvideo": "avi"}  # fmt: skip
+VIDEO_FORMAT_OF_MIME = {
+    "video/mp4": "mp4",
+    "video/quicktime": "mov",
+    "video/webm": "webm",
+    "video/x-matroska": "matroska",
+    "video/x-msvideo": "avi",
+}
 # The MIME type a file name's extension declares.
-VIDEO_MIME_OF_SUFFIX = {".mp4": "video/mp4", ".m4v": "video/mp4", ".mov": "video/quicktime", ".webm": "video/webm",
-                        ".mkv": "video/x-matroska", ".avi": "video/x-msvideo", ".mpg": "video/mpeg",
-                        ".mpeg": "video/mpeg", ".ts": "video/mpeg"}  # fmt: skip
+VIDEO_MIME_OF_SUFFIX = {
+    ".mp4": "video/mp4",
+    ".m4v": "video/mp4",
+    ".mov": "video/quicktime",
+    ".webm": "video/webm",
+    ".mkv": "video/x-matroska",
+    ".avi": "video/x-msvideo",
+    ".mpg": "video/mpeg",
+    ".mpeg": "video/mpeg",
+    ".ts": "video/mpeg",
+}
 
 ImageSource = Image.Image | str | Path | bytes | bytearray | memoryview
 VideoSource = str | Path | bytes | bytearray | memoryview
@@ -197,8 +210,10 @@ def _open_container(data: io.BytesIO | str, mime: str | None):
     try:
         return av.open(data, format=fmt, options={"format_whitelist": ",".join(VIDEO_DEMUXERS)})
     except av.error.ArgumentError:  # EINVAL: the probed format is not on the whitelist
-        raise MediaError("cannot decode video: not a container format this server reads "
-                         "(MP4/MOV, WebM/Matroska, AVI, MPEG program or transport stream)") from None  # fmt: skip
+        raise MediaError(
+            "cannot decode video: not a container format this server reads "
+            "(MP4/MOV, WebM/Matroska, AVI, MPEG program or transport stream)"
+        ) from None
     except (av.error.FFmpegError, OSError, ValueError) as e:
         declared = f"not a valid {fmt} file (its declared type is {mime}): " if fmt else ""
         raise MediaError(f"cannot decode video: {declared}{getattr(e, 'strerror', None) or e}") from None

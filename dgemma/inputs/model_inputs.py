@@ -13,7 +13,6 @@ from functools import cached_property
 
 import numpy as np
 
-
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # soft tokens per image Gemma 4 supports
 MAX_SOFT_TOKENS = max(SOFT_TOKEN_BUDGETS)
 

@@ -27,11 +27,11 @@ import numpy as np
 from PIL import Image
 
 from ..config import ConfigError
-from .tokenizer import Tokenizer
 from . import decode
 from .decode import DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS, Video, VideoMetadata, open_video
 from .model_inputs import SOFT_TOKEN_BUDGETS as SUPPORTED_SOFT_TOKENS
 from .model_inputs import ImagePatches, MediaError, ModelInputs
+from .tokenizer import Tokenizer
 
 # Gemma 4's token strings, used when tokenizer_config.json does not name them.
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN, VIDEO_TOKEN = "<|image|>", "<|image>", "<image|>", "<|video|>"
@@ -273,9 +273,12 @@ def preprocess_video_frames(
     if (height, width) != tuple(video.shape[-2:]):
         mode = TORCH_INTERPOLATION[config.resample]
         video = torch.nn.functional.interpolate(
-            video, size=[height, width], mode=mode, align_corners=None if mode == "nearest" else False,
+            video,
+            size=[height, width],
+            mode=mode,
+            align_corners=None if mode == "nearest" else False,
             antialias=mode != "nearest",
-        )  # fmt: skip
+        )
     video = video.to(torch.float32)
     mean, std = torch.tensor(config.image_mean), torch.tensor(config.image_std)
     if config.do_rescale and config.do_normalize:
@@ -366,7 +369,7 @@ class Processor:
         self._placeholder = re.compile(f"({re.escape(image_token)}|{re.escape(video_token)})")
 
     @classmethod
-    def from_dir(cls, path: str | Path, tokenizer: Tokenizer, **kwargs: Any) -> "Processor | None":
+    def from_dir(cls, path: str | Path, tokenizer: Tokenizer, **kwargs: Any) -> Processor | None:
         """The checkpoint's processor, or None when it has no image processor config or its
         tokenizer no image token."""
         image, video = processor_sub_configs(path)
@@ -475,8 +478,12 @@ class Processor:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The chat template applied to messages whose content may be a list of parts; the
         template also sees the media token strings, as transformers passes its special tokens."""
-        tokens = {"image_token": self.image_token, "boi_token": self.boi_token, "eoi_token": self.eoi_token,
-                  "video_token": self.video_token}  # fmt: skip
+        tokens = {
+            "image_token": self.image_token,
+            "boi_token": self.boi_token,
+            "eoi_token": self.eoi_token,
+            "video_token": self.video_token,
+        }
         return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, **{**tokens, **kwargs})
 
     def apply_chat_template(

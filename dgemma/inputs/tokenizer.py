@@ -88,7 +88,7 @@ class Tokenizer:
         return value
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():

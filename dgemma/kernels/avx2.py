@@ -30,8 +30,15 @@ CPU_FLAGS = {"avx2", "fma", "f16c"}
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-KERNELS = native.OnDemand(NAME, SOURCES, CFLAGS, "native AVX2 GEMM and dequantisation kernels", "about 40 s of a core",
-                          frozenset(CPU_FLAGS), "in use from now on")  # fmt: skip
+KERNELS = native.OnDemand(
+    NAME,
+    SOURCES,
+    CFLAGS,
+    "native AVX2 GEMM and dequantisation kernels",
+    "about 40 s of a core",
+    frozenset(CPU_FLAGS),
+    "in use from now on",
+)
 
 
 def extension(wait: bool | None = None) -> ModuleType | None:
@@ -64,7 +71,9 @@ def _dequantize_2d(kernel: ModuleType, q: QTensor, out: torch.Tensor) -> None:
     elif scheme == "nvfp4":
         global_scale = p["weight_global_scale"]
         if global_scale.numel() != 1:
-            raise RuntimeError(f"dequantize_into: a 2D nvfp4 weight has one global scale, got {tuple(global_scale.shape)}")
+            raise RuntimeError(
+                f"dequantize_into: a 2D nvfp4 weight has one global scale, got {tuple(global_scale.shape)}"
+            )
         scale = p["weight_scale"].contiguous().view(torch.uint8)
         kernel.dequant_nvfp4(p["weight_packed"].contiguous(), scale, global_scale.item(), out)
     elif scheme == "fp8":
@@ -87,7 +96,9 @@ _SCALE_DTYPES = {
 def _native_parts(q: QTensor) -> bool:
     """Parts the kernel takes: on the CPU, scales in a dtype it reads (others: torch's path)."""
     main, scale = q.parts.get(_MAIN_PART.get(q.scheme, "")), q.parts.get("weight_scale")
-    return main is not None and scale is not None and main.device.type == "cpu" and scale.dtype in _SCALE_DTYPES[q.scheme]
+    return (
+        main is not None and scale is not None and main.device.type == "cpu" and scale.dtype in _SCALE_DTYPES[q.scheme]
+    )
 
 
 def dequantize_into(q: QTensor, out: torch.Tensor) -> torch.Tensor:

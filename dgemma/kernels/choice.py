@@ -111,7 +111,9 @@ def plan_kernels(net: DiffusionGemma, triton: bool, cuda_graphs: bool) -> Kernel
     cpu = net.device.type == "cpu"
     if getattr(net, "shards", None) is not None and net.shards.size > 1:
         if triton:
-            raise ValueError("triton: the Triton step kernels do not run on a model cut across ranks yet (tensor parallelism runs eagerly)")
+            raise ValueError(
+                "triton: the Triton step kernels do not run on a model cut across ranks yet (tensor parallelism runs eagerly)"
+            )
         statistics = "sharded"
     elif triton:
         statistics = "triton"

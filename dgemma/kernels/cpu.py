@@ -20,9 +20,9 @@ import logging
 import torch
 from torch import nn
 
-from . import native, widened
 from ..model.diffusion_gemma import DenseMLP, DiffusionGemma, Experts, SelfConditioning, grouped_matmul
 from ..model.layers import RMSNorm
+from . import native, widened
 
 log = logging.getLogger("dgemma")
 BATCH_HINT = 256  # rows the packed layout is tuned for; any row count works
@@ -72,9 +72,15 @@ class PackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         # Few, large ops around the per-expert GEMMs (each torch op costs ~20-50 us here): one
         # gather, one concatenation per projection, one gelu * up, one scatter-add back to tokens.
-        return widened.sorted_experts(x, top_k_index, top_k_weights, self.num_experts, self.approximate,
-                                      lambda e, rows: _packed_matmul(rows, self.gate_up[e]),
-                                      lambda e, rows: _packed_matmul(rows, self.down[e]))  # fmt: skip
+        return widened.sorted_experts(
+            x,
+            top_k_index,
+            top_k_weights,
+            self.num_experts,
+            self.approximate,
+            lambda e, rows: _packed_matmul(rows, self.gate_up[e]),
+            lambda e, rows: _packed_matmul(rows, self.down[e]),
+        )
 
 
 class LeanRMSNorm(nn.Module):
@@ -111,7 +117,11 @@ class LeanDenseMLP(nn.Module):
     def __init__(self, mlp: nn.Module):
         super().__init__()
         self.approximate = mlp.approximate
-        self.gate, self.up, self.down_proj = _pack(mlp.gate_proj.weight), _pack(mlp.up_proj.weight), PackedLinear(mlp.down_proj.weight)
+        self.gate, self.up, self.down_proj = (
+            _pack(mlp.gate_proj.weight),
+            _pack(mlp.up_proj.weight),
+            PackedLinear(mlp.down_proj.weight),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
@@ -124,7 +134,11 @@ class LeanSelfConditioning(SelfConditioning):
 
     def __init__(self, module: SelfConditioning):
         nn.Module.__init__(self)
-        self.pre_norm, self.post_norm, self.body = LeanRMSNorm(module.pre_norm), LeanRMSNorm(module.post_norm), _gated_mlp(module)
+        self.pre_norm, self.post_norm, self.body = (
+            LeanRMSNorm(module.pre_norm),
+            LeanRMSNorm(module.post_norm),
+            _gated_mlp(module),
+        )
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -142,7 +156,9 @@ def keep_freed_memory(mmap_threshold: int = 64 << 20, trim_threshold: int = 1 <<
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, mmap_threshold)) and bool(libc.mallopt(m_trim_threshold, trim_threshold))
+        return bool(libc.mallopt(m_mmap_threshold, mmap_threshold)) and bool(
+            libc.mallopt(m_trim_threshold, trim_threshold)
+        )
     except (OSError, AttributeError):
         return False
 
@@ -224,8 +240,6 @@ def packed_modules(module: nn.Module) -> nn.Module:
     return fast
 
 
-
-
 def _widened_module(module: nn.Module) -> nn.Module | None:
     """The widened path's replacement for a module of a bf16 model, or None to look inside it
     (dense and self-conditioning MLPs get widened linears inside; quantised modules stay: they
@@ -267,16 +281,21 @@ def describe(net: nn.Module) -> str:
     parts = []
     if quant and net.dtype == torch.bfloat16 and avx2.fused_bf16_extension() is not None:
         # (quant/modules.cpu_quant_linear; avx2.linear says where the row limit comes from)
-        parts.append(f"{quant[0]} weights decoded inside the native AVX-512 BF16 GEMM (up to {avx2.FUSED_BF16_ROWS} "
-                     f"rows; more: dequantised per weight (native) + oneDNN)")  # fmt: skip
+        parts.append(
+            f"{quant[0]} weights decoded inside the native AVX-512 BF16 GEMM (up to {avx2.FUSED_BF16_ROWS} "
+            f"rows; more: dequantised per weight (native) + oneDNN)"
+        )
     elif quant:
         # (bf16 activations without the AVX-512 kernels: each weight dequantised whole for its
         # GEMM; float32 without the native GEMM: a tile at a time)
         unit = "weight" if net.dtype == torch.bfloat16 else "tile"
         kernel = avx2.bf16_extension() if net.dtype == torch.bfloat16 else avx2.extension()
         tiles = "native" if kernel is not None else "torch"
-        parts.append(f"{quant[0]} weights decoded inside the native AVX2 GEMM" if native_gemm
-                     else f"{quant[0]} weights dequantised per {unit} ({tiles})")  # fmt: skip
+        parts.append(
+            f"{quant[0]} weights decoded inside the native AVX2 GEMM"
+            if native_gemm
+            else f"{quant[0]} weights dequantised per {unit} ({tiles})"
+        )
     if widened_net:
         how = "inside the native AVX2 GEMMs" if native_gemm else "a tile at a time for torch's GEMMs"
         parts.append(f"bf16 weights widened to float32 {how} (this CPU has no native bf16)")
@@ -309,4 +328,15 @@ def packed_copy(net: DiffusionGemma) -> DiffusionGemma:
     return fast
 
 
-__all__ = ["describe", "keep_freed_memory", "packed_copy", "packed_modules", "release_freed_memory", "supported", "widened_copy", "PackedLinear", "PackedExperts", "grouped_matmul"]
+__all__ = [
+    "describe",
+    "keep_freed_memory",
+    "packed_copy",
+    "packed_modules",
+    "release_freed_memory",
+    "supported",
+    "widened_copy",
+    "PackedLinear",
+    "PackedExperts",
+    "grouped_matmul",
+]

@@ -118,7 +118,7 @@ def fuse_rows(owners: list[tuple[nn.Module, str]]) -> torch.Tensor:
     return fused
 
 
-def fused_linear(modules: list[nn.Module]) -> "torch.Tensor | triton_quant.GemmWeight":
+def fused_linear(modules: list[nn.Module]) -> torch.Tensor | triton_quant.GemmWeight:
     """The weight of `modules` (nn.Linear, or quant.modules.QuantLinear, one kind) stacked along
     the output dim: a tensor [N, K] (a cuBLAS GEMM) or the GEMM kernel's view of quantised rows."""
     if all(type(m) is nn.Linear for m in modules):
@@ -130,16 +130,26 @@ def fused_linear(modules: list[nn.Module]) -> "torch.Tensor | triton_quant.GemmW
     if len(modules) == 1:
         return triton_quant.gemm_weight(modules[0].qtensor)
     first = modules[0].qtensor
-    parts = {name: fuse_rows([(m, name) for m in modules]) for name in first.parts if name in ("weight", "weight_packed", "weight_scale")}
+    parts = {
+        name: fuse_rows([(m, name) for m in modules])
+        for name in first.parts
+        if name in ("weight", "weight_packed", "weight_scale")
+    }
     if "weight_global_scale" in first.parts:  # nvfp4: a global scale per module, one per output channel when fused
         weights = [triton_quant.gemm_weight(m.qtensor) for m in modules]
-        fused = triton_quant.gemm_weight(type(first)(first.scheme, (sum(m.shape[0] for m in modules), first.shape[1]),
-                                                   dict(parts, weight_global_scale=first.parts["weight_global_scale"]),
-                                                   first.group_size))  # fmt: skip
+        fused = triton_quant.gemm_weight(
+            type(first)(
+                first.scheme,
+                (sum(m.shape[0] for m in modules), first.shape[1]),
+                dict(parts, weight_global_scale=first.parts["weight_global_scale"]),
+                first.group_size,
+            )
+        )
         fused.channel = torch.cat([w.channel for w in weights])
         return fused
-    return triton_quant.gemm_weight(type(first)(first.scheme, (sum(m.shape[0] for m in modules), first.shape[1]), parts,
-                                              first.group_size))  # fmt: skip
+    return triton_quant.gemm_weight(
+        type(first)(first.scheme, (sum(m.shape[0] for m in modules), first.shape[1]), parts, first.group_size)
+    )
 
 
 def _experts(module: nn.Module) -> tuple[triton_quant.GemmWeight, triton_quant.GemmWeight]:
@@ -148,7 +158,7 @@ def _experts(module: nn.Module) -> tuple[triton_quant.GemmWeight, triton_quant.G
     return triton_quant.gemm_weight(module.gate_up_proj.qtensor), triton_quant.gemm_weight(module.down_proj.qtensor)
 
 
-def linear(x: torch.Tensor, weight: "torch.Tensor | triton_quant.GemmWeight") -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | triton_quant.GemmWeight) -> torch.Tensor:
     """x [T, K] @ W.T: cuBLAS for a full-precision weight, else the GEMM kernel."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight)
@@ -167,12 +177,17 @@ def fusable(net: DiffusionGemma) -> bool:
         a, mlp = layer.self_attn, layer.mlp
         if type(a) is not Attention or type(mlp) is not DenseMLP or type(layer.experts) not in (Experts, QuantExperts):
             return False  # e.g. a CPU copy's packed modules
-        linears = [a.q_proj, a.k_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj] + ([a.v_proj] if a.v_proj is not None else [])
+        linears = [a.q_proj, a.k_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj] + (
+            [a.v_proj] if a.v_proj is not None else []
+        )
         if not all(type(m) in kinds for m in linears):
             return False
     sc = net.self_conditioning
-    return (not _has_hooks(net) and type(sc) is SelfConditioning
-            and all(type(m) is nn.Linear for m in (sc.gate_proj, sc.up_proj, sc.down_proj)))  # fmt: skip
+    return (
+        not _has_hooks(net)
+        and type(sc) is SelfConditioning
+        and all(type(m) is nn.Linear for m in (sc.gate_proj, sc.up_proj, sc.down_proj))
+    )
 
 
 # ------------------------------------------------------------------------- the fused network
@@ -191,21 +206,37 @@ class FusedLayer(nn.Module):
         self.qkv = fused_linear([a.q_proj, a.k_proj] + ([a.v_proj] if a.v_proj is not None else []))
         self.o = fused_linear([a.o_proj])
         self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj])
-        self.gate_up_gemm = self.gate_up if isinstance(self.gate_up, triton_quant.GemmWeight) else triton_quant.gemm_weight(self.gate_up)
+        self.gate_up_gemm = (
+            self.gate_up
+            if isinstance(self.gate_up, triton_quant.GemmWeight)
+            else triton_quant.gemm_weight(self.gate_up)
+        )
         self.down = fused_linear([mlp.down_proj])
         self.experts_gate_up, self.experts_down = _experts(layer.experts)
         self.next_norm = next_norm
         self.heads = (a.num_heads, a.spec.num_kv_heads)
 
-    def forward(self, h: torch.Tensor, x: torch.Tensor, tables, cache_pass, index: int, encoder: bool, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, h: torch.Tensor, x: torch.Tensor, tables, cache_pass, index: int, encoder: bool, shape
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         layer, a = self.layer, self.layer.self_attn
         spec, eps = self.spec, layer.input_layernorm.eps
         cos, sin, rope_col = tables
         # a pass whose keys and values the q|k|v kernel writes into the pool (engine/ar.py's one token a row)
         pools = cache_pass.pool_writes(index, spec.kind) if hasattr(cache_pass, "pool_writes") else None
-        q, k, v = triton_layer.qkv_norm_rope(linear(x, self.qkv), self.heads, spec.head_dim, a.v_proj is not None,
-                                             a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, rope_col[spec.kind],
-                                             pools=pools)  # fmt: skip
+        q, k, v = triton_layer.qkv_norm_rope(
+            linear(x, self.qkv),
+            self.heads,
+            spec.head_dim,
+            a.v_proj is not None,
+            a.q_norm.weight,
+            a.k_norm.weight,
+            a.q_norm.eps,
+            cos,
+            sin,
+            rope_col[spec.kind],
+            pools=pools,
+        )
         b, t = shape
 
         def heads(y: torch.Tensor) -> torch.Tensor:  # [B*T, heads, D] -> [B, heads, T, D]
@@ -214,9 +245,15 @@ class FusedLayer(nn.Module):
         attn = cache_pass.attention(index, spec.is_sliding, heads(q), heads(k), heads(v)).reshape(b * t, -1)
         router = layer.router
         h, dense_in, moe_in, router_in = triton_norms.post_attention(
-            h, linear(attn, self.o), layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
-            layer.pre_feedforward_layernorm_2.weight, router.scale, router.root_size, eps,
-        )  # fmt: skip
+            h,
+            linear(attn, self.o),
+            layer.post_attention_layernorm.weight,
+            layer.pre_feedforward_layernorm.weight,
+            layer.pre_feedforward_layernorm_2.weight,
+            router.scale,
+            router.root_size,
+            eps,
+        )
         if dense_in.shape[0] <= SMALL_M:  # gelu * up in the GEMM's epilogue: one launch fewer (a GEMV's rows)
             dense = linear(triton_quant.gemm(dense_in, self.gate_up_gemm, dual=layer.mlp.approximate), self.down)
         else:
@@ -225,9 +262,17 @@ class FusedLayer(nn.Module):
         y = triton_moe.moe(moe_in, top_i, self.experts_gate_up, self.experts_down, layer.experts.approximate)
         scalar = layer.encoder_layer_scalar if encoder else layer.layer_scalar
         return triton_norms.combine(
-            h, dense, y, top_w, layer.post_feedforward_layernorm_1.weight, layer.post_feedforward_layernorm_2.weight,
-            layer.post_feedforward_layernorm.weight, scalar, self.next_norm, eps,
-        )  # fmt: skip
+            h,
+            dense,
+            y,
+            top_w,
+            layer.post_feedforward_layernorm_1.weight,
+            layer.post_feedforward_layernorm_2.weight,
+            layer.post_feedforward_layernorm.weight,
+            scalar,
+            self.next_norm,
+            eps,
+        )
 
 
 class FusedGemma(DiffusionGemma):
@@ -263,18 +308,31 @@ class FusedGemma(DiffusionGemma):
         if embeds is None:
             h, x = triton_norms.embed_norm(self.embed_tokens.weight, self._scale(), first.weight, first.eps, ids=ids)
         else:
-            h, x = triton_norms.embed_norm(self.embed_tokens.weight, self._scale(), first.weight, first.eps, embeds=embeds)
+            h, x = triton_norms.embed_norm(
+                self.embed_tokens.weight, self._scale(), first.weight, first.eps, embeds=embeds
+            )
         return self._passes(h, x, cache_pass, True, tuple(ids.shape))
 
     def decode(self, canvas: torch.Tensor, cache_pass, soft_embeds: torch.Tensor | None) -> torch.Tensor:
         sc_out = None
         if soft_embeds is not None:
             sc = self.self_conditioning
-            pre = triton_norms.rms_norm(soft_embeds, sc.pre_norm.weight, sc.pre_norm.eps).reshape(-1, soft_embeds.shape[-1])
-            sc_out = F.linear(triton_layer.gelu_mul(F.linear(pre, self.sc_gate_up), sc.approximate), sc.down_proj.weight)
+            pre = triton_norms.rms_norm(soft_embeds, sc.pre_norm.weight, sc.pre_norm.eps).reshape(
+                -1, soft_embeds.shape[-1]
+            )
+            sc_out = F.linear(
+                triton_layer.gelu_mul(F.linear(pre, self.sc_gate_up), sc.approximate), sc.down_proj.weight
+            )
         first = self.layers[0].input_layernorm
-        h, x = triton_norms.embed_norm(self.embed_tokens.weight, self._scale(), first.weight, first.eps, ids=canvas,
-                                       decoder=True, self_conditioning=sc_out)  # fmt: skip
+        h, x = triton_norms.embed_norm(
+            self.embed_tokens.weight,
+            self._scale(),
+            first.weight,
+            first.eps,
+            ids=canvas,
+            decoder=True,
+            self_conditioning=sc_out,
+        )
         return self._passes(h, x, cache_pass, False, tuple(canvas.shape))
 
 

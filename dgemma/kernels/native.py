@@ -55,7 +55,18 @@ SOURCES = [
     Path(__file__).with_name("csrc") / name
     for name in ("bindings.cpp", "amx_gemm.cpp", "rms_norm.cpp", "step_statistics.cpp", "dequant_avx512.cpp")
 ]
-CFLAGS = ["-O3", "-fopenmp", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+CFLAGS = [
+    "-O3",
+    "-fopenmp",
+    "-mf16c",
+    "-mavx512f",
+    "-mavx512dq",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mamx-tile",
+    "-mamx-bf16",
+]
 AVX512_FLAGS = {"f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16"}
 AMX_FLAGS = {"amx_tile", "amx_bf16"}
 
@@ -113,7 +124,13 @@ def build_directory(name: str, sources: list[Path], cflags: list[str]) -> Path:
     other's build, and the same sources in any checkout or venv reuse one build."""
     from torch.utils.cpp_extension import get_cxx_compiler, get_default_build_root
 
-    toolchain = [torch.__version__, str(torch.version.git_version), sys.version, platform.machine(), _compiler_identity(get_cxx_compiler())]
+    toolchain = [
+        torch.__version__,
+        str(torch.version.git_version),
+        sys.version,
+        platform.machine(),
+        _compiler_identity(get_cxx_compiler()),
+    ]
     digest = hashlib.sha1("\n".join([*cflags, *LDFLAGS, *toolchain]).encode())
     for path in _inputs(sources):
         digest.update(f"\n{path.name}\n".encode())
@@ -199,7 +216,13 @@ def _build_and_publish(name: str, sources: list[Path], cflags: list[str], direct
     for path in _inputs(sources):
         shutil.copyfile(path, src / path.name)
     # copies: torch appends its own flags (and this venv's library paths) to the lists it is given
-    module = load(name, [str(src / s.name) for s in sources], extra_cflags=list(cflags), extra_ldflags=list(LDFLAGS), build_directory=str(work))
+    module = load(
+        name,
+        [str(src / s.name) for s in sources],
+        extra_cflags=list(cflags),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(work),
+    )
     built = Path(getattr(module, "__file__", None) or work / "none")
     # torch names it `NAME_vN` when this process built `name` before (elsewhere): not importable as `name`
     if built.name == library.name and built.is_file():
@@ -291,8 +314,11 @@ class OnDemand:
                 return self._settle(self._build_here())
             return self._start_builder()
         if wait and self._builder.poll() is None:
-            log.warning("waiting for the background build of dgemma's %s (started %.0f s ago)", self.what,
-                        time.monotonic() - self._started)  # fmt: skip
+            log.warning(
+                "waiting for the background build of dgemma's %s (started %.0f s ago)",
+                self.what,
+                time.monotonic() - self._started,
+            )
             self._builder.wait()
         if self._builder.poll() is None:
             self._next_look = time.monotonic() + POLL_SECONDS
@@ -321,17 +347,30 @@ class OnDemand:
             return None
 
     def _start_builder(self) -> None:
-        spec = json.dumps({"name": self.name, "sources": [str(s) for s in self.sources], "cflags": self.cflags,
-                           "what": self.what, "duration": self.duration})  # fmt: skip
-        path = os.pathsep.join([str(PACKAGE_ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+        spec = json.dumps(
+            {
+                "name": self.name,
+                "sources": [str(s) for s in self.sources],
+                "cflags": self.cflags,
+                "what": self.what,
+                "duration": self.duration,
+            }
+        )
+        path = os.pathsep.join(
+            [str(PACKAGE_ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
+        )
         try:
             directory = self._directory()
             directory.mkdir(parents=True, exist_ok=True)
             with open(directory / "background.log", "w") as output:
                 self._builder = subprocess.Popen(
-                    [sys.executable, "-c", BUILDER, spec], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                    env={"MAX_JOBS": "1", **os.environ, "PYTHONPATH": path}, start_new_session=True,
-                )  # fmt: skip
+                    [sys.executable, "-c", BUILDER, spec],
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    env={"MAX_JOBS": "1", **os.environ, "PYTHONPATH": path},
+                    start_new_session=True,
+                )
         except OSError as e:
             log.warning("dgemma's %s are off: their build could not start (%s)", self.what, e)
             return self._settle(None)
@@ -344,9 +383,15 @@ class OnDemand:
         self._lent_thread = threads > 1
         if self._lent_thread:
             torch.set_num_threads(threads - 1)
-        log.warning("building dgemma's %s in the background on one core (%s, once; cached in %s); torch's kernels on "
-                    "%d thread%s meanwhile", self.what, self.duration, directory, max(1, threads - 1),
-                    "s" if threads > 2 else "")  # fmt: skip
+        log.warning(
+            "building dgemma's %s in the background on one core (%s, once; cached in %s); torch's kernels on "
+            "%d thread%s meanwhile",
+            self.what,
+            self.duration,
+            directory,
+            max(1, threads - 1),
+            "s" if threads > 2 else "",
+        )
 
     def _builder_result(self) -> ModuleType | None:
         """The finished builder's kernels (one line: ready, or why not)."""
@@ -364,15 +409,21 @@ class OnDemand:
                 reason = _first_error((directory / "background.log").read_text(errors="replace"))
             except OSError as e:
                 reason = f"exit status {code}; no log: {e}"
-        log.warning("dgemma's %s are off: the build failed (%s; the log: %s)", self.what, reason, directory / "background.log")
+        log.warning(
+            "dgemma's %s are off: the build failed (%s; the log: %s)", self.what, reason, directory / "background.log"
+        )
         return None
 
     def _say_still_building(self) -> None:
         """At exit, a builder still at work (it goes on: the next run has the kernels)."""
         builder = self._builder
         if builder is not None and builder.poll() is None:
-            log.warning("dgemma's %s are still building in the background (process %d; %s): the next run uses them",
-                        self.what, builder.pid, self._directory() / "background.log")  # fmt: skip
+            log.warning(
+                "dgemma's %s are still building in the background (process %d; %s): the next run uses them",
+                self.what,
+                builder.pid,
+                self._directory() / "background.log",
+            )
 
 
 # the background builder: a fresh interpreter that builds (niced) and exits 0 once the library is in place
@@ -389,15 +440,24 @@ def build_main(spec: str) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     fields = json.loads(spec)
     try:
-        build(fields["name"], [Path(s) for s in fields["sources"]], fields["cflags"], fields["what"], fields["duration"])
+        build(
+            fields["name"], [Path(s) for s in fields["sources"]], fields["cflags"], fields["what"], fields["duration"]
+        )
     except Exception as e:  # noqa: BLE001 - reported by the parent, from this log
         sys.stderr.write(f"{e}\n")
         return 1
     return 0
 
 
-KERNELS = OnDemand("dgemma_native", SOURCES, CFLAGS, "native CPU kernels", "about a minute of a core", frozenset(AVX512_FLAGS),
-                   "models loaded from now on use them (the next run)")  # fmt: skip
+KERNELS = OnDemand(
+    "dgemma_native",
+    SOURCES,
+    CFLAGS,
+    "native CPU kernels",
+    "about a minute of a core",
+    frozenset(AVX512_FLAGS),
+    "models loaded from now on use them (the next run)",
+)
 
 
 def extension(wait: bool | None = None) -> ModuleType | None:

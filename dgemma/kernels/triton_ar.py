@@ -12,7 +12,9 @@ from .triton_support import HAVE_TRITON, tl, triton
 if HAVE_TRITON:
 
     @triton.jit
-    def _argmax_kernel(z_ptr, out_ptr, ROWS, V, stride_z, CAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _argmax_kernel(
+        z_ptr, out_ptr, ROWS, V, stride_z, CAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr
+    ):
         """Each row's argmax of softcap(z) (the first index among equals), no other work."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < ROWS
@@ -22,7 +24,11 @@ if HAVE_TRITON:
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             inside = r_ok[:, None] & (cols < V)[None, :]
-            z = tl.where(inside, _softcapped(tl.load(base + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP), -float("inf"))
+            z = tl.where(
+                inside,
+                _softcapped(tl.load(base + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP),
+                -float("inf"),
+            )
             tile_best = tl.max(z, axis=1)
             best_index = tl.where(tile_best > best, tl.argmax(z, axis=1) + v0, best_index)
             best = tl.maximum(best, tile_best)
@@ -30,9 +36,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _token_slots_kernel(
-        pos_ptr, table_s_ptr, table_g_ptr, lo_s_ptr, lo_g_ptr, start_s_ptr, start_g_ptr, slot_s_ptr, slot_g_ptr,
-        N, stride_ts, stride_tg, POOL_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
+        pos_ptr,
+        table_s_ptr,
+        table_g_ptr,
+        lo_s_ptr,
+        lo_g_ptr,
+        start_s_ptr,
+        start_g_ptr,
+        slot_s_ptr,
+        slot_g_ptr,
+        N,
+        stride_ts,
+        stride_tg,
+        POOL_BLOCK: tl.constexpr,
+        WINDOW: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """Each row's one-token pass over its position: per layer kind the keys it sees
         [lo, start) and the flat pool slot its own keys go to."""
         rows = tl.arange(0, BLOCK_N)
@@ -51,9 +70,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def _ar_advance_kernel(
-        chosen_ptr, tokens_ptr, pos_ptr, out_ptr, step_ptr, done_ptr, eos_ptr, N, E, stride_out,
-        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    ):  # fmt: skip
+        chosen_ptr,
+        tokens_ptr,
+        pos_ptr,
+        out_ptr,
+        step_ptr,
+        done_ptr,
+        eos_ptr,
+        N,
+        E,
+        stride_out,
+        BLOCK_N: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
         """The chosen tokens become the rows' last tokens and the step's column of the output;
         a row that chose an end of answer is done; positions and the step count advance."""
         rows = tl.arange(0, BLOCK_N)
@@ -76,24 +105,53 @@ def softcapped_argmax(logits: torch.Tensor, softcap: float = 0.0) -> torch.Tenso
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block_r = _rows_per_program(rows)
-    _argmax_kernel[(triton.cdiv(rows, block_r),)](logits, out, rows, vocab, logits.stride(0), CAP=float(softcap or 0.0),
-                                                  BLOCK_R=block_r, BLOCK_V=_block(vocab))  # fmt: skip
+    _argmax_kernel[(triton.cdiv(rows, block_r),)](
+        logits, out, rows, vocab, logits.stride(0), CAP=float(softcap or 0.0), BLOCK_R=block_r, BLOCK_V=_block(vocab)
+    )
     return out
 
 
-def token_slots(positions: torch.Tensor, tables: list, lo: list, start: list, slots: list, block_size: int, window: int) -> None:
+def token_slots(
+    positions: torch.Tensor, tables: list, lo: list, start: list, slots: list, block_size: int, window: int
+) -> None:
     """A one-token pass's device inputs from each row's position [N] (int32) and block tables
     (sliding, global: int32 [N, W]): lo / start int32 [N] (the keys it sees) and slots int64 [N]
     (where its keys go; -1 where its block is not allocated), written in place."""
     n = positions.shape[0]
-    _token_slots_kernel[(1,)](positions, tables[0], tables[1], lo[0], lo[1], start[0], start[1], slots[0], slots[1], n,
-                              tables[0].stride(0), tables[1].stride(0), POOL_BLOCK=block_size, WINDOW=window,
-                              BLOCK_N=triton.next_power_of_2(max(n, 1)))  # fmt: skip
+    _token_slots_kernel[(1,)](
+        positions,
+        tables[0],
+        tables[1],
+        lo[0],
+        lo[1],
+        start[0],
+        start[1],
+        slots[0],
+        slots[1],
+        n,
+        tables[0].stride(0),
+        tables[1].stride(0),
+        POOL_BLOCK=block_size,
+        WINDOW=window,
+        BLOCK_N=triton.next_power_of_2(max(n, 1)),
+    )
 
 
 def ar_advance(chosen, tokens, positions, out, step, done, eos) -> None:
     """After a one-token step: tokens = chosen, out[:, step] = chosen, done |= chosen is an end
     of answer (`eos` int64 [k]), positions += 1, step += 1 (all [N] / [1] device tensors)."""
     n = tokens.shape[0]
-    _ar_advance_kernel[(1,)](chosen, tokens, positions, out, step, done.view(torch.int8), eos, n, eos.shape[0], out.stride(0),
-                             BLOCK_N=triton.next_power_of_2(max(n, 1)), BLOCK_E=triton.next_power_of_2(max(eos.shape[0], 1)))  # fmt: skip
+    _ar_advance_kernel[(1,)](
+        chosen,
+        tokens,
+        positions,
+        out,
+        step,
+        done.view(torch.int8),
+        eos,
+        n,
+        eos.shape[0],
+        out.stride(0),
+        BLOCK_N=triton.next_power_of_2(max(n, 1)),
+        BLOCK_E=triton.next_power_of_2(max(eos.shape[0], 1)),
+    )

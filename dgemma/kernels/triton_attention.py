@@ -170,11 +170,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_splits_kernel(
-        part_ptr, m_ptr, l_ptr, out_ptr,
-        A, H,
-        so_b, so_a, so_h, so_d,
-        D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    ):  # fmt: skip
+        part_ptr,
+        m_ptr,
+        l_ptr,
+        out_ptr,
+        A,
+        H,
+        so_b,
+        so_a,
+        so_h,
+        so_d,
+        D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
+    ):
         """One query (b, h, a) per program: out = sum_s w_s acc_s / sum_s w_s l_s with
         w_s = exp(m_s - max m) (a split that saw no key has m = -inf: weight 0)."""
         r = tl.program_id(0).to(tl.int64)
@@ -186,7 +195,9 @@ if HAVE_TRITON:
         d = tl.arange(0, D)
         m = tl.load(m_ptr + r * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
         sums = tl.load(l_ptr + r * NUM_SPLITS + s, mask=s_ok, other=0.0)
-        acc = tl.load(part_ptr + (r * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
+        acc = tl.load(
+            part_ptr + (r * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D), other=0.0
+        )
         w = tl.exp(m - tl.max(m, 0))
         o = tl.sum(acc * w[:, None], 0) / tl.sum(sums * w, 0)
         tl.store(out_ptr + b * so_b + a * so_a + h * so_h + d * so_d, o.to(out_ptr.dtype.element_ty))
@@ -221,7 +232,9 @@ def pick_blocks(rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int,
         return 16, 16, 4, 1
     if dtype == torch.float32:
         return 16, 16, 4 if head_dim <= 256 else 8, 2
-    cap_m, block_n, num_warps, num_stages = (64, 64, 4, 3) if head_dim <= 128 else (64, 32, 8, 3) if head_dim <= 256 else (32, 32, 8, 2)
+    cap_m, block_n, num_warps, num_stages = (
+        (64, 64, 4, 3) if head_dim <= 128 else (64, 32, 8, 3) if head_dim <= 256 else (32, 32, 8, 2)
+    )
     return min(cap_m, max(16, triton.next_power_of_2(rows))), block_n, num_warps, num_stages
 
 
@@ -250,7 +263,9 @@ def _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start) -> No
             f"k_canvas / v_canvas must be [n, Hkv, C, D] alike, got {tuple(k_canvas.shape)} and {tuple(v_canvas.shape)}"
         )
     if k_canvas.shape[0] != n:
-        raise ValueError(f"k_canvas / v_canvas must be [n, Hkv, C, D] with q's n = {n} rows, got {tuple(k_canvas.shape)}")
+        raise ValueError(
+            f"k_canvas / v_canvas must be [n, Hkv, C, D] with q's n = {n} rows, got {tuple(k_canvas.shape)}"
+        )
     if k_canvas.shape[3] != d:
         raise ValueError(
             f"k_canvas / v_canvas must be [n, Hkv, C, D] with q's head_dim D = {d}, got {tuple(k_canvas.shape)}"
@@ -274,11 +289,15 @@ def _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start) -> No
         if t.dtype != q.dtype:
             raise ValueError(f"{name} is {t.dtype}, q is {q.dtype}: all of q, k/v canvas and pools must share a dtype")
     if block_tables.dim() != 2 or block_tables.shape[0] != n or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [n={n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables must be int32 [n={n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
     for name, t in (("lo", lo), ("start", start)):
         if tuple(t.shape) != (n,) or t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32 [n={n}], got {t.dtype} {tuple(t.shape)}")
-    for name, t in zip(names[1:] + ("block_tables", "lo", "start"), (k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start)):
+    for name, t in zip(
+        names[1:] + ("block_tables", "lo", "start"), (k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start)
+    ):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
@@ -347,8 +366,17 @@ def paged_canvas_attention(
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(n * h * a,)](
-            part, m_part, l_part, out, a, h, *out.stride(),
-            D=d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
-            num_warps=4 if d <= 256 else 8, enable_fp_fusion=True,
-        )  # fmt: skip
+            part,
+            m_part,
+            l_part,
+            out,
+            a,
+            h,
+            *out.stride(),
+            D=d,
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            num_warps=4 if d <= 256 else 8,
+            enable_fp_fusion=True,
+        )
     return out

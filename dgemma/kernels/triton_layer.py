@@ -118,10 +118,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gelu_mul_kernel(
-        gu_ptr, out_ptr, S, INTER,
-        stride_gs, stride_gi, stride_os, stride_oi,
-        TANH: tl.constexpr, ROUND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
-    ):  # fmt: skip
+        gu_ptr,
+        out_ptr,
+        S,
+        INTER,
+        stride_gs,
+        stride_gi,
+        stride_os,
+        stride_oi,
+        TANH: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_I: tl.constexpr,
+    ):
         """out[s, i] = gelu(gate_up[s, i]) * gate_up[s, INTER + i], in float32."""
         rows = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -137,14 +146,29 @@ if HAVE_TRITON:
         out = act * u
         if ROUND:
             out = _round_bf16(out)
-        tl.store(out_ptr + rows[:, None] * stride_os + cols[None, :] * stride_oi, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + rows[:, None] * stride_os + cols[None, :] * stride_oi, out.to(out_ptr.dtype.element_ty), mask=mask
+        )
 
     @triton.jit
     def _combine_kernel(
-        y_ptr, inv_ptr, w_ptr, out_ptr, N, H,
-        stride_ys, stride_yh, stride_inv, stride_w, stride_on, stride_oh,
-        TOP_K: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
+        y_ptr,
+        inv_ptr,
+        w_ptr,
+        out_ptr,
+        N,
+        H,
+        stride_ys,
+        stride_yh,
+        stride_inv,
+        stride_w,
+        stride_on,
+        stride_oh,
+        TOP_K: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         """out[t] = sum_k w[t * TOP_K + k] * y[inv[t * TOP_K + k]], k in order, in float32."""
         toks = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -159,7 +183,9 @@ if HAVE_TRITON:
             acc += w[:, None] * vals.to(tl.float32)
         if ROUND:
             acc = _round_bf16(acc)
-        tl.store(out_ptr + toks[:, None] * stride_on + cols[None, :] * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + toks[:, None] * stride_on + cols[None, :] * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask
+        )
 
     @triton.jit
     def _qkv_kernel(
@@ -188,9 +214,14 @@ if HAVE_TRITON:
         x1 = tl.load(x_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_row + (d + HALF)[None, :], mask=mask, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-        w1 = tl.where(is_q[:, None], tl.load(qw_ptr + d)[None, :].to(tl.float32), tl.load(kw_ptr + d)[None, :].to(tl.float32))
-        w2 = tl.where(is_q[:, None], tl.load(qw_ptr + HALF + d)[None, :].to(tl.float32),
-                      tl.load(kw_ptr + HALF + d)[None, :].to(tl.float32))  # fmt: skip
+        w1 = tl.where(
+            is_q[:, None], tl.load(qw_ptr + d)[None, :].to(tl.float32), tl.load(kw_ptr + d)[None, :].to(tl.float32)
+        )
+        w2 = tl.where(
+            is_q[:, None],
+            tl.load(qw_ptr + HALF + d)[None, :].to(tl.float32),
+            tl.load(kw_ptr + HALF + d)[None, :].to(tl.float32),
+        )
         w1 = tl.where(is_v[:, None], 1.0, w1)
         w2 = tl.where(is_v[:, None], 1.0, w2)
         n1 = _rnd(x1 * r[:, None] * w1, ROUND)
@@ -402,12 +433,21 @@ def gelu_mul(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     block_s = _pow2_at_most(s, max(1, 4096 // block_i))
     grid = (triton.cdiv(s, block_s), triton.cdiv(i, block_i))
     _gelu_mul_kernel[grid](
-        g2, out, s, i,
-        g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
-        TANH=approximate == "tanh", ROUND=out.dtype == torch.bfloat16, BLOCK_S=block_s, BLOCK_I=block_i,
+        g2,
+        out,
+        s,
+        i,
+        g2.stride(0),
+        g2.stride(1),
+        out.stride(0),
+        out.stride(1),
+        TANH=approximate == "tanh",
+        ROUND=out.dtype == torch.bfloat16,
+        BLOCK_S=block_s,
+        BLOCK_I=block_i,
         num_warps=4,
         enable_fp_fusion=True,
-    )  # fmt: skip
+    )
     return out.reshape(*lead, i)
 
 
@@ -452,12 +492,25 @@ def combine_topk(
     block_n = _pow2_at_most(n, max(1, 2048 // block_h))
     grid = (triton.cdiv(n, block_n), triton.cdiv(h, block_h))
     _combine_kernel[grid](
-        y, inv, w, out, n, h,
-        y.stride(0), y.stride(1), inv.stride(0), w.stride(0), out.stride(0), out.stride(1),
-        TOP_K=top_k, ROUND=out_dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_H=block_h,
+        y,
+        inv,
+        w,
+        out,
+        n,
+        h,
+        y.stride(0),
+        y.stride(1),
+        inv.stride(0),
+        w.stride(0),
+        out.stride(0),
+        out.stride(1),
+        TOP_K=top_k,
+        ROUND=out_dtype == torch.bfloat16,
+        BLOCK_N=block_n,
+        BLOCK_H=block_h,
         num_warps=4,
         enable_fp_fusion=True,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -473,9 +526,13 @@ def moe_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     from ..model.diffusion_gemma import grouped_matmul
 
     if x.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:
-        raise ValueError(f"moe_experts needs x [N, H] and top_k_index [N, top_k], got {tuple(x.shape)} and {tuple(top_k_index.shape)}")
+        raise ValueError(
+            f"moe_experts needs x [N, H] and top_k_index [N, top_k], got {tuple(x.shape)} and {tuple(top_k_index.shape)}"
+        )
     if top_k_weights.shape != top_k_index.shape:
-        raise ValueError(f"moe_experts top_k_weights must match top_k_index {tuple(top_k_index.shape)}, got {tuple(top_k_weights.shape)}")
+        raise ValueError(
+            f"moe_experts top_k_weights must match top_k_index {tuple(top_k_index.shape)}, got {tuple(top_k_weights.shape)}"
+        )
     e = experts.num_experts
     num_tokens, top_k = top_k_index.shape
     if num_tokens == 0 or top_k == 0:

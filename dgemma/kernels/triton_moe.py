@@ -37,11 +37,25 @@ if HAVE_TRITON:
 
     @triton.jit
     def _router_kernel(
-        x_ptr, w_ptr, scale_ptr, top_w_ptr, top_i_ptr,
-        T, H, E, stride_x, stride_w,
-        TOP_K: tl.constexpr, ROUND: tl.constexpr, UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KK: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        top_w_ptr,
+        top_i_ptr,
+        T,
+        H,
+        E,
+        stride_x,
+        stride_w,
+        TOP_K: tl.constexpr,
+        ROUND: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_KK: tl.constexpr,
+    ):
         """For BLOCK_T tokens: logits = x @ W.T (rounded as the model's dtype), float32 softmax over
         the E experts, the TOP_K largest (descending; the lower id first among equals),
         renormalised to sum 1, times per_expert_scale[id]."""
@@ -53,8 +67,14 @@ if HAVE_TRITON:
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < H
-            x = tl.load(x_ptr + toks.to(tl.int64)[:, None] * stride_x + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + es.to(tl.int64)[:, None] * stride_w + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + toks.to(tl.int64)[:, None] * stride_x + ks[None, :],
+                mask=t_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + es.to(tl.int64)[:, None] * stride_w + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0
+            )
             if UPCAST_DOT:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
@@ -107,7 +127,9 @@ def available(device: torch.device | str) -> bool:
     return runs_on(device, INTERPRETED)
 
 
-def router_topk(x: torch.Tensor, weight: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def router_topk(
+    x: torch.Tensor, weight: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router.forward after its input norm: (weights [T, top_k] float32, experts [T, top_k] int32)."""
     t, h = x.shape
     e = weight.shape[0]
@@ -118,10 +140,25 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, per_expert_scale: torch.T
     block_e = max(16, triton.next_power_of_2(e))
     block_t = 16
     _router_kernel[(triton.cdiv(t, block_t),)](
-        x, weight, per_expert_scale, top_w, top_i, t, h, e, x.stride(0), weight.stride(0),
-        TOP_K=top_k, ROUND=x.dtype == torch.bfloat16, **dot_args(x.dtype),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=32 if INTERPRETED else 64, BLOCK_KK=triton.next_power_of_2(top_k), num_warps=4,
-    )  # fmt: skip
+        x,
+        weight,
+        per_expert_scale,
+        top_w,
+        top_i,
+        t,
+        h,
+        e,
+        x.stride(0),
+        weight.stride(0),
+        TOP_K=top_k,
+        ROUND=x.dtype == torch.bfloat16,
+        **dot_args(x.dtype),
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=32 if INTERPRETED else 64,
+        BLOCK_KK=triton.next_power_of_2(top_k),
+        num_warps=4,
+    )
     return top_w, top_i
 
 

@@ -145,9 +145,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def _norm_kernel(
-        x_ptr, w_ptr, y_ptr, T, H, eps, stride_x, stride_y,
-        HAS_WEIGHT: tl.constexpr, ROUND: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        T,
+        H,
+        eps,
+        stride_x,
+        stride_y,
+        HAS_WEIGHT: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         t, cols, inside = _tile(T, H, BLOCK_T, BLOCK_H)
         x = tl.load(x_ptr + t * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
         y = x * _inv_rms(x, H, eps)
@@ -181,7 +191,9 @@ def _launch(rows: int, hidden: int, dtype: torch.dtype) -> tuple[tuple[int], dic
     block = triton.next_power_of_2(hidden)
     block_t = min(16, triton.next_power_of_2(rows)) if INTERPRETED else 1
     grid = (triton.cdiv(rows, block_t),)
-    return grid, dict(ROUND=dtype == torch.bfloat16, BLOCK_T=block_t, BLOCK_H=block, num_warps=8 if block >= 2048 else 4)
+    return grid, dict(
+        ROUND=dtype == torch.bfloat16, BLOCK_T=block_t, BLOCK_H=block, num_warps=8 if block >= 2048 else 4
+    )
 
 
 def embed_norm(
@@ -267,8 +279,10 @@ def combine(
     rows = h2.shape[0]
     top_k = top_weights.shape[-1] if top_weights.dim() else 1
     if y2.shape[0] != rows * top_k or top_weights.numel() != rows * top_k:
-        raise ValueError(f"combine needs y [{rows * top_k}, {hidden}] and top_weights [{rows}, {top_k}], "
-                         f"got {tuple(y2.shape)} and {tuple(top_weights.shape)}")  # fmt: skip
+        raise ValueError(
+            f"combine needs y [{rows * top_k}, {hidden}] and top_weights [{rows}, {top_k}], "
+            f"got {tuple(y2.shape)} and {tuple(top_weights.shape)}"
+        )
     tw = top_weights.reshape(-1).contiguous()
     h_out = torch.empty(rows, hidden, dtype=h.dtype, device=h.device)
     x = torch.empty_like(h_out)
@@ -291,7 +305,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if x2.shape[0]:
         grid, args = _launch(x2.shape[0], hidden, x.dtype)
         _norm_kernel[grid](
-            x2, weight if weight is not None else x2, y, x2.shape[0], hidden, float(eps), x2.stride(0), y.stride(0),
-            HAS_WEIGHT=weight is not None, **args,
-        )  # fmt: skip
+            x2,
+            weight if weight is not None else x2,
+            y,
+            x2.shape[0],
+            hidden,
+            float(eps),
+            x2.stride(0),
+            y.stride(0),
+            HAS_WEIGHT=weight is not None,
+            **args,
+        )
     return y.view(x.shape)

@@ -83,9 +83,23 @@ if HAVE_TRITON:
         return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
 
     @triton.jit
-    def _weight_tile(w_base, s_base, ns, n_ok, k0, K, KB, stride_wn, stride_sn,
-                     SCHEME: tl.constexpr, GROUP: tl.constexpr, SCALE_BYTES: tl.constexpr, SCALE_FP16: tl.constexpr,
-                     BLOCK_K: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
+    def _weight_tile(
+        w_base,
+        s_base,
+        ns,
+        n_ok,
+        k0,
+        K,
+        KB,
+        stride_wn,
+        stride_sn,
+        SCHEME: tl.constexpr,
+        GROUP: tl.constexpr,
+        SCALE_BYTES: tl.constexpr,
+        SCALE_FP16: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        OUT: tl.constexpr,
+    ):
         """Rows `ns` [BN] of a weight at inputs k0 .. k0 + BLOCK_K, dequantised -> [BN, BLOCK_K] in
         OUT (the activations' dtype); int8 / fp8 without their per-channel scale (the caller's
         epilogue), nvfp4 without its global scale."""
@@ -161,9 +175,13 @@ if HAVE_TRITON:
         s_base = s_ptr + expert * stride_se
         OUT: tl.constexpr = x_ptr.dtype.element_ty
         if CHANNEL_SCALE:
-            cscale = tl.load(cs_ptr + expert * stride_ce + ns.to(tl.int64) * stride_cn, mask=n_ok, other=0.0).to(tl.float32)
+            cscale = tl.load(cs_ptr + expert * stride_ce + ns.to(tl.int64) * stride_cn, mask=n_ok, other=0.0).to(
+                tl.float32
+            )
             if DUAL:
-                cscale_up = tl.load(cs_ptr + expert * stride_ce + (ns + N).to(tl.int64) * stride_cn, mask=n_ok, other=0.0)
+                cscale_up = tl.load(
+                    cs_ptr + expert * stride_ce + (ns + N).to(tl.int64) * stride_cn, mask=n_ok, other=0.0
+                )
                 cscale_up = cscale_up.to(tl.float32)
         for m0 in range(row_start, row_end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
@@ -178,15 +196,48 @@ if HAVE_TRITON:
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=r_ok[:, None] & (ks < K)[None, :], other=0.0)
-                w = _weight_tile(w_base, s_base, ns, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, SCALE_BYTES, SCALE_FP16, BLOCK_K, OUT)
+                x = tl.load(
+                    x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=r_ok[:, None] & (ks < K)[None, :], other=0.0
+                )
+                w = _weight_tile(
+                    w_base,
+                    s_base,
+                    ns,
+                    n_ok,
+                    k0,
+                    K,
+                    KB,
+                    stride_wn,
+                    stride_sn,
+                    SCHEME,
+                    GROUP,
+                    SCALE_BYTES,
+                    SCALE_FP16,
+                    BLOCK_K,
+                    OUT,
+                )
                 if UPCAST_DOT:  # the interpreter multiplies bf16's raw bits: the same products in float32
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
                 if DUAL:
-                    w = _weight_tile(w_base, s_base, ns + N, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, SCALE_BYTES, SCALE_FP16,
-                                     BLOCK_K, OUT)  # fmt: skip
+                    w = _weight_tile(
+                        w_base,
+                        s_base,
+                        ns + N,
+                        n_ok,
+                        k0,
+                        K,
+                        KB,
+                        stride_wn,
+                        stride_sn,
+                        SCHEME,
+                        GROUP,
+                        SCALE_BYTES,
+                        SCALE_FP16,
+                        BLOCK_K,
+                        OUT,
+                    )
                     if UPCAST_DOT:
                         acc_up = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc_up, input_precision="ieee")
                     else:
@@ -202,8 +253,11 @@ if HAVE_TRITON:
                 y_rows = tl.load(pairs_ptr + rows, mask=r_ok, other=0).to(tl.int64)
             else:
                 y_rows = rows.to(tl.int64)
-            tl.store(y_ptr + y_rows[:, None] * stride_ym + ns[None, :], out.to(y_ptr.dtype.element_ty),
-                     mask=r_ok[:, None] & n_ok[None, :])  # fmt: skip
+            tl.store(
+                y_ptr + y_rows[:, None] * stride_ym + ns[None, :],
+                out.to(y_ptr.dtype.element_ty),
+                mask=r_ok[:, None] & n_ok[None, :],
+            )
 
     INTERPRETED = interpreted(_gemm_kernel)
 else:  # pragma: no cover
@@ -229,8 +283,15 @@ class GemmWeight:
     scale on the accumulator (None: none). Built once per weight (`gemm_weight`): 4-bit scale rows
     padded with zeros to whole K-tiles, nvfp4's global scale made one float32 per channel."""
 
-    def __init__(self, scheme: str, shape: tuple[int, ...], data: torch.Tensor, group: int = 1,
-                 scales: torch.Tensor | None = None, channel: torch.Tensor | None = None):  # fmt: skip
+    def __init__(
+        self,
+        scheme: str,
+        shape: tuple[int, ...],
+        data: torch.Tensor,
+        group: int = 1,
+        scales: torch.Tensor | None = None,
+        channel: torch.Tensor | None = None,
+    ):
         self.scheme, self.shape, self.data, self.group = scheme, tuple(shape), data, group
         self.scales, self.channel = scales, channel
 
@@ -260,7 +321,7 @@ def _padded_scales(scales: torch.Tensor, per_tile: int) -> torch.Tensor:
     return out
 
 
-def gemm_weight(weight: "torch.Tensor | QTensor") -> GemmWeight:
+def gemm_weight(weight: torch.Tensor | QTensor) -> GemmWeight:
     """The kernel's view of a weight: a full-precision tensor [(E,) N, K], or a QTensor
     (quant/formats.py, compressed-tensors layout)."""
     if isinstance(weight, torch.Tensor):
@@ -275,15 +336,23 @@ def gemm_weight(weight: "torch.Tensor | QTensor") -> GemmWeight:
         s = p["weight_scale"]
         group = k // s.shape[-1]
         if group * s.shape[-1] != k or group & (group - 1) or group < 8:
-            raise ValueError(f"int4 on the GPU needs a group size that is a power of two >= 8 dividing {k} (got {group})")
+            raise ValueError(
+                f"int4 on the GPU needs a group size that is a power of two >= 8 dividing {k} (got {group})"
+            )
         data = p["weight_packed"].view(torch.uint8)
         return GemmWeight("int4", q.shape, data, group, _padded_scales(s, four_bit_k(group, s.element_size()) // group))
     if q.scheme == "nvfp4":
         s = p["weight_scale"].view(torch.uint8)
         gs = p["weight_global_scale"].float().reshape(*q.shape[:-2], 1)
         channel = (1.0 / gs).expand(*q.shape[:-1]).contiguous()
-        return GemmWeight("nvfp4", q.shape, p["weight_packed"].view(torch.uint8), 16, _padded_scales(s, four_bit_k(16, 1) // 16),
-                          channel)  # fmt: skip
+        return GemmWeight(
+            "nvfp4",
+            q.shape,
+            p["weight_packed"].view(torch.uint8),
+            16,
+            _padded_scales(s, four_bit_k(16, 1) // 16),
+            channel,
+        )
     raise ValueError(f"unknown quantization scheme {q.scheme!r}")
 
 
@@ -297,8 +366,14 @@ def concat_weights(weights: list[GemmWeight]) -> GemmWeight:
         return None if parts[0] is None else torch.cat(parts, dim=dim)
 
     n = sum(w.shape[-2] for w in weights)
-    return GemmWeight(first.scheme, (*first.shape[:-2], n, first.shape[-1]), cat([w.data for w in weights], -2), first.group,
-                      cat([w.scales for w in weights], -2), cat([w.channel for w in weights], -1))  # fmt: skip
+    return GemmWeight(
+        first.scheme,
+        (*first.shape[:-2], n, first.shape[-1]),
+        cat([w.data for w in weights], -2),
+        first.group,
+        cat([w.scales for w in weights], -2),
+        cat([w.channel for w in weights], -1),
+    )
 
 
 def _blocks(w: GemmWeight, rows: int, dual: bool) -> tuple[int, int, int, int, int]:
@@ -346,7 +421,9 @@ def gemm(
     reads x[pairs[s] // top_k], `scatter` writes row s at pairs[s]). `dual` ("tanh" / "none"): W's
     rows are gates then ups, the result gelu(gate) * up [M, N / 2]."""
     if x.dtype not in X_DTYPES or x.dim() != 2 or x.shape[1] != w.shape[-1]:
-        raise ValueError(f"gemm needs x [M, {w.shape[-1]}] bfloat16 / float16 / float32, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"gemm needs x [M, {w.shape[-1]}] bfloat16 / float16 / float32, got {tuple(x.shape)} {x.dtype}"
+        )
     x = x if x.stride(1) == 1 else x.contiguous()
     n, k = w.shape[-2], w.shape[-1]
     n_out = n // 2 if dual else n
@@ -370,7 +447,10 @@ def gemm(
     channel = w.channel if w.channel is not None else data
     ws = (data.stride(0) if stacked else 0, data.stride(-2))
     ss = (scales.stride(0) if stacked and w.scales is not None else 0, scales.stride(-2) if w.scales is not None else 0)
-    cs = (channel.stride(0) if stacked and w.channel is not None else 0, channel.stride(-1) if w.channel is not None else 0)
+    cs = (
+        channel.stride(0) if stacked and w.channel is not None else 0,
+        channel.stride(-1) if w.channel is not None else 0,
+    )
     _gemm_kernel[(grid_m, triton.cdiv(n_out, block_n))](
         x, pairs if pairs is not None else y, data, scales, channel, ends if ends is not None else y, y,
         rows, n_out, k, k // 2,
@@ -386,7 +466,7 @@ def gemm(
     return y
 
 
-def quant_linear(x: torch.Tensor, w: "GemmWeight | QTensor") -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: GemmWeight | QTensor) -> torch.Tensor:
     """x [..., K] @ W.T on a GPU for a 2D weight (a `GemmWeight`, or a QTensor read as one);
     RuntimeError where the kernels cannot run."""
     if not available(x.device):

@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
-
 from . import EXP_FLOOR
-
+from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
 
 if HAVE_TRITON:
 
@@ -65,10 +63,23 @@ if HAVE_TRITON:
 
     @triton.jit
     def _stats_kernel(
-        z_ptr, mask_ptr, temps_ptr, argmax_ptr, entropy_ptr, max_ptr, total_ptr,
-        ROWS, V, stride_z, words,
-        CAP: tl.constexpr, HAS_MASK: tl.constexpr, FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-    ):  # fmt: skip
+        z_ptr,
+        mask_ptr,
+        temps_ptr,
+        argmax_ptr,
+        entropy_ptr,
+        max_ptr,
+        total_ptr,
+        ROWS,
+        V,
+        stride_z,
+        words,
+        CAP: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        FLOOR: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < ROWS
         inv_t = 1.0 / tl.load(temps_ptr + rows, mask=r_ok, other=1.0).to(tl.float32)
@@ -108,11 +119,24 @@ if HAVE_TRITON:
 
     @triton.jit
     def _weights_kernel(
-        z_ptr, mask_ptr, temps_ptr, max_ptr, total_ptr, w_ptr,
-        ROWS, V, stride_z, stride_w, words,
-        CAP: tl.constexpr, HAS_MASK: tl.constexpr, FLOOR: tl.constexpr, NORMALIZE: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-    ):  # fmt: skip
+        z_ptr,
+        mask_ptr,
+        temps_ptr,
+        max_ptr,
+        total_ptr,
+        w_ptr,
+        ROWS,
+        V,
+        stride_z,
+        stride_w,
+        words,
+        CAP: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        FLOOR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < ROWS
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -130,9 +154,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sample_kernel(
-        w_ptr, u_ptr, seeds_ptr, passes_ptr, out_ptr, ROWS, V, C, stride_w,
-        DRAW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-    ):  # fmt: skip
+        w_ptr,
+        u_ptr,
+        seeds_ptr,
+        passes_ptr,
+        out_ptr,
+        ROWS,
+        V,
+        C,
+        stride_w,
+        DRAW: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < ROWS
         base = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -316,9 +350,23 @@ def step_statistics(
     block_r = _rows_per_program(rows)
     common = dict(CAP=cap, HAS_MASK=allowed is not None, FLOOR=EXP_FLOOR, BLOCK_R=block_r, BLOCK_V=block)
     grid = (triton.cdiv(rows, block_r),)
-    _stats_kernel[grid](logits, mask, temps, argmax, entropy, best, total, rows, vocab, logits.stride(0), words, **common)
+    _stats_kernel[grid](
+        logits, mask, temps, argmax, entropy, best, total, rows, vocab, logits.stride(0), words, **common
+    )
     _weights_kernel[(grid[0], triton.cdiv(vocab, block))](
-        logits, mask, temps, best, total, probs, rows, vocab, logits.stride(0), probs.stride(0), words, NORMALIZE=normalize, **common
+        logits,
+        mask,
+        temps,
+        best,
+        total,
+        probs,
+        rows,
+        vocab,
+        logits.stride(0),
+        probs.stride(0),
+        words,
+        NORMALIZE=normalize,
+        **common,
     )
     return argmax, entropy, total, probs
 
@@ -351,8 +399,20 @@ def sample_rows(weights: torch.Tensor, total: torch.Tensor | None, uniforms: tor
     _check_rows("uniforms", rows, uniforms)
     out = torch.empty(rows, dtype=torch.long, device=weights.device)
     block_r = _rows_per_program(rows)
-    _sample_kernel[(triton.cdiv(rows, block_r),)](weights, uniforms, out, out, out, rows, vocab, 1, weights.stride(0), DRAW=False,
-                                                  BLOCK_R=block_r, BLOCK_V=_block(vocab))  # fmt: skip
+    _sample_kernel[(triton.cdiv(rows, block_r),)](
+        weights,
+        uniforms,
+        out,
+        out,
+        out,
+        rows,
+        vocab,
+        1,
+        weights.stride(0),
+        DRAW=False,
+        BLOCK_R=block_r,
+        BLOCK_V=_block(vocab),
+    )
     return out
 
 
@@ -363,12 +423,26 @@ def sample_drawn(weights: torch.Tensor, seeds: torch.Tensor, passes: torch.Tenso
     rows, vocab = weights.shape
     out = torch.empty(rows, dtype=torch.long, device=weights.device)
     block_r = _rows_per_program(rows, canvas_length)
-    _sample_kernel[(triton.cdiv(rows, block_r),)](weights, weights, seeds, passes, out, rows, vocab, canvas_length, weights.stride(0),
-                                                  DRAW=True, BLOCK_R=block_r, BLOCK_V=_block(vocab))  # fmt: skip
+    _sample_kernel[(triton.cdiv(rows, block_r),)](
+        weights,
+        weights,
+        seeds,
+        passes,
+        out,
+        rows,
+        vocab,
+        canvas_length,
+        weights.stride(0),
+        DRAW=True,
+        BLOCK_R=block_r,
+        BLOCK_V=_block(vocab),
+    )
     return out
 
 
-def philox_draws(seeds: torch.Tensor, steps: torch.Tensor, canvas_length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def philox_draws(
+    seeds: torch.Tensor, steps: torch.Tensor, canvas_length: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniforms [n, C] in [0, 1) and re-noising tokens [n, C] in [0, vocab) for n requests, each
     from its own Philox stream: `seeds` [n] (int64: `seed_bits(seed)` of a request's seed in
     [0, 2^64), whose 64 bits are the Philox key), `steps` [n] (int64, how many steps it has drawn

@@ -37,7 +37,10 @@ def tile_rows(in_features: int, tile_elements: int | None = None) -> int:
 
 
 def tiled_linear(
-    x: torch.Tensor, out_features: int, weight_tile: Callable[[int, int], torch.Tensor], tile_elements: int | None = None
+    x: torch.Tensor,
+    out_features: int,
+    weight_tile: Callable[[int, int], torch.Tensor],
+    tile_elements: int | None = None,
 ) -> torch.Tensor:
     """x [..., in] @ W.T -> [..., out], W read a tile of rows at a time: `weight_tile(start, end)`
     returns rows [start, end) of W in x's dtype (widened or dequantised; it may reuse a buffer).
@@ -163,10 +166,27 @@ class WidenedExperts(nn.Module):
         self.gate_up, self.down = experts.gate_up_proj.detach(), experts.down_proj.detach()
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return sorted_experts(x.float(), top_k_index, top_k_weights, self.num_experts, self.approximate,
-                              lambda e, rows: bf16_linear(rows, self.gate_up[e]),
-                              lambda e, rows: bf16_linear(rows, self.down[e]))  # fmt: skip
+        return sorted_experts(
+            x.float(),
+            top_k_index,
+            top_k_weights,
+            self.num_experts,
+            self.approximate,
+            lambda e, rows: bf16_linear(rows, self.gate_up[e]),
+            lambda e, rows: bf16_linear(rows, self.down[e]),
+        )
 
 
-__all__ = ["TILE_ELEMENTS", "bf16_linear", "buffered_rows", "sorted_experts", "tile_rows", "tiled_linear", "widened_rows", "WidenedLinear", "WidenedSoftEmbed",
-           "WidenedEmbedding", "WidenedExperts"]  # fmt: skip
+__all__ = [
+    "TILE_ELEMENTS",
+    "bf16_linear",
+    "buffered_rows",
+    "sorted_experts",
+    "tile_rows",
+    "tiled_linear",
+    "widened_rows",
+    "WidenedLinear",
+    "WidenedSoftEmbed",
+    "WidenedEmbedding",
+    "WidenedExperts",
+]

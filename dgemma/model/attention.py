@@ -52,7 +52,9 @@ def within_images(
     if mask is None:
         k = torch.arange(num_keys, device=groups.device)
         q = torch.arange(t, device=groups.device) + (num_keys - t)
-        base = k[None, :] <= q[:, None] if is_causal else torch.ones(t, num_keys, dtype=torch.bool, device=groups.device)
+        base = (
+            k[None, :] <= q[:, None] if is_causal else torch.ones(t, num_keys, dtype=torch.bool, device=groups.device)
+        )
         mask = base.expand(n, 1, t, num_keys)
     mask = mask.clone()
     same = (groups[:, :, None] == groups[:, None, :]) & (groups[:, :, None] >= 0)
@@ -90,7 +92,9 @@ def sdpa(
     return out.transpose(1, 2)
 
 
-def attend_then_sdpa(cache_pass, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attend_then_sdpa(
+    cache_pass, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
     """The usual way a cache pass attends: it stores k/v and hands back the keys/values to attend
     over with their mask (`cache_pass.attend`), then `sdpa`. -> [B, Q, H, D]"""
     k_all, v_all, mask, is_causal = cache_pass.attend(layer, sliding, k, v)

@@ -17,13 +17,24 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from ..config import GLOBAL, SLIDING, GenerationConfig, LayerSpec, ModelConfig, parse_model_config
+from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from .diffusion_gemma import DiffusionGemma
 from .presets import PRESETS
-from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from .weights import save_weights
 
 # Gemma-style special tokens at fixed ids; <eos> and <turn|> end generation.
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"]
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<|turn>",
+    "<turn|>",
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+]
 EOS_TOKENS = ("<eos>", "<turn|>")
 
 MINIMAL_VISION_CONFIG = {
@@ -201,7 +212,9 @@ def init_weights(net: DiffusionGemma, std: float = 0.02, seed: int | None = None
     return net
 
 
-def random_model(config: ModelConfig, seed: int = 0, std: float = 0.02, dtype=torch.float32, device="cpu") -> DiffusionGemma:
+def random_model(
+    config: ModelConfig, seed: int = 0, std: float = 0.02, dtype=torch.float32, device="cpu"
+) -> DiffusionGemma:
     with torch.device(device):
         net = DiffusionGemma(config)
     return init_weights(net, std=std, seed=seed).to(dtype).eval()

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import rope
 from ..config import LayerSpec, ModelConfig
+from . import rope
 from .layers import RMSNorm, gated_mlp
 
 

@@ -47,7 +47,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos) + (rotate_half(x) * sin)
 
 
-def axial_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def axial_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """2D RoPE tables [..., P, head_dim] for patch positions [..., P, 2]: the first half of each head
     rotates with x, the second with y, each half with the same head_dim / 4 frequencies."""
     half = head_dim // 2

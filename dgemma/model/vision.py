@@ -123,7 +123,9 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleList(VisionLayer(cfg) for _ in range(cfg.num_layers))
 
 
-def average_pool(hidden: torch.Tensor, positions: torch.Tensor, k: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def average_pool(
+    hidden: torch.Tensor, positions: torch.Tensor, k: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of each k x k cell of each image's patch grid, cells in row-major order (float32):
     [n, P, h] -> ([n, length, h], which of the `length` cells hold patches [n, length]). Padding
     patches (zero hidden states, position -1 read as 0) add nothing."""

@@ -58,7 +58,9 @@ def header_dtype(path: Path) -> torch.dtype | None:
     for file in sorted(set(weight_files(path).values())):
         try:
             with safe_open(file, framework="pt") as f:  # the header only: no tensor data is read
-                stored = [f.get_slice(name).get_dtype() for name in f.keys() if not any(m in name for m in QUANT_PART_MARKERS)]
+                stored = [
+                    f.get_slice(name).get_dtype() for name in f.keys() if not any(m in name for m in QUANT_PART_MARKERS)
+                ]
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad file
             raise WeightsError(f"{file} is not a safetensors file: {e}") from None
         for code in stored:
@@ -220,7 +222,9 @@ def _read_cut(handle, disk: str, file: Path, cut, expected: tuple[int, ...]) -> 
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, cut.dim)
 
 
-def _install_quantized(model: DiffusionGemma, name: str, fetch, dtype: torch.dtype, device, target: str | None = None) -> None:
+def _install_quantized(
+    model: DiffusionGemma, name: str, fetch, dtype: torch.dtype, device, target: str | None = None
+) -> None:
     """Put a stored quantised weight (`fetch(name)`, a QTensor) in place of the full-precision
     parameter `name` (at `target` in a model cut to one rank's share)."""
     from ..quant.formats import dequantize
@@ -234,7 +238,9 @@ def _install_quantized(model: DiffusionGemma, name: str, fetch, dtype: torch.dty
         parent_name, _, child = module_name.rpartition(".")
         stored_module = name.rpartition(".")[0]
         gate_up, down = fetch(f"{stored_module}.gate_up_proj"), fetch(f"{stored_module}.down_proj")
-        model.get_submodule(parent_name)._modules[child] = QuantExperts(_on_device(gate_up, device), _on_device(down, device), module.approximate)
+        model.get_submodule(parent_name)._modules[child] = QuantExperts(
+            _on_device(gate_up, device), _on_device(down, device), module.approximate
+        )
     elif isinstance(module, torch.nn.Linear) and attr == "weight" and name.startswith("layers."):
         parent_name, _, child = module_name.rpartition(".")
         model.get_submodule(parent_name)._modules[child] = QuantLinear(_on_device(fetch(name), device))
@@ -266,5 +272,13 @@ def save_weights(model: DiffusionGemma, path: str | Path, dtype: torch.dtype | N
     return save_safetensors(tensors, path / SINGLE_FILE)
 
 
-__all__ = ["load_weights", "save_weights", "stored_dtype", "save_safetensors", "state_dict_for_disk", "WeightsError", "ConfigError",
-           "checkpoint_name"]
+__all__ = [
+    "load_weights",
+    "save_weights",
+    "stored_dtype",
+    "save_safetensors",
+    "state_dict_for_disk",
+    "WeightsError",
+    "ConfigError",
+    "checkpoint_name",
+]

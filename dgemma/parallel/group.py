@@ -27,7 +27,7 @@ class ShardGroup:
     group: object | None = None  # the torch.distributed ProcessGroup; None: one process
 
     @classmethod
-    def single(cls) -> "ShardGroup":
+    def single(cls) -> ShardGroup:
         return cls(rank=0, size=1)
 
     @property
@@ -45,9 +45,9 @@ class ShardGroup:
         if self.size == 1:
             return t[None]
         out = t.new_empty(self.size, *t.shape)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group) if t.device.type == "cuda" else dist.all_gather(
-            list(out.unbind(0)), t.contiguous(), group=self.group
-        )
+        dist.all_gather_into_tensor(
+            out, t.contiguous(), group=self.group
+        ) if t.device.type == "cuda" else dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -84,7 +84,9 @@ def from_environment(device: torch.device | str = "cpu", timeout_s: float | None
         return ShardGroup.single()
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise RuntimeError(f"WORLD_SIZE={size} but {', '.join(missing)} not set: start the ranks with torchrun or dgemma's launcher")
+        raise RuntimeError(
+            f"WORLD_SIZE={size} but {', '.join(missing)} not set: start the ranks with torchrun or dgemma's launcher"
+        )
     if not dist.is_initialized():
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

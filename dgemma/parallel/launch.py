@@ -33,8 +33,14 @@ def rank_environment(rank: int, size: int, port: int, base: dict[str, str] | Non
     """torchrun's variables for rank `rank` of `size` on this host; each rank gets an equal share
     of the CPU's threads unless OMP_NUM_THREADS says otherwise."""
     env = dict(os.environ if base is None else base)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_WORLD_SIZE=str(size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not c10d's warning for every idle wait on the store
     return env
@@ -68,11 +74,15 @@ def launch(argv: list[str], size: int, poll_s: float = 0.2) -> int:
     ranks = []
     for rank in range(size):
         quiet = rank > 0
-        ranks.append(subprocess.Popen(
-            [sys.executable, "-m", "dgemma", *argv], env=rank_environment(rank, size, port),
-            stdin=subprocess.DEVNULL if quiet else None, stdout=subprocess.DEVNULL if quiet else None,
-            stderr=logs[rank] if quiet else None,
-        ))  # fmt: skip
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "dgemma", *argv],
+                env=rank_environment(rank, size, port),
+                stdin=subprocess.DEVNULL if quiet else None,
+                stdout=subprocess.DEVNULL if quiet else None,
+                stderr=logs[rank] if quiet else None,
+            )
+        )
 
     def stop_all(sig: int = signal.SIGTERM, grace_s: float = 5.0) -> None:
         for p in ranks:
@@ -110,8 +120,9 @@ def launch(argv: list[str], size: int, poll_s: float = 0.2) -> int:
                     if tail:
                         sys.stderr.write("\n".join(f"[rank {rank}] {line}" for line in tail) + "\n")
                 if others or rank > 0:
-                    sys.stderr.write(f"dgemma: error: rank {rank} of {size} ended with {describe(code)}; "
-                                     f"stopped the other ranks\n")  # fmt: skip
+                    sys.stderr.write(
+                        f"dgemma: error: rank {rank} of {size} ended with {describe(code)}; stopped the other ranks\n"
+                    )
                 return code if code > 0 else 128 - code
             time.sleep(poll_s)
     except KeyboardInterrupt:

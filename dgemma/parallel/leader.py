@@ -35,7 +35,9 @@ from .launch import free_port, rank_environment, wait_or_kill
 from .lockstep import STOP, LeaderEngine, announce_engine
 
 LEADER_VARIABLE = "DGEMMA_LED_BY"  # in a led rank's environment: rank 0's process id
-RANK_CODE = "import sys, dgemma; from dgemma.parallel.leader import rank_main; sys.exit(rank_main(dgemma.load, sys.argv[1]))"
+RANK_CODE = (
+    "import sys, dgemma; from dgemma.parallel.leader import rank_main; sys.exit(rank_main(dgemma.load, sys.argv[1]))"
+)
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding `dgemma` (the ranks import it)
 CLOSE_GRACE_S = 30.0  # how long the ranks have to leave before they are killed
 
@@ -43,8 +45,15 @@ CLOSE_GRACE_S = 30.0  # how long the ranks have to leave before they are killed
 class LedRanks:
     """Ranks 1..N-1 that this process (rank 0) started, and the group they share with it."""
 
-    def __init__(self, size: int, processes: list[subprocess.Popen], logs: list, group: ShardGroup, device: torch.device,
-                 threads: int):  # fmt: skip
+    def __init__(
+        self,
+        size: int,
+        processes: list[subprocess.Popen],
+        logs: list,
+        group: ShardGroup,
+        device: torch.device,
+        threads: int,
+    ):
         self.size, self.processes, self.logs, self.group, self.device = size, processes, logs, group, device
         self._threads = threads  # the caller's torch threads, given back at close
         self._engines = 0
@@ -52,21 +61,33 @@ class LedRanks:
         self._closed = False
 
     @classmethod
-    def start(cls, size: int, load_args: dict, device: torch.device) -> "LedRanks":
+    def start(cls, size: int, load_args: dict, device: torch.device) -> LedRanks:
         """Start ranks 1..size-1, each running `dgemma.load(**load_args)` as a rank of `size`, and
         join their group as rank 0 (gloo on a CPU, NCCL on a GPU: rank r on cuda:r)."""
         port = free_port()
-        base = {**os.environ, LEADER_VARIABLE: str(os.getpid()),
-                "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+        base = {
+            **os.environ,
+            LEADER_VARIABLE: str(os.getpid()),
+            "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        }
         # the kernel's parent-death signal follows the thread that started a process: asked for only
         # when that is the main thread (one that ends early would take the ranks with it)
-        spec = json.dumps({"load": load_args, "parent_death_signal": threading.current_thread() is threading.main_thread()})
+        spec = json.dumps(
+            {"load": load_args, "parent_death_signal": threading.current_thread() is threading.main_thread()}
+        )
         processes, logs = [], []
         for rank in range(1, size):
             log = tempfile.TemporaryFile()
             logs.append(log)
-            processes.append(subprocess.Popen([sys.executable, "-c", RANK_CODE, spec], env=rank_environment(rank, size, port, base),
-                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log))  # fmt: skip
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", RANK_CODE, spec],
+                    env=rank_environment(rank, size, port, base),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
+            )
         threads = torch.get_num_threads()
         torch.set_num_threads(int(rank_environment(0, size, port)["OMP_NUM_THREADS"]))  # each rank's share of the cores
         if device.type == "cuda":
@@ -74,13 +95,20 @@ class LedRanks:
             torch.cuda.set_device(device)
         try:
             timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "120")))
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                    rank=0, world_size=size, timeout=timeout)  # fmt: skip
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=0,
+                world_size=size,
+                timeout=timeout,
+            )
         except Exception as e:
             wait_or_kill(processes, 0.0)
             torch.set_num_threads(threads)
-            raise RuntimeError(f"tensor_parallel_size={size}: the ranks this process started did not join it ({e})"
-                               f"{_tails(processes, logs)}") from None  # fmt: skip
+            raise RuntimeError(
+                f"tensor_parallel_size={size}: the ranks this process started did not join it ({e})"
+                f"{_tails(processes, logs)}"
+            ) from None
         ranks = cls(size, processes, logs, ShardGroup(rank=0, size=size, group=dist.group.WORLD), device, threads)
         atexit.register(ranks.close)
         return ranks

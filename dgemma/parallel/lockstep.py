@@ -49,7 +49,7 @@ class Admission:
     grammar: tuple[str, str] | None = None  # (kind, llguidance source) of a CanvasGrammar
 
     @classmethod
-    def of(cls, r: Request) -> "Admission":
+    def of(cls, r: Request) -> Admission:
         grammar, constraints = None, r.constraints
         if isinstance(constraints, CanvasGrammar):
             grammar, constraints = (constraints.grammar.kind, constraints.grammar.source), None
@@ -59,8 +59,15 @@ class Admission:
         constraints = self.constraints
         if self.grammar is not None:
             constraints = model.grammars.canvas(Grammar(*self.grammar), model.config.canvas_length)
-        return Request(self.prompt, self.config, self.seed, drafts=self.drafts, images=self.images,
-                       constraints=constraints, top_logprobs=self.top_logprobs)  # fmt: skip
+        return Request(
+            self.prompt,
+            self.config,
+            self.seed,
+            drafts=self.drafts,
+            images=self.images,
+            constraints=constraints,
+            top_logprobs=self.top_logprobs,
+        )
 
 
 @dataclass

@@ -97,19 +97,24 @@ class ShardPlan:
         if expert_parallel and c.num_experts % size:
             raise ShardError(f"{c.num_experts} experts do not split across {size} ranks (expert parallelism)")
         if not expert_parallel and c.moe_intermediate_size % size:
-            raise ShardError(f"moe_intermediate_size {c.moe_intermediate_size} does not split across {size} ranks; "
-                             "try expert parallelism")  # fmt: skip
+            raise ShardError(
+                f"moe_intermediate_size {c.moe_intermediate_size} does not split across {size} ranks; "
+                "try expert parallelism"
+            )
         per_rank = c.num_heads // size
         for i, spec in enumerate(c.layers):
             group = c.num_heads // spec.num_kv_heads  # query heads per KV head
             if spec.num_kv_heads % size and group % per_rank:
-                raise ShardError(f"layer {i}: {per_rank} query heads per rank straddle the groups of {group} query "
-                                 f"heads that share each of its {spec.num_kv_heads} KV heads ({size} ranks)")  # fmt: skip
+                raise ShardError(
+                    f"layer {i}: {per_rank} query heads per rank straddle the groups of {group} query "
+                    f"heads that share each of its {spec.num_kv_heads} KV heads ({size} ranks)"
+                )
         for r in range(size):
             start, end = vocab_shard(c.vocab_size, size, r)
             if end <= start:
-                raise ShardError(f"vocabulary of {c.vocab_size} leaves rank {r} of {size} no rows (shards are whole "
-                                 "32-token words)")  # fmt: skip
+                raise ShardError(
+                    f"vocabulary of {c.vocab_size} leaves rank {r} of {size} no rows (shards are whole 32-token words)"
+                )
         ranks = []
         for r in range(size):
             heads = []
@@ -121,14 +126,18 @@ class ShardPlan:
                     group = c.num_heads // spec.num_kv_heads
                     kv = query[0] // group
                     heads.append(HeadShard(query, (kv, kv + 1), group // per_rank))
-            ranks.append(RankShard(
-                rank=r,
-                heads=tuple(heads),
-                intermediate=_split(c.intermediate_size, size, r),
-                moe_intermediate=(0, c.moe_intermediate_size) if expert_parallel else _split(c.moe_intermediate_size, size, r),
-                experts=_split(c.num_experts, size, r) if expert_parallel else (0, c.num_experts),
-                vocab=vocab_shard(c.vocab_size, size, r),
-            ))  # fmt: skip
+            ranks.append(
+                RankShard(
+                    rank=r,
+                    heads=tuple(heads),
+                    intermediate=_split(c.intermediate_size, size, r),
+                    moe_intermediate=(0, c.moe_intermediate_size)
+                    if expert_parallel
+                    else _split(c.moe_intermediate_size, size, r),
+                    experts=_split(c.num_experts, size, r) if expert_parallel else (0, c.num_experts),
+                    vocab=vocab_shard(c.vocab_size, size, r),
+                )
+            )
         return cls(config, size, bool(expert_parallel), tuple(ranks))
 
     def rank_config(self, rank: int) -> ModelConfig:

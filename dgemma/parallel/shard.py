@@ -111,7 +111,7 @@ class VocabColumns:
     def own(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[..., self.start : self.end]
 
-    def __deepcopy__(self, memo) -> "VocabColumns":
+    def __deepcopy__(self, memo) -> VocabColumns:
         return self
 
 
@@ -189,7 +189,13 @@ def stored_groups(stored) -> Groups:
         if name not in stored:
             return None
         g = stored.group(name)
-        return (g.group_size or inputs, "int4") if g.scheme == "int4" else (NVFP4_GROUP, "nvfp4") if g.scheme == "nvfp4" else None
+        return (
+            (g.group_size or inputs, "int4")
+            if g.scheme == "int4"
+            else (NVFP4_GROUP, "nvfp4")
+            if g.scheme == "nvfp4"
+            else None
+        )
 
     return groups
 
@@ -213,17 +219,21 @@ class RankLayout:
             width = plan.ranks[0].heads[i].num_query * spec.head_dim
             g = groups(f"layers.{i}.self_attn.o_proj.weight", c.num_heads * spec.head_dim)
             if g and width % g[0]:
-                raise ShardError(f"layers.{i}.self_attn.o_proj: the {width} inputs each of {plan.size} ranks holds are "
-                                 f"not whole {g[1]} groups of {g[0]}: choose a group size that divides {width}")  # fmt: skip
+                raise ShardError(
+                    f"layers.{i}.self_attn.o_proj: the {width} inputs each of {plan.size} ranks holds are "
+                    f"not whole {g[1]} groups of {g[0]}: choose a group size that divides {width}"
+                )
             g = groups(f"layers.{i}.mlp.down_proj.weight", c.intermediate_size)
             if g and (c.intermediate_size // plan.size) % g[0]:
                 owners[i] = i % plan.size
             moe = c.moe_intermediate_size // plan.size
             g = None if plan.expert_parallel else groups(f"layers.{i}.experts.down_proj", c.moe_intermediate_size)
             if g and moe % g[0]:
-                raise ShardError(f"layers.{i}.experts: the {moe} of each expert's intermediate each of {plan.size} ranks "
-                                 f"holds are not whole {g[1]} groups of {g[0]}: use expert parallelism, or a group size "
-                                 f"that divides {moe}")  # fmt: skip
+                raise ShardError(
+                    f"layers.{i}.experts: the {moe} of each expert's intermediate each of {plan.size} ranks "
+                    f"holds are not whole {g[1]} groups of {g[0]}: use expert parallelism, or a group size "
+                    f"that divides {moe}"
+                )
         return cls(plan, rank, owners)
 
     def cut(self, name: str) -> Cut | None:
@@ -279,8 +289,10 @@ class Elsewhere(nn.Module):
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
     if type(module) is not nn.Linear:
-        raise ShardError(f"{name} is a {type(module).__name__}: only unquantised nn.Linear weights are cut "
-                         "(shard the unquantised model, with quantization=..., before packing)")  # fmt: skip
+        raise ShardError(
+            f"{name} is a {type(module).__name__}: only unquantised nn.Linear weights are cut "
+            "(shard the unquantised model, with quantization=..., before packing)"
+        )
     return module
 
 
@@ -293,7 +305,9 @@ def _check_cuttable(net: DiffusionGemma, layout: RankLayout) -> None:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             _linear(getattr(layer.mlp, proj, None), f"layers.{i}.mlp.{proj}")
         if type(layer.experts) is not Experts:
-            raise ShardError(f"layers.{i}.experts is a {type(layer.experts).__name__}: only unquantised Experts are cut")
+            raise ShardError(
+                f"layers.{i}.experts is a {type(layer.experts).__name__}: only unquantised Experts are cut"
+            )
     for proj in ("gate_proj", "up_proj", "down_proj"):
         _linear(getattr(net.self_conditioning, proj), f"self_conditioning.{proj}")
 
@@ -310,7 +324,9 @@ def _cut(net: DiffusionGemma, layout: RankLayout, group: ShardGroup) -> None:
         cut = layout.cut(name)
         if cut is not None and not cut.whole:
             module_name, _, attr = name.rpartition(".")
-            net.get_submodule(module_name)._parameters[attr] = nn.Parameter(cut.of(p.detach()), requires_grad=p.requires_grad)
+            net.get_submodule(module_name)._parameters[attr] = nn.Parameter(
+                cut.of(p.detach()), requires_grad=p.requires_grad
+            )
     for module in net.modules():
         if type(module) is nn.Linear:
             module.out_features, module.in_features = module.weight.shape
@@ -345,8 +361,9 @@ def _whole_amax(w: torch.Tensor, scheme: str, cut: Cut | None, group: ShardGroup
     return group.all_reduce(amax.reshape(-1).contiguous(), op="max").view(amax.shape)
 
 
-def quantize_shard_layer(net: DiffusionGemma, index: int, layout: RankLayout, group: ShardGroup, scheme: str,
-                         group_size: int | None) -> None:  # fmt: skip
+def quantize_shard_layer(
+    net: DiffusionGemma, index: int, layout: RankLayout, group: ShardGroup, scheme: str, group_size: int | None
+) -> None:
     """`quant.modules.quantize_layer` for this rank's cut of layer `index`: each weight quantised
     with the whole weight's statistics (`_whole_amax`), so the rank holds exactly its cut of what
     one process quantises. Every rank calls it for the same layers in the same order (the
@@ -376,7 +393,10 @@ def quantize_shard_layer(net: DiffusionGemma, index: int, layout: RankLayout, gr
 
 @torch.no_grad()
 def shard_model(
-    net: DiffusionGemma, group: ShardGroup, expert_parallel: bool = False, quantization: tuple[str, int | None] | None = None
+    net: DiffusionGemma,
+    group: ShardGroup,
+    expert_parallel: bool = False,
+    quantization: tuple[str, int | None] | None = None,
 ) -> DiffusionGemma:
     """Cut `net` (the full model, the same on every rank: unquantised float weights, not yet
     packed) to rank `group.rank`'s share, in place, and set its reduce points to all-reduce over
@@ -387,8 +407,10 @@ def shard_model(
     if net.shards is not None:
         raise ShardError("the model is already sharded")
     if net.quantization is not None:
-        raise ShardError(f"sharding a model already quantised to {net.quantization[0]} is not supported: shard the "
-                         "unquantised model with quantization=(scheme, group size)")  # fmt: skip
+        raise ShardError(
+            f"sharding a model already quantised to {net.quantization[0]} is not supported: shard the "
+            "unquantised model with quantization=(scheme, group size)"
+        )
     if net.lm_head_kernel is not None or net.soft_embed_kernel is not None:
         raise ShardError("the model has kernel replacements: shard the loaded model, then choose its kernels")
     scheme, group_size = quantization if quantization is not None else (None, None)
@@ -420,12 +442,16 @@ class ShardedLoad:
         self.group, self.expert_parallel = group, expert_parallel
         self.layout: RankLayout | None = None
 
-    def cut(self, model: DiffusionGemma, quantization: tuple[str, int | None] | None = None, stored=None) -> DiffusionGemma:
+    def cut(
+        self, model: DiffusionGemma, quantization: tuple[str, int | None] | None = None, stored=None
+    ) -> DiffusionGemma:
         """`model` (the full model on the meta device) cut to this rank's shapes, in place.
         `quantization`: the (scheme, group size) it is quantised to while loading; `stored`: the
         checkpoint's quantised weights (quant/read.py); their groups a split keeps whole."""
         plan = ShardPlan.build(model.config, self.group.size, self.expert_parallel)
-        groups = stored_groups(stored) if stored is not None else scheme_groups(*quantization) if quantization else no_groups
+        groups = (
+            stored_groups(stored) if stored is not None else scheme_groups(*quantization) if quantization else no_groups
+        )
         self.layout = RankLayout.build(plan, self.group.rank, groups)
         if self.group.size > 1:
             _cut(model, self.layout, self.group)

@@ -26,7 +26,9 @@ import torch
 
 SCHEMES = ("fp8", "int8", "int4", "nvfp4")
 FORMATS = {"fp8": "float-quantized", "int8": "int-quantized", "int4": "pack-quantized", "nvfp4": "nvfp4-pack-quantized"}
-DEFAULT_GROUP_SIZE = 64  # int4: divides every input size of the released model (704, 2112, 2816, 4096, 8192); 128 does not
+DEFAULT_GROUP_SIZE = (
+    64  # int4: divides every input size of the released model (704, 2112, 2816, 4096, 8192); 128 does not
+)
 NVFP4_GROUP = 16
 FP8_MAX = 448.0  # float8_e4m3fn
 E2M1_MAX = 6.0
@@ -50,16 +52,18 @@ class QTensor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
-    def select(self, index: int) -> "QTensor":
+    def select(self, index: int) -> QTensor:
         """The weight at `index` of the leading dim (one expert of a fused [E, out, in] weight)."""
         parts = {k: v[index] for k, v in self.parts.items() if k != "weight_shape"}
         if "weight_shape" in self.parts:
             parts["weight_shape"] = torch.tensor(self.shape[-2:], dtype=torch.int32)
         return QTensor(self.scheme, tuple(self.shape[1:]), parts, self.group_size)
 
-    def rows(self, start: int, end: int) -> "QTensor":
+    def rows(self, start: int, end: int) -> QTensor:
         """Output channels [start, end) of a 2D weight (a tile of a matmul)."""
-        parts = {k: (v[start:end] if k not in ("weight_global_scale", "weight_shape") else v) for k, v in self.parts.items()}
+        parts = {
+            k: (v[start:end] if k not in ("weight_global_scale", "weight_shape") else v) for k, v in self.parts.items()
+        }
         if "weight_shape" in parts:
             parts["weight_shape"] = torch.tensor((end - start, self.shape[-1]), dtype=torch.int32)
         return QTensor(self.scheme, (end - start, self.shape[-1]), parts, self.group_size)
@@ -116,7 +120,11 @@ def quantize(
     if scheme == "int4":
         scale = (_grouped_absmax(wf, group) / 7.0).clamp(min=torch.finfo(scale_dtype).tiny).to(scale_dtype)
         q = (wf.unflatten(-1, (-1, group)) / scale.float()[..., None]).round().clamp(-8, 7).flatten(-2).to(torch.int8)
-        parts = {"weight_packed": pack_int4(q), "weight_scale": scale, "weight_shape": torch.tensor(shape[-2:], dtype=torch.int32)}
+        parts = {
+            "weight_packed": pack_int4(q),
+            "weight_scale": scale,
+            "weight_shape": torch.tensor(shape[-2:], dtype=torch.int32),
+        }
         return QTensor(scheme, shape, parts, group)
     # nvfp4: a float32 global scale per 2D weight (per expert of a fused one) puts its largest
     # group scale at the top of fp8's range

@@ -116,9 +116,15 @@ class QuantExperts(nn.Module):
         gate_up, down = self.gate_up_proj.qtensor, self.down_proj.qtensor
         if _on_gpu(x):
             return self._grouped(x, top_k_index, top_k_weights, gate_up, down)
-        return sorted_experts(x, top_k_index, top_k_weights, self.num_experts, self.approximate,
-                              lambda e, rows: cpu_quant_linear(rows, gate_up.select(e)),
-                              lambda e, rows: cpu_quant_linear(rows, down.select(e)))  # fmt: skip
+        return sorted_experts(
+            x,
+            top_k_index,
+            top_k_weights,
+            self.num_experts,
+            self.approximate,
+            lambda e, rows: cpu_quant_linear(rows, gate_up.select(e)),
+            lambda e, rows: cpu_quant_linear(rows, down.select(e)),
+        )
 
     def _grouped(self, x, top_k_index, top_k_weights, gate_up: QTensor, down: QTensor) -> torch.Tensor:
         """The GPU path: the MoE kernels (align, gate|up with gelu * up, down: kernels/triton_moe.py),
@@ -131,8 +137,15 @@ class QuantExperts(nn.Module):
         return (y * top_k_weights[..., None]).sum(dim=1).to(x.dtype)
 
 
-LINEAR_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+LINEAR_TARGETS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def quantize_layer(layer: nn.Module, scheme: str, group_size: int | None) -> None:
@@ -147,7 +160,9 @@ def quantize_layer(layer: nn.Module, scheme: str, group_size: int | None) -> Non
             parent._modules[child] = QuantLinear(quantize(linear.weight.detach(), scheme, group_size, dtype))
     experts = layer.experts
     if not isinstance(experts, QuantExperts):
-        gate_up = quantize_stacked(lambda e: experts.gate_up_proj[e].detach(), experts.num_experts, scheme, group_size, dtype)
+        gate_up = quantize_stacked(
+            lambda e: experts.gate_up_proj[e].detach(), experts.num_experts, scheme, group_size, dtype
+        )
         down = quantize_stacked(lambda e: experts.down_proj[e].detach(), experts.num_experts, scheme, group_size, dtype)
         layer._modules["experts"] = QuantExperts(gate_up, down, experts.approximate)
     release_freed_memory()  # the quantisation's temporaries: no pile of free, resident heap
@@ -166,8 +181,17 @@ def weight_bytes(net: nn.Module) -> dict[str, int]:
     out = {"experts": 0, "attention": 0, "dense": 0, "embeddings": 0, "other": 0}
     for name, tensor in list(net.named_parameters()) + list(net.named_buffers()):
         size = tensor.numel() * tensor.element_size()
-        kind = ("experts" if ".experts." in name else "attention" if ".self_attn." in name
-                else "dense" if ".mlp." in name else "embeddings" if name.startswith("embed_tokens") else "other")  # fmt: skip
+        kind = (
+            "experts"
+            if ".experts." in name
+            else "attention"
+            if ".self_attn." in name
+            else "dense"
+            if ".mlp." in name
+            else "embeddings"
+            if name.startswith("embed_tokens")
+            else "other"
+        )
         out[kind] += size
     return out
 

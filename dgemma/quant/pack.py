@@ -45,7 +45,11 @@ def disk_parts(q: QTensor) -> dict[str, torch.Tensor]:
     if q.scheme != "int8":
         return dict(q.parts)
     shape = torch.tensor(q.shape[-2:], dtype=torch.int32)
-    return {"weight_packed": pack_int8(q.parts["weight"]), "weight_scale": q.parts["weight_scale"], "weight_shape": shape}
+    return {
+        "weight_packed": pack_int8(q.parts["weight"]),
+        "weight_scale": q.parts["weight_scale"],
+        "weight_shape": shape,
+    }
 
 
 def split_rows(q: QTensor, sizes: list[int]) -> list[QTensor]:

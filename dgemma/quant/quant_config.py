@@ -21,11 +21,28 @@ log = logging.getLogger("dgemma")
 
 COMPRESSION_VERSION = "0.20.1"  # the compressed-tensors release whose config.json block is written
 QUANT_METHOD = "compressed-tensors"
-DISK_FORMATS = {"fp8": "float-quantized", "int8": "pack-quantized", "int4": "pack-quantized", "nvfp4": "nvfp4-pack-quantized"}
+DISK_FORMATS = {
+    "fp8": "float-quantized",
+    "int8": "pack-quantized",
+    "int4": "pack-quantized",
+    "nvfp4": "nvfp4-pack-quantized",
+}
 EMBEDDING_FORMATS = {"fp8": "naive-quantized", "int8": "pack-quantized"}  # weight-only, as the library infers
-CT_FORMATS = ("dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantized", "float-quantized", "naive-quantized",
-              "pack-quantized", "marlin-24", "mixed-precision", "nvfp4-pack-quantized", "mxfp4-pack-quantized",
-              "mxfp6-pack-quantized", "mxfp8-quantized")  # fmt: skip
+CT_FORMATS = (
+    "dense",
+    "sparse-bitmask",
+    "sparse-24-bitmask",
+    "int-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "pack-quantized",
+    "marlin-24",
+    "mixed-precision",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp6-pack-quantized",
+    "mxfp8-quantized",
+)
 MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8"}
 PRESETS = {  # config_groups given as {"PRESET": [targets]}: the presets dgemma can run
     "FP8": {"num_bits": 8, "type": "float", "strategy": "tensor"},
@@ -78,14 +95,27 @@ class QuantInfo:
 # ------------------------------------------------------------------------------ quantization_config
 def weight_args(scheme: str, group_size: int | None = None) -> dict:
     """The `weights` QuantizationArgs of a scheme, as the library serialises them."""
-    args = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "channel", "dynamic": False}
+    args = {
+        "num_bits": 8,
+        "type": "int",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": "channel",
+        "dynamic": False,
+    }
     if scheme == "fp8":
         return dict(args, type="float")
     if scheme == "int4":
         return dict(args, num_bits=4, group_size=group_size or DEFAULT_GROUP_SIZE, strategy="group")
     if scheme == "nvfp4":
-        return dict(args, num_bits=4, type="float", group_size=NVFP4_GROUP, strategy="tensor_group",
-                    scale_dtype="torch.float8_e4m3fn")  # fmt: skip
+        return dict(
+            args,
+            num_bits=4,
+            type="float",
+            group_size=NVFP4_GROUP,
+            strategy="tensor_group",
+            scale_dtype="torch.float8_e4m3fn",
+        )
     return args
 
 
@@ -95,9 +125,21 @@ def config_group(scheme: str, group_size: int | None, targets: list[str], fmt: s
     calibrated `input_global_scale`s."""
     inputs = None
     if activations and scheme == "fp8":
-        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "token", "dynamic": True}
-    return {"targets": targets, "weights": weight_args(scheme, group_size), "input_activations": inputs,
-            "output_activations": None, "format": fmt}  # fmt: skip
+        inputs = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "group_size": None,
+            "strategy": "token",
+            "dynamic": True,
+        }
+    return {
+        "targets": targets,
+        "weights": weight_args(scheme, group_size),
+        "input_activations": inputs,
+        "output_activations": None,
+        "format": fmt,
+    }
 
 
 def quantization_config(
@@ -108,7 +150,9 @@ def quantization_config(
     group_size = check_group_size(scheme, group_size)
     groups = {"group_0": config_group(scheme, group_size, ["Linear"], DISK_FORMATS[scheme], activations=True)}
     if embeddings is not None:
-        groups["group_1"] = config_group(embeddings, None, ["Embedding"], EMBEDDING_FORMATS[embeddings], activations=False)
+        groups["group_1"] = config_group(
+            embeddings, None, ["Embedding"], EMBEDDING_FORMATS[embeddings], activations=False
+        )
     formats = {g["format"] for g in groups.values()}
     block = {
         "config_groups": groups,
@@ -134,7 +178,9 @@ def check_group_size(scheme: str, group_size: int | None) -> int | None:
         return group_size
     check_scheme(scheme)
     if group_size is not None and not (scheme == "nvfp4" and group_size == NVFP4_GROUP):
-        raise QuantError(f"a group size applies to int4 only (nvfp4's groups are {NVFP4_GROUP}); got {group_size} for {scheme}")
+        raise QuantError(
+            f"a group size applies to int4 only (nvfp4's groups are {NVFP4_GROUP}); got {group_size} for {scheme}"
+        )
     return NVFP4_GROUP if scheme == "nvfp4" else None
 
 
@@ -147,8 +193,14 @@ def scheme_of(weights: dict, fmt: str, group: str = "group") -> tuple[str, int |
     """dgemma's scheme (and group size) for a config group's `weights` args in format `fmt`."""
     if not isinstance(weights, dict):
         raise _bad(f"{group} has no weights quantization (dgemma runs weight-quantised checkpoints)")
-    bits, kind, group_size = weights.get("num_bits", 8), str(weights.get("type", "int")).lower(), weights.get("group_size")
-    strategy = weights.get("strategy") or ("tensor" if group_size is None else "channel" if group_size == -1 else "group")
+    bits, kind, group_size = (
+        weights.get("num_bits", 8),
+        str(weights.get("type", "int")).lower(),
+        weights.get("group_size"),
+    )
+    strategy = weights.get("strategy") or (
+        "tensor" if group_size is None else "channel" if group_size == -1 else "group"
+    )
     what = f"{group}: {kind}{bits} weights, strategy {strategy}, format {fmt}"
     if not weights.get("symmetric", True):
         raise _bad(f"{what} are asymmetric (zero points); dgemma runs symmetric weights only")
@@ -156,10 +208,19 @@ def scheme_of(weights: dict, fmt: str, group: str = "group") -> tuple[str, int |
         raise _bad(f"{what} are dynamic; dgemma needs static weight scales")
     if weights.get("actorder") in ("group", "dynamic"):
         raise _bad(f"{what} use actorder {weights['actorder']!r} (a g_idx permutation), which dgemma does not run")
-    if kind == "float" and bits == 8 and strategy in ("channel", "tensor") and fmt in ("float-quantized", "naive-quantized"):
+    if (
+        kind == "float"
+        and bits == 8
+        and strategy in ("channel", "tensor")
+        and fmt in ("float-quantized", "naive-quantized")
+    ):
         return "fp8", None
-    if kind == "int" and bits == 8 and strategy in ("channel", "tensor") and fmt in ("int-quantized", "naive-quantized",
-                                                                                   "pack-quantized"):  # fmt: skip
+    if (
+        kind == "int"
+        and bits == 8
+        and strategy in ("channel", "tensor")
+        and fmt in ("int-quantized", "naive-quantized", "pack-quantized")
+    ):
         return "int8", None
     if kind == "int" and bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
         if strategy == "group" and (not isinstance(group_size, int) or group_size < 8 or group_size % 8):
@@ -168,8 +229,10 @@ def scheme_of(weights: dict, fmt: str, group: str = "group") -> tuple[str, int |
     nvfp4 = strategy == "tensor_group" and group_size == NVFP4_GROUP and fmt == "nvfp4-pack-quantized"
     if kind == "float" and bits == 4 and nvfp4:
         return "nvfp4", NVFP4_GROUP
-    raise _bad(f"{what} cannot be run by dgemma (it runs fp8 and int8 per channel or tensor, int4 per group or "
-               "channel, nvfp4 in groups of 16)")  # fmt: skip
+    raise _bad(
+        f"{what} cannot be run by dgemma (it runs fp8 and int8 per channel or tensor, int4 per group or "
+        "channel, nvfp4 in groups of 16)"
+    )
 
 
 def check_format(fmt: str, where: str = "") -> str:

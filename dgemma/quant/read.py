@@ -61,15 +61,19 @@ def _channel_scale(scale: torch.Tensor, shape: tuple[int, ...], module: str) -> 
         return scale.reshape(1).expand(*shape[:-1]).unsqueeze(-1).clone()
     if scale.numel() == shape[-2] * (1 if len(shape) == 2 else shape[0]):
         return scale.reshape(*shape[:-1], 1)
-    raise QuantPartsError(f"{module}.weight_scale has shape {tuple(scale.shape)}; expected one scale per output channel")
+    raise QuantPartsError(
+        f"{module}.weight_scale has shape {tuple(scale.shape)}; expected one scale per output channel"
+    )
 
 
 def _need_weight(parts: dict, module: str, name: str, group: QuantGroup) -> torch.Tensor:
     """The part holding the codes, with a clear error when the tensors are of another layout."""
     other = {"weight": "weight_packed", "weight_packed": "weight"}[name]
     if name not in parts and other in parts:
-        raise QuantPartsError(f"{module} stores {other}, not the {name} its config group ({group.scheme}, format "
-                              f"{group.format}) reads: the tensors do not fit the quantization_config")  # fmt: skip
+        raise QuantPartsError(
+            f"{module} stores {other}, not the {name} its config group ({group.scheme}, format "
+            f"{group.format}) reads: the tensors do not fit the quantization_config"
+        )
     _need(parts, module, name)
     return parts[name]
 
@@ -84,7 +88,9 @@ def to_qtensor(parts: dict[str, torch.Tensor], group: QuantGroup, module: str) -
     _need(parts, module, "weight_scale")
     _expect_dtype(parts, module, "weight", torch.float8_e4m3fn if group.scheme == "fp8" else torch.int8, group.scheme)
     shape = tuple(weight.shape)
-    return QTensor(group.scheme, shape, {"weight": weight, "weight_scale": _channel_scale(parts["weight_scale"], shape, module)})
+    return QTensor(
+        group.scheme, shape, {"weight": weight, "weight_scale": _channel_scale(parts["weight_scale"], shape, module)}
+    )
 
 
 def _nvfp4_qtensor(parts: dict[str, torch.Tensor], group: QuantGroup, module: str) -> QTensor:
@@ -115,7 +121,9 @@ def _packed_qtensor(parts: dict[str, torch.Tensor], group: QuantGroup, module: s
     shape = (*packed.shape[:-1], int(parts["weight_shape"].reshape(-1)[-1]))
     per_word = 4 if group.scheme == "int8" else 8
     if packed.shape[-1] != -(-shape[-1] // per_word):
-        raise QuantPartsError(f"{module}.weight_packed has {packed.shape[-1]} words a row; weight_shape says {shape[-1]} inputs")
+        raise QuantPartsError(
+            f"{module}.weight_packed has {packed.shape[-1]} words a row; weight_shape says {shape[-1]} inputs"
+        )
     if group.scheme == "int8":
         parts = {"weight": unpack_int8(packed, shape[-1]), "weight_scale": _channel_scale(scale, shape, module)}
         return QTensor("int8", shape, parts)
@@ -125,12 +133,28 @@ def _packed_qtensor(parts: dict[str, torch.Tensor], group: QuantGroup, module: s
     if shape[-1] // groups != (group.group_size or shape[-1]):
         says = group.group_size or "per channel"
         raise QuantPartsError(f"{module} has groups of {shape[-1] // groups} inputs; its config group says {says}")
-    parts = {"weight_packed": packed, "weight_scale": scale, "weight_shape": torch.tensor(shape[-2:], dtype=torch.int32)}
+    parts = {
+        "weight_packed": packed,
+        "weight_scale": scale,
+        "weight_shape": torch.tensor(shape[-2:], dtype=torch.int32),
+    }
     return QTensor("int4", shape, parts, shape[-1] // groups)
 
 
-QUANT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2", "weight_zero_point",
-               "weight_g_idx", "input_scale", "input_global_scale", "input_zero_point", "k_scale", "v_scale")  # fmt: skip
+QUANT_PARTS = (
+    "weight_packed",
+    "weight_scale",
+    "weight_shape",
+    "weight_global_scale",
+    "weight_scale_2",
+    "weight_zero_point",
+    "weight_g_idx",
+    "input_scale",
+    "input_global_scale",
+    "input_zero_point",
+    "k_scale",
+    "v_scale",
+)
 
 
 def quantised_modules(names: list[str]) -> dict[str, dict[str, str]]:
@@ -169,11 +193,15 @@ class QuantizedWeights(Mapping):
             rel = module.removeprefix(DECODER)
             expert, fused = EXPERT.fullmatch(rel), FUSED_EXPERT.fullmatch(rel)
             if expert:
-                self.experts.setdefault(int(expert.group(1)), {}).setdefault(int(expert.group(2)), {})[expert.group(3)] = entry
+                self.experts.setdefault(int(expert.group(1)), {}).setdefault(int(expert.group(2)), {})[
+                    expert.group(3)
+                ] = entry
             else:
                 self.single[rel if fused else rel + ".weight"] = entry
         self._check_experts(num_experts)
-        self.names = list(self.single) + [f"layers.{n}.experts.{w}" for n in self.experts for w in ("gate_up_proj", "down_proj")]
+        self.names = list(self.single) + [
+            f"layers.{n}.experts.{w}" for n in self.experts for w in ("gate_up_proj", "down_proj")
+        ]
         if len(set(self.names)) != len(self.names):
             raise QuantPartsError("a layer's experts are stored both fused and per expert")
         entries = [*self.single.values(), *(p for ex in self.experts.values() for e in ex.values() for p in e.values())]
@@ -193,11 +221,15 @@ class QuantizedWeights(Mapping):
             for e in range(num_experts or max(experts) + 1):
                 missing = [p for p in ("gate", "up", "down") if p not in experts.get(e, {})]
                 if missing:
-                    raise QuantPartsError(f"missing tensors of {DECODER}layers.{layer}.experts.{e}.{missing[0]}_proj "
-                                          f"(every expert needs quantised gate, up and down projections)")  # fmt: skip
+                    raise QuantPartsError(
+                        f"missing tensors of {DECODER}layers.{layer}.experts.{e}.{missing[0]}_proj "
+                        f"(every expert needs quantised gate, up and down projections)"
+                    )
 
     def _read(self, entry: Entry) -> QTensor:
-        return to_qtensor({part: self.reader.get(disk) for part, disk in entry.parts.items()}, entry.group, entry.module)
+        return to_qtensor(
+            {part: self.reader.get(disk) for part, disk in entry.parts.items()}, entry.group, entry.module
+        )
 
     def _fuse(self, layer: int, which: str, dim: int | None = None, spans: tuple[tuple[int, int], ...] = ()) -> QTensor:
         """One layer's per-expert projections as the fused [E, 2I, H] gate_up or [E, H, I] down;

@@ -85,7 +85,9 @@ class ShardWriter:
         return paths
 
 
-def _quantize_named(w: torch.Tensor, scheme: str, group_size: int | None, name: str, dtype: torch.dtype | None) -> QTensor:
+def _quantize_named(
+    w: torch.Tensor, scheme: str, group_size: int | None, name: str, dtype: torch.dtype | None
+) -> QTensor:
     """quantize(), its error naming the tensor; int4's scales in the model dtype, as the library stores them."""
     try:
         return quantize(w, scheme, group_size, dtype or w.dtype)
@@ -118,7 +120,9 @@ def check_output_dir(out: Path) -> None:
         raise QuantError(f"output directory {out} exists and is not empty")
 
 
-def write_quantized(model_dir_in: str | Path, out_dir: str | Path, scheme: str, group_size: int | None = None, **options) -> Path:
+def write_quantized(
+    model_dir_in: str | Path, out_dir: str | Path, scheme: str, group_size: int | None = None, **options
+) -> Path:
     """Stream a full-precision checkpoint to `out_dir`, quantising attention, the dense MLP and the
     experts (one expert projection at a time); embeddings, routers, norms, scalars, the
     self-conditioning MLP and the vision tower stay as they are (cast to `dtype` if given).
@@ -130,12 +134,19 @@ def write_quantized(model_dir_in: str | Path, out_dir: str | Path, scheme: str, 
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise QuantError(f"{src} is already quantised (its config.json has a quantization_config)")
-    return write_quantized_from(TensorReader(src), config, out_dir, scheme, group_size,
-                                side_files=lambda out: copy_side_files(src, out), **options)  # fmt: skip
+    return write_quantized_from(
+        TensorReader(src),
+        config,
+        out_dir,
+        scheme,
+        group_size,
+        side_files=lambda out: copy_side_files(src, out),
+        **options,
+    )
 
 
 def write_quantized_from(
-    reader: "TensorReader | RandomTensors",
+    reader: TensorReader | RandomTensors,
     config: dict,
     out_dir: str | Path,
     scheme: str,
@@ -162,7 +173,10 @@ def write_quantized_from(
     shards = ShardWriter(out, shard_bytes)
     try:
         ignore = _write_tensors(reader, names, plan, shards, scheme, group_size, dtype, quantize_embeddings)
-        config = dict(config, quantization_config=quantization_config(scheme, group_size, ignore + ["lm_head"], quantize_embeddings))
+        config = dict(
+            config,
+            quantization_config=quantization_config(scheme, group_size, ignore + ["lm_head"], quantize_embeddings),
+        )
         if dtype is not None:
             config["dtype"] = str(dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -187,7 +201,9 @@ def _check_input_sizes(reader: TensorReader, targets: list[str], scheme: str, gr
     for name in targets:
         inputs = reader.shape(name)[-1]
         if inputs % group:
-            raise QuantError(f"{name}: {scheme} needs the input size ({inputs}) to be a multiple of its group size {group}")
+            raise QuantError(
+                f"{name}: {scheme} needs the input size ({inputs}) to be a multiple of its group size {group}"
+            )
 
 
 def _remove_output(out: Path, created: bool) -> None:

@@ -24,17 +24,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.engine import EngineOptions
+from .errors import ApiError, error_response, json_response
 from .http.access import Access, AccessGuard
 from .http.connection import ClientGone, read_json
-from .errors import ApiError, error_response, json_response
 from .http.listener import Limits
 from .media.policy import MediaPolicy
 from .metrics import Metrics
 from .ollama.routes import add_ollama_routes, is_ollama_path, ollama_error_response
-from .pipeline import parse_params, prepare
-from .playground import add_playground
 from .openai.protocol import Budgets, ChatParams, CompletionParams
 from .openai.responses import Responder, insertion_response
+from .pipeline import parse_params, prepare
+from .playground import add_playground
 from .service import Service
 
 log = logging.getLogger("dgemma.serve")
@@ -106,12 +106,23 @@ def create_app(
         service.compile_worker.close()
         service.media_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="dgemma", version=__version__, description=API_DESCRIPTION, lifespan=lifespan,
-                  docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None, redoc_url=None)  # fmt: skip
+    app = FastAPI(
+        title="dgemma",
+        version=__version__,
+        description=API_DESCRIPTION,
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+        redoc_url=None,
+    )
     app.state.service, app.state.limits = service, limits
     if access.cors:  # inside the guard: only allowed origins reach it
-        app.add_middleware(CORSMiddleware, allow_origins=list(access.allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(access.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(AccessGuard, access=access)
     app.add_middleware(_CountResponses, metrics=service.metrics)
 
@@ -150,9 +161,16 @@ def create_app(
     defaults = {k: getattr(gen, k) for k in ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "turbo")}
 
     def model_card() -> dict:  # OpenAI's fields, vLLM's max_model_len, and what the playground shows
-        return {"id": service.name, "object": "model", "created": service.created, "owned_by": "dgemma",
-                "max_model_len": service.context, "canvas_length": model.config.canvas_length,
-                "vision": model.supports_images, "sampler_defaults": defaults}  # fmt: skip
+        return {
+            "id": service.name,
+            "object": "model",
+            "created": service.created,
+            "owned_by": "dgemma",
+            "max_model_len": service.context,
+            "canvas_length": model.config.canvas_length,
+            "vision": model.supports_images,
+            "sampler_defaults": defaults,
+        }
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -190,13 +208,20 @@ async def answer(service: Service, request: Request, read_timeout: float, chat: 
     return await Responder(service, chat, run.prompt, run.gens, params, run.spec, run.thinking).respond(request)
 
 
-API_DESCRIPTION = ("OpenAI-compatible completions and chat completions served by dgemma's block-diffusion engine; "
-                   "fields and extensions: docs/server.md. With --api-key, send 'Authorization: Bearer KEY'.")  # fmt: skip
+API_DESCRIPTION = (
+    "OpenAI-compatible completions and chat completions served by dgemma's block-diffusion engine; "
+    "fields and extensions: docs/server.md. With --api-key, send 'Authorization: Bearer KEY'."
+)
 
 
 def _body_schema(name: str) -> dict:
     """The route's declared JSON body (the routes read raw JSON, so FastAPI cannot see it)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+        }
+    }
 
 
 def _openapi(app: FastAPI, served_model_name: str) -> dict:

@@ -15,8 +15,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from ..config import GenerationConfig
 from ..engine.engine import Engine, Request
@@ -101,8 +102,15 @@ class EngineThread:
             return self._in_flight
 
     def submit(
-        self, prompt: list[int], config: GenerationConfig, seed: int, drafts: bool = False, images: list[ImagePatches] = (),
-        constraints: Any = None, top_logprobs: int | None = None, deadline: float | None = None,
+        self,
+        prompt: list[int],
+        config: GenerationConfig,
+        seed: int,
+        drafts: bool = False,
+        images: list[ImagePatches] = (),
+        constraints: Any = None,
+        top_logprobs: int | None = None,
+        deadline: float | None = None,
     ) -> Job:
         """Queue a request (with the patches of the images its prompt holds placeholders for;
         with `top_logprobs`, its blocks carry log probabilities; past `deadline`, a
@@ -114,8 +122,17 @@ class EngineThread:
                     f"server busy: {self.max_active} canvases active and {self.max_queue} requests queued; retry later"
                 )
             self._in_flight += 1
-        job = Job(prompt, config, seed, drafts, asyncio.get_running_loop(), list(images), constraints, top_logprobs,
-                  deadline=deadline)  # fmt: skip
+        job = Job(
+            prompt,
+            config,
+            seed,
+            drafts,
+            asyncio.get_running_loop(),
+            list(images),
+            constraints,
+            top_logprobs,
+            deadline=deadline,
+        )
         self._inbox.put(("add", job))
         self._wake.set()
         return job
@@ -172,9 +189,14 @@ class EngineThread:
                     continue
                 try:
                     request = Request(
-                        job.prompt, job.config, job.seed, drafts=job.drafts, images=job.images, constraints=job.constraints,
+                        job.prompt,
+                        job.config,
+                        job.seed,
+                        drafts=job.drafts,
+                        images=job.images,
+                        constraints=job.constraints,
                         top_logprobs=job.top_logprobs,
-                    )  # fmt: skip
+                    )
                     job.request_id = self.engine.add(request)
                 except Exception as e:  # validated by the server first; reported, never raised here
                     self._done(job, EngineFailure(f"the engine refused the request: {e}"))
@@ -226,7 +248,9 @@ class EngineThread:
             import os
             import sys
 
-            sys.stderr.write(f"dgemma: error: a step across the tensor-parallel ranks failed ({error}); the server stops\n")
+            sys.stderr.write(
+                f"dgemma: error: a step across the tensor-parallel ranks failed ({error}); the server stops\n"
+            )
             sys.stderr.flush()
             os._exit(1)
         for job in list(self._jobs.values()):

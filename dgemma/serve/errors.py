@@ -19,7 +19,9 @@ from .media.policy import PartError
 class ApiError(Exception):
     """A request the server refuses; becomes an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or {429: "rate_limit_error", 404: "not_found_error"}.get(status, "invalid_request_error")

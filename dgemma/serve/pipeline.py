@@ -18,7 +18,6 @@ from ..inputs.model_inputs import ModelInputs
 from .engine_thread import Generation
 from .errors import ApiError, validation_error
 from .openai.insert import Insertion
-from .prompts import has_media
 from .openai.protocol import (
     ChatParams,
     CompletionParams,
@@ -30,6 +29,7 @@ from .openai.protocol import (
     request_top_logprobs,
     soft_token_budgets,
 )
+from .prompts import has_media
 from .service import Service
 from .tools.specs import ToolSpec
 
@@ -57,8 +57,9 @@ def parse_params(body: dict, chat: bool) -> RequestParams:
         raise validation_error(e) from None
 
 
-async def prepare(service: Service, request: Request, params: RequestParams, chat: bool,
-                  deadline: float | None) -> Prepared:
+async def prepare(
+    service: Service, request: Request, params: RequestParams, chat: bool, deadline: float | None
+) -> Prepared:
     """Check `params`, render its prompt and start its generations on the engine (or run its
     insertion, which ends before its answer begins). Every refusal is an ApiError naming the field."""
     service.check_model(params.model)
@@ -70,8 +71,14 @@ async def prepare(service: Service, request: Request, params: RequestParams, cha
     prompts = service.prompts
     prompts.check_size(params, spec)
     if chat:
-        prompt = await service.off_loop(has_media(params.messages), prompts.chat_inputs, params.messages,
-                                        soft_token_budgets(params), spec, request_template_kwargs(params))  # fmt: skip
+        prompt = await service.off_loop(
+            has_media(params.messages),
+            prompts.chat_inputs,
+            params.messages,
+            soft_token_budgets(params),
+            spec,
+            request_template_kwargs(params),
+        )
         max_tokens = params.max_completion_tokens or params.max_tokens
     else:
         prompt = ModelInputs(await service.off_loop(False, prompts.completion_ids, params.prompt))
@@ -81,8 +88,9 @@ async def prepare(service: Service, request: Request, params: RequestParams, cha
         fmt = await asyncio.wrap_future(service.compile_worker.submit(service.forced_call_format, spec))
     if not chat and (params.suffix is not None or params.span_length is not None):
         if fmt is not None:
-            raise ApiError(400, f"{fmt.param}: not supported with suffix (insert mode)", fmt.param,
-                           "unsupported_parameter")
+            raise ApiError(
+                400, f"{fmt.param}: not supported with suffix (insert mode)", fmt.param, "unsupported_parameter"
+            )
         found = await service.insert(request, params, prompt, deadline)
         return Prepared(params, chat, prompt, inserted=True, insertion=found)
     grammar = None if fmt is None else await asyncio.wrap_future(service.compile_worker.submit(service.grammar, fmt))
@@ -90,6 +98,14 @@ async def prepare(service: Service, request: Request, params: RequestParams, cha
     thinking = chat and prompts.thinks(prompt)
     if request_top_logprobs(params) is not None or params.stream_drafts:
         await asyncio.to_thread(service.token_texts)  # built once (reads tokenizer.json): off the loop
-    gens = service.start(params, prompt, max_tokens, tools=spec is not None and spec.active, grammar=grammar,
-                         thinking=thinking, first_canvas=first_canvas, deadline=deadline)  # fmt: skip
+    gens = service.start(
+        params,
+        prompt,
+        max_tokens,
+        tools=spec is not None and spec.active,
+        grammar=grammar,
+        thinking=thinking,
+        first_canvas=first_canvas,
+        deadline=deadline,
+    )
     return Prepared(params, chat, prompt, spec, thinking, gens)

@@ -13,8 +13,8 @@ from typing import Any
 
 from ..inputs.model_inputs import MediaError, ModelInputs
 from ..inputs.tokenizer import ChatTemplateError
-from .media import sources as media
 from .errors import ApiError, excerpt, media_error
+from .media import sources as media
 from .media.policy import MediaPolicy, MediaRef
 from .openai.protocol import ChatMessage, ChatParams, RequestParams
 from .reasoning import THINK, template_thinks, think_in_system_turn
@@ -26,8 +26,11 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def has_media(messages: list[ChatMessage]) -> bool:
     """Whether any message holds a content part that is not text (media, or a part to refuse)."""
-    return any(isinstance(m.content, list) and any(not isinstance(p, dict) or p.get("type") not in media.TEXT_PARTS
-                                                   for p in m.content) for m in messages)  # fmt: skip
+    return any(
+        isinstance(m.content, list)
+        and any(not isinstance(p, dict) or p.get("type") not in media.TEXT_PARTS for p in m.content)
+        for m in messages
+    )
 
 
 def _text_chars(message: ChatMessage) -> int:
@@ -64,8 +67,12 @@ def _processor_content(content: list, loaded) -> str | list[dict]:
 def _chat_role(i: int, m: ChatMessage) -> str:
     """The role the chat template sees (developer is rendered as system)."""
     if m.role not in CHAT_ROLES:
-        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (got {excerpt(m.role)})",
-                       f"messages[{i}].role", "invalid_value")  # fmt: skip
+        raise ApiError(
+            400,
+            f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (got {excerpt(m.role)})",
+            f"messages[{i}].role",
+            "invalid_value",
+        )
     return "system" if m.role == "developer" else m.role
 
 
@@ -90,9 +97,14 @@ class PromptBuilder:
             prompt = params.prompt[0] if isinstance(params.prompt, list) and len(params.prompt) == 1 else params.prompt
             chars, param = (len(prompt) if isinstance(prompt, str) else 0) + len(params.suffix or ""), "prompt"
         if chars > self.max_prompt_chars:
-            raise ApiError(400, f"{param} holds {chars} characters of text; a prompt that fits this server's context of "
-                                f"{self.context} tokens holds at most {self.max_prompt_chars} ({self.context} x the longest "
-                                f"token, {self.tokenizer.max_token_chars} characters)", param, "context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"{param} holds {chars} characters of text; a prompt that fits this server's context of "
+                f"{self.context} tokens holds at most {self.max_prompt_chars} ({self.context} x the longest "
+                f"token, {self.tokenizer.max_token_chars} characters)",
+                param,
+                "context_length_exceeded",
+            )
 
     def _encode(self, text: str) -> list[int]:
         try:
@@ -110,17 +122,26 @@ class PromptBuilder:
             vocab = self.model.config.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ApiError(400, f"prompt holds token id {bad}, outside the vocabulary [0, {vocab})", "prompt", "invalid_value")
+                raise ApiError(
+                    400, f"prompt holds token id {bad}, outside the vocabulary [0, {vocab})", "prompt", "invalid_value"
+                )
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise ApiError(400, f"prompt: one prompt per request is supported (got {len(prompt)})", "prompt", "invalid_value")
+            raise ApiError(
+                400, f"prompt: one prompt per request is supported (got {len(prompt)})", "prompt", "invalid_value"
+            )
         raise ApiError(
-            400, f"prompt must be a non-empty string or a non-empty list of token ids (got {excerpt(prompt)})",
-            "prompt", "invalid_value",
-        )  # fmt: skip
+            400,
+            f"prompt must be a non-empty string or a non-empty list of token ids (got {excerpt(prompt)})",
+            "prompt",
+            "invalid_value",
+        )
 
     def chat_inputs(
-        self, messages: list[ChatMessage], soft_tokens: dict | None = None, spec: ToolSpec | None = None,
+        self,
+        messages: list[ChatMessage],
+        soft_tokens: dict | None = None,
+        spec: ToolSpec | None = None,
         template_kwargs: dict | None = None,
     ) -> ModelInputs:
         """The chat rendered and tokenized; with media parts, through the checkpoint's processor
@@ -134,10 +155,12 @@ class PromptBuilder:
         try:
             turns = [(_chat_role(i, m), media.parse_content(i, m.content)) for i, m in enumerate(messages)]
             try:
-                extras = check_messages([
-                    {"role": r, "content": m.content, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
-                    for (r, _), m in zip(turns, messages)
-                ])  # fmt: skip
+                extras = check_messages(
+                    [
+                        {"role": r, "content": m.content, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
+                        for (r, _), m in zip(turns, messages)
+                    ]
+                )
             except ToolError as e:
                 raise ApiError(400, str(e), e.param, "invalid_value") from None
             refs = [p for _, content in turns for p in content if isinstance(p, MediaRef)]
@@ -163,9 +186,13 @@ class PromptBuilder:
     def _think(self, turns: list[dict]) -> list[dict]:
         """Thinking switched on by dgemma for a template that does not read enable_thinking."""
         if self.tokenizer.token_to_id(THINK) is None:
-            raise ApiError(400, "reasoning_effort / chat_template_kwargs.enable_thinking: this checkpoint cannot think "
-                                f"(its chat template does not read enable_thinking and its tokenizer has no {THINK} token)",
-                           "reasoning_effort", "unsupported_parameter")  # fmt: skip
+            raise ApiError(
+                400,
+                "reasoning_effort / chat_template_kwargs.enable_thinking: this checkpoint cannot think "
+                f"(its chat template does not read enable_thinking and its tokenizer has no {THINK} token)",
+                "reasoning_effort",
+                "unsupported_parameter",
+            )
         return think_in_system_turn(turns)
 
     def thinks(self, prompt: ModelInputs) -> bool:
@@ -183,11 +210,21 @@ class PromptBuilder:
     def _check_media(self, refs: list[MediaRef]) -> None:
         """Refuse media the checkpoint or the limits cannot take, before fetching any of it."""
         if not self.model.supports_images:
-            raise ApiError(400, f"{refs[0].param}: this model has no vision tower (or no processor config), so only "
-                                f"text parts are accepted (got {refs[0].kind} parts)", refs[0].param, "invalid_media")  # fmt: skip
+            raise ApiError(
+                400,
+                f"{refs[0].param}: this model has no vision tower (or no processor config), so only "
+                f"text parts are accepted (got {refs[0].kind} parts)",
+                refs[0].param,
+                "invalid_media",
+            )
         if len(refs) > self.media.max_items:
-            raise ApiError(400, f"messages: {len(refs)} images and videos in one request; this server takes at most "
-                                f"{self.media.max_items} (--max-images-per-request)", "messages", "invalid_media")  # fmt: skip
+            raise ApiError(
+                400,
+                f"messages: {len(refs)} images and videos in one request; this server takes at most "
+                f"{self.media.max_items} (--max-images-per-request)",
+                "messages",
+                "invalid_media",
+            )
 
     @staticmethod
     def _render(template_owner, rendered: list[dict], **kwargs):

@@ -17,12 +17,12 @@ parsed from the content only (tools/calls.py runs after this). The server wires 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .tools.calls import partial_tail
-from .tools.syntax import TOOL_CALL
 from .tools.render import join_contents
+from .tools.syntax import TOOL_CALL
 
 THINK = "<|think|>"
 CHANNEL, CHANNEL_END = "<|channel>", "<channel|>"

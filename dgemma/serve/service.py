@@ -12,9 +12,10 @@ import asyncio
 import functools
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from starlette.requests import Request
 
@@ -24,21 +25,28 @@ from ..engine.constraints.grammar import Grammar, GrammarError
 from ..engine.engine import Engine, EngineOptions
 from ..engine.request import SEED_MAX, random_seed
 from ..inputs.model_inputs import ModelInputs
-from .http.connection import watch_disconnect
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
 from .errors import ApiError, excerpt
-from .openai.insert import InsertError, Insertion, fixed_canvas, insert, span_lengths
-from .openai.logprobs import TokenTexts
+from .http.connection import watch_disconnect
 from .media.policy import MediaPolicy
 from .metrics import Metrics
+from .openai.insert import InsertError, Insertion, fixed_canvas, insert, span_lengths
+from .openai.logprobs import TokenTexts
+from .openai.protocol import (
+    MAX_CHOICES_PER_REQUEST,
+    Budgets,
+    CompletionParams,
+    RequestParams,
+    parse_stop,
+    request_top_logprobs,
+)
 from .prompts import PromptBuilder
-from .openai.protocol import MAX_CHOICES_PER_REQUEST, Budgets, CompletionParams, RequestParams, parse_stop, request_top_logprobs
 from .reasoning import keeping_channel
 from .structured.formats import GrammarCache, OutputFormat, StructuredError
 from .text import TextStream
 from .threads import CompileWorker
-from .tools.grammar import lark_string, tool_call_grammar
 from .tools.calls import keeping_decoder
+from .tools.grammar import lark_string, tool_call_grammar
 from .tools.specs import ToolError, ToolSpec
 
 MEDIA_WORKERS = 4  # requests whose media is fetched and decoded at once
@@ -74,7 +82,9 @@ class Service:
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
         self.model, self.tokenizer, self.name = model, model.tokenizer, served_model_name
-        self.names = frozenset({served_model_name, listed_name(served_model_name)})  # what requests may call it, either API
+        self.names = frozenset(
+            {served_model_name, listed_name(served_model_name)}
+        )  # what requests may call it, either API
         self.tool_decode = keeping_decoder(self.tokenizer)
         self.prompts = PromptBuilder(model, max_context, media_policy or MediaPolicy())
         self.budgets = budgets or Budgets()
@@ -153,17 +163,29 @@ class Service:
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
-            raise ApiError(404, f"model {excerpt(name)} does not exist; this server serves '{self.name}'", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model {excerpt(name)} does not exist; this server serves '{self.name}'",
+                "model",
+                "model_not_found",
+            )
 
     def check_choices(self, params: RequestParams) -> None:
         """`n` within what one request may ask: MAX_CHOICES_PER_REQUEST and --max-active (the choices
         denoise side by side); 400 naming `n` otherwise."""
         limit = min(MAX_CHOICES_PER_REQUEST, self.engine_thread.max_active)
         if (params.n or 1) > limit:
-            raise ApiError(400, f"n={params.n}: at most {limit} choices per request on this server ({MAX_CHOICES_PER_REQUEST}, "
-                                f"and at most --max-active={self.engine_thread.max_active})", "n", "invalid_value")  # fmt: skip
+            raise ApiError(
+                400,
+                f"n={params.n}: at most {limit} choices per request on this server ({MAX_CHOICES_PER_REQUEST}, "
+                f"and at most --max-active={self.engine_thread.max_active})",
+                "n",
+                "invalid_value",
+            )
 
-    def generation_config(self, params: RequestParams, prompt: ModelInputs, max_tokens: int | None, partial: bool = False):
+    def generation_config(
+        self, params: RequestParams, prompt: ModelInputs, max_tokens: int | None, partial: bool = False
+    ):
         """The per-request GenerationConfig: checkpoint defaults, the client's knobs, and what fits
         the context (image soft tokens take positions like any prompt token). `partial`: blocks
         may commit fewer tokens than a canvas (a grammar), so the last canvas may start anywhere."""
@@ -195,8 +217,13 @@ class Service:
             raise ApiError(400, why, "max_tokens", "context_length_exceeded")
         steps, limit = params.max_denoising_steps, self.budgets.max_denoising_steps
         if steps is not None and steps > limit:
-            raise ApiError(400, f"max_denoising_steps={steps} is above this server's limit of {limit} steps per canvas "
-                                "(--max-denoising-steps)", "max_denoising_steps", "invalid_value")  # fmt: skip
+            raise ApiError(
+                400,
+                f"max_denoising_steps={steps} is above this server's limit of {limit} steps per canvas "
+                "(--max-denoising-steps)",
+                "max_denoising_steps",
+                "invalid_value",
+            )
         if steps is None and defaults.max_denoising_steps > limit:
             steps = limit
         try:
@@ -220,8 +247,15 @@ class Service:
 
     # ---------------------------------------------------------------- running
     def start(
-        self, params: RequestParams, prompt: ModelInputs, max_tokens: int | None, tools: bool = False, grammar: Grammar | None = None,
-        thinking: bool = False, first_canvas: FirstCanvas | None = None, deadline: float | None = None,
+        self,
+        params: RequestParams,
+        prompt: ModelInputs,
+        max_tokens: int | None,
+        tools: bool = False,
+        grammar: Grammar | None = None,
+        thinking: bool = False,
+        first_canvas: FirstCanvas | None = None,
+        deadline: float | None = None,
     ) -> list[Generation]:
         """Submit the request's `n` choices, each an engine request of its own (seed: the
         request's seed + its index, modulo 2**64; without one, random each) with its own grammar state; with
@@ -248,8 +282,16 @@ class Service:
         for seed in seeds:
             constraints = first_canvas if grammar is None else self.model.grammars.canvas(grammar, self.canvas)
             try:
-                job = self.engine_thread.submit(prompt.input_ids, config, seed, drafts=params.stream_drafts,
-                                                images=prompt.images, constraints=constraints, deadline=deadline, **extra)  # fmt: skip
+                job = self.engine_thread.submit(
+                    prompt.input_ids,
+                    config,
+                    seed,
+                    drafts=params.stream_drafts,
+                    images=prompt.images,
+                    constraints=constraints,
+                    deadline=deadline,
+                    **extra,
+                )
             except QueueFull as e:
                 for gen in gens:  # all the choices or none
                     gen.cancel()
@@ -263,22 +305,32 @@ class Service:
         if params.canvas is None:
             return None
         if grammar is not None:
-            raise ApiError(400, "canvas: fixed canvas tokens and structured output in one request are not supported",
-                           "canvas", "unsupported_parameter")  # fmt: skip
+            raise ApiError(
+                400,
+                "canvas: fixed canvas tokens and structured output in one request are not supported",
+                "canvas",
+                "unsupported_parameter",
+            )
         try:
             return fixed_canvas(params.canvas, self.canvas, self.model.config.vocab_size)
         except (InsertError, ValueError) as e:
             raise ApiError(400, str(e), getattr(e, "param", "canvas"), "invalid_value") from None
 
-    async def insert(self, request: Request, params: CompletionParams, prompt: ModelInputs,
-                     deadline: float | None = None) -> Insertion | None:  # fmt: skip
+    async def insert(
+        self, request: Request, params: CompletionParams, prompt: ModelInputs, deadline: float | None = None
+    ) -> Insertion | None:
         """Insert mode: the span between the prompt and `suffix` (openai/insert.py); openai/responses.py shapes
         it. Its candidate spans are engine requests of their own: at most --max-active of them,
         all cancelled when the client goes away (then None: nobody reads an answer); past
         `deadline` the best candidate that finished wins (finish_reason "timeout")."""
-        for name, bad in (("n", (params.n or 1) > 1), ("logprobs", params.logprobs is not None),
-                          ("stream_drafts", params.stream_drafts), ("canvas", params.canvas is not None),
-                          ("stop", params.stop is not None), ("ignore_eos", params.ignore_eos)):  # fmt: skip
+        for name, bad in (
+            ("n", (params.n or 1) > 1),
+            ("logprobs", params.logprobs is not None),
+            ("stream_drafts", params.stream_drafts),
+            ("canvas", params.canvas is not None),
+            ("stop", params.stop is not None),
+            ("ignore_eos", params.ignore_eos),
+        ):
             if bad:
                 raise ApiError(400, f"{name}: not supported with suffix (insert mode)", name, "unsupported_parameter")
         if params.suffix is None:
@@ -294,8 +346,20 @@ class Service:
         if not self.engine_thread.alive:
             raise ApiError(503, "the engine is not running", code="engine_stopped")
         started = time.perf_counter()
-        work = asyncio.ensure_future(insert(self.engine_thread, prompt.input_ids, suffix, lengths, config, seed,
-                                            self.canvas, self.model.config.vocab_size, end_tokens, deadline))  # fmt: skip
+        work = asyncio.ensure_future(
+            insert(
+                self.engine_thread,
+                prompt.input_ids,
+                suffix,
+                lengths,
+                config,
+                seed,
+                self.canvas,
+                self.model.config.vocab_size,
+                end_tokens,
+                deadline,
+            )
+        )
         watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, work.cancel))
         try:
             found = await work
@@ -325,7 +389,9 @@ class Service:
                     decode_bytes = self.model.grammars.tokenizer.decode_bytes
                     self._token_texts = TokenTexts(lambda t: decode_bytes([t]))
                 except GrammarError:  # no EOS token for llguidance: the tokenizer's own decoding
-                    self._token_texts = TokenTexts(lambda t: self.tokenizer.decode([t], skip_special_tokens=False).encode())
+                    self._token_texts = TokenTexts(
+                        lambda t: self.tokenizer.decode([t], skip_special_tokens=False).encode()
+                    )
             return self._token_texts
 
     def usage(self, prompt: ModelInputs, gens: list[Generation]) -> dict:
@@ -335,9 +401,11 @@ class Service:
         also find the blocks it encoded)."""
         done, prompt_len = sum(g.completion_tokens for g in gens), len(prompt.input_ids)
         passes, cached = sum(g.decoder_passes for g in gens), min(g.cached_tokens for g in gens)
-        per_forward = gens[0].tokens_per_forward if len(gens) == 1 else (
-            sum(g.tokens_per_forward * g.decoder_passes for g in gens) / passes if passes else 0.0
-        )  # fmt: skip
+        per_forward = (
+            gens[0].tokens_per_forward
+            if len(gens) == 1
+            else (sum(g.tokens_per_forward * g.decoder_passes for g in gens) / passes if passes else 0.0)
+        )
         return {
             "prompt_tokens": prompt_len,
             "completion_tokens": done,

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 STACK_BYTES = 64 << 20  # 64 MiB: address space only; pages are touched as the stack grows
 
@@ -34,7 +35,9 @@ def start_with_stack(thread: threading.Thread, stack_bytes: int = STACK_BYTES) -
     return thread
 
 
-def start_thread(target: Callable[[], Any], name: str, stack_bytes: int = STACK_BYTES, daemon: bool = True) -> threading.Thread:
+def start_thread(
+    target: Callable[[], Any], name: str, stack_bytes: int = STACK_BYTES, daemon: bool = True
+) -> threading.Thread:
     """A new thread running `target` with a native stack of `stack_bytes`, started."""
     return start_with_stack(threading.Thread(target=target, name=name, daemon=daemon), stack_bytes)
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
-from .objective import Example
 from ..inputs.tokenizer import Tokenizer
+from .objective import Example
 
 STDLIB = "stdlib"
 # Generated tables and data blobs rather than code; skipped so the corpus is Python as people write it.
@@ -87,11 +87,10 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, dict]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not ({"text"} <= rec.keys() or {"prompt", "completion"} <= rec.keys()
-                                                 or "messages" in rec):
-                raise ValueError(
-                    f'{path}:{n}: a record needs "text", "prompt" and "completion", or "messages"'
-                )
+            if not isinstance(rec, dict) or not (
+                {"text"} <= rec.keys() or {"prompt", "completion"} <= rec.keys() or "messages" in rec
+            ):
+                raise ValueError(f'{path}:{n}: a record needs "text", "prompt" and "completion", or "messages"')
             yield f"{path}:{n}", rec
 
 
@@ -106,9 +105,7 @@ def document_examples(ids: list[int], seq_len: int, bos: int, eos: int) -> list[
     return out
 
 
-def prompt_completion_example(
-    prompt: list[int], completion: list[int], seq_len: int, bos: int, eos: int
-) -> Example:
+def prompt_completion_example(prompt: list[int], completion: list[int], seq_len: int, bos: int, eos: int) -> Example:
     """<bos> prompt completion <eos>, loss on completion + <eos>; long prompts lose their start."""
     completion = list(completion) + [eos]
     room = seq_len - 1

@@ -74,7 +74,7 @@ class Batch:
     def blocks(self) -> int:
         return len(self.block_start) // self.ids.shape[0]
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         return Batch(
             self.ids.to(device),
             self.lengths,
@@ -94,7 +94,7 @@ class Noise:
     tokens: torch.Tensor  # [B, C] long, uniform over the vocabulary
     self_cond: torch.Tensor  # [B] bool: the second pass sees the first pass's predictions
 
-    def to(self, device: torch.device | str) -> "Noise":
+    def to(self, device: torch.device | str) -> Noise:
         return Noise(self.t.to(device), self.corrupt.to(device), self.tokens.to(device), self.self_cond.to(device))
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from . import lora
 from ..config import ModelConfig
 from ..model.diffusion_gemma import DiffusionGemma
+from . import lora
 
 STATE_FILE = "trainer_state.pt"
 

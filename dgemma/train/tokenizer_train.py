@@ -7,13 +7,13 @@ text round-trips and the chat template's turn markers are single tokens.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from ..model.checkpoint import SPECIAL_TOKENS
 from ..inputs.tokenizer import Tokenizer
+from ..model.checkpoint import SPECIAL_TOKENS
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:

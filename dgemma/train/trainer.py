@@ -28,29 +28,44 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from . import lora
+from ..config import (
+    ConfigError,
+    GenerationConfig,
+    ModelConfig,
+    load_generation_config,
+    load_model_config,
+    parse_model_config,
+)
+from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from ..model.checkpoint import init_weights, make_config, save_checkpoint
-from ..model.presets import PRESETS
-from ..config import ConfigError, GenerationConfig, ModelConfig, load_generation_config, load_model_config, parse_model_config
-from .data import ExampleOrder, iter_records, load_examples
 from ..model.diffusion_gemma import DiffusionGemma
+from ..model.presets import PRESETS
+from ..model.weights import load_weights
+from . import lora
+from .data import ExampleOrder, iter_records, load_examples
 from .objective import Losses, TrainingModule, collate, draw_noise, example_generator
 from .resume import (
-    checkpoint_dir, cpu_net, full_state, latest_checkpoint, publish, restore_optimizer, staging_dir, write_state,
-)  # fmt: skip
-from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+    checkpoint_dir,
+    cpu_net,
+    full_state,
+    latest_checkpoint,
+    publish,
+    restore_optimizer,
+    staging_dir,
+    write_state,
+)
 from .tokenizer_train import as_tokenizer, train_bpe
-from ..model.weights import load_weights
 
 EVAL_SALT = 0xE7A1
+
 
 @dataclass
 class TrainArgs:
@@ -205,8 +220,10 @@ class Trainer:
         self._validate()
         if args.warmup >= args.steps:
             peak = lr_at(args.steps - 1, args.lr, args.warmup, args.steps, args.min_lr_ratio)
-            self._say(f"warning: --warmup {args.warmup} is not below --steps {args.steps}: the learning rate only climbs "
-                      f"to {peak:.3g}, never to --lr {args.lr:g}; give a --warmup below --steps (e.g. {args.steps // 10})")  # fmt: skip
+            self._say(
+                f"warning: --warmup {args.warmup} is not below --steps {args.steps}: the learning rate only climbs "
+                f"to {peak:.3g}, never to --lr {args.lr:g}; give a --warmup below --steps (e.g. {args.steps // 10})"
+            )
         self.out.mkdir(parents=True, exist_ok=True)
         self.resume_from = None if args.fresh else latest_checkpoint(self.out)
         self.tok = self._tokenizer()
@@ -232,7 +249,16 @@ class Trainer:
     # ---- setup
     def _validate(self) -> None:
         a = self.args
-        for name in ("steps", "batch_size", "grad_accum", "seq_len", "blocks", "eval_batches", "save_every", "log_every"):
+        for name in (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "seq_len",
+            "blocks",
+            "eval_batches",
+            "save_every",
+            "log_every",
+        ):
             if getattr(a, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(a, name)})")
         if a.lr <= 0 or not 0 <= a.min_lr_ratio <= 1 or a.warmup < 0 or a.clip < 0:
@@ -332,7 +358,9 @@ class Trainer:
         totals = [0.0, 0.0, 0.0]
         tokens = 0
         for micro in range(a.grad_accum):
-            batch, noise = self._micro_batch(example_indices(step, micro, self.rank, a, self.world), self.train_set, step)
+            batch, noise = self._micro_batch(
+                example_indices(step, micro, self.rank, a, self.world), self.train_set, step
+            )
             with self._autocast():
                 losses: Losses = self.module(batch, noise)
             (losses.total / a.grad_accum).backward()
@@ -345,8 +373,14 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss, diffusion, ar = mean_across(totals, self.world)
-        return {"loss": loss, "diffusion": diffusion, "ar": ar, "lr": lr, "grad_norm": float(norm),
-                "tokens": tokens * self.world}
+        return {
+            "loss": loss,
+            "diffusion": diffusion,
+            "ar": ar,
+            "lr": lr,
+            "grad_norm": float(norm),
+            "tokens": tokens * self.world,
+        }
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -431,8 +465,13 @@ class Trainer:
         )
         from tqdm import tqdm
 
-        bar = tqdm(total=a.steps, initial=self.step, disable=not (self.is_main and sys.stderr.isatty()),
-                   dynamic_ncols=True, unit="step")
+        bar = tqdm(
+            total=a.steps,
+            initial=self.step,
+            disable=not (self.is_main and sys.stderr.isatty()),
+            dynamic_ncols=True,
+            unit="step",
+        )
         last_save, t_start, record, evals = time.time(), time.time(), {}, {}
         interrupted = False
         while self.step < a.steps:
@@ -440,11 +479,16 @@ class Trainer:
             record = self.train_step(self.step)
             self.step += 1
             dt = time.time() - t0
-            record.update(step=self.step, tokens_per_s=record["tokens"] / dt, step_s=dt,
-                          elapsed_s=time.time() - t_start)
+            record.update(
+                step=self.step, tokens_per_s=record["tokens"] / dt, step_s=dt, elapsed_s=time.time() - t_start
+            )
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", diff=f"{record['diffusion']:.3f}", ar=f"{record['ar']:.3f}",
-                            tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                diff=f"{record['diffusion']:.3f}",
+                ar=f"{record['ar']:.3f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+            )
             if self.step % a.log_every == 0 or self.step == a.steps:
                 self._log(record)
                 if bar.disable:
@@ -456,8 +500,10 @@ class Trainer:
                 evals = self.evaluate()
                 if evals:
                     self._log({"step": self.step, **evals})
-                    self._say(f"step {self.step}: eval diffusion {evals['eval_diffusion']:.4f}, "
-                              f"eval ar {evals['eval_ar']:.4f}")
+                    self._say(
+                        f"step {self.step}: eval diffusion {evals['eval_diffusion']:.4f}, "
+                        f"eval ar {evals['eval_ar']:.4f}"
+                    )
             stop = agree(self.stop_requested, self.world)
             due = self.step % a.save_every == 0 or time.time() - last_save > a.save_minutes * 60
             if agree(due or stop, self.world) or self.step == a.steps:

@@ -62,4 +62,6 @@ def test_fixed_positions_are_accepted_with_zero_entropy(tiny):
     drafts = [ev for ev in events if isinstance(ev, Draft)]
     firsts = [d for d in drafts if d.block == 0]
     assert firsts and all(d.accepted[p] and d.entropy[p] == 0.0 for d in firsts for p in fixed)
-    assert any(not d.accepted[p] or d.entropy[p] > 0 for d in drafts if d.block == 1 for p in fixed)  # later canvases are free
+    assert any(
+        not d.accepted[p] or d.entropy[p] > 0 for d in drafts if d.block == 1 for p in fixed
+    )  # later canvases are free

@@ -52,7 +52,12 @@ def test_eos_cuts_output_and_max_new_tokens_is_exact(ref_gqa):
 def test_tokens_per_forward_counts_passes(ref_gqa):
     model = dgemma.load(ref_gqa[0])
     out = model.generate(
-        PROMPTS, max_new_tokens=40, seed=5, eos_token_ids=[], entropy_bound=3.0, confidence_threshold=5.0,
+        PROMPTS,
+        max_new_tokens=40,
+        seed=5,
+        eos_token_ids=[],
+        entropy_bound=3.0,
+        confidence_threshold=5.0,
         stability_threshold=0,
     )
     canvas = model.config.canvas_length

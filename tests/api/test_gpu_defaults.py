@@ -15,12 +15,12 @@ import torch
 
 import dgemma
 from dgemma import devices, loading
-from dgemma.devices import dtype_name, parse_device, resolve_device, resolve_dtype
 from dgemma.cli import build_parser, main
+from dgemma.devices import dtype_name, parse_device, resolve_device, resolve_dtype
 from dgemma.engine import engine as engine_module
 from dgemma.engine.engine import Engine, EngineOptions, make_current
-from dgemma.model.layout import save_safetensors
 from dgemma.model import weights
+from dgemma.model.layout import save_safetensors
 from dgemma.model.weights import stored_dtype
 
 
@@ -85,14 +85,29 @@ def test_stored_dtype_from_config_json(tmp_path):
 
 
 def test_stored_dtype_from_the_safetensors_headers(tmp_path):
-    plain = checkpoint(tmp_path / "plain", {"dtype": "auto"}, {"a.weight": torch.zeros(2, 2, dtype=torch.bfloat16),
-                                                              "b.weight": torch.zeros(2, dtype=torch.bfloat16)})  # fmt: skip
+    plain = checkpoint(
+        tmp_path / "plain",
+        {"dtype": "auto"},
+        {"a.weight": torch.zeros(2, 2, dtype=torch.bfloat16), "b.weight": torch.zeros(2, dtype=torch.bfloat16)},
+    )
     assert stored_dtype(plain) == torch.bfloat16
     # a quantised checkpoint: packed codes and (float32) scales say nothing of the unquantised parts
-    quant = {f"layers.{i}.q_proj.{part}": t for i in range(3) for part, t in (
-        ("weight_packed", torch.zeros(2, 1, dtype=torch.int32)), ("weight_scale", torch.ones(2, 1)),
-        ("weight_global_scale", torch.ones(1)), ("input_scale", torch.ones(1)))}  # fmt: skip
-    quant.update({"embed_tokens.weight": torch.zeros(4, 2, dtype=torch.float16), "norm.weight": torch.ones(2, dtype=torch.float16)})
+    quant = {
+        f"layers.{i}.q_proj.{part}": t
+        for i in range(3)
+        for part, t in (
+            ("weight_packed", torch.zeros(2, 1, dtype=torch.int32)),
+            ("weight_scale", torch.ones(2, 1)),
+            ("weight_global_scale", torch.ones(1)),
+            ("input_scale", torch.ones(1)),
+        )
+    }
+    quant.update(
+        {
+            "embed_tokens.weight": torch.zeros(4, 2, dtype=torch.float16),
+            "norm.weight": torch.ones(2, dtype=torch.float16),
+        }
+    )
     path = checkpoint(tmp_path / "quant", {"quantization_config": {}}, quant)
     assert stored_dtype(path) == torch.float16
     assert resolve_dtype("auto", "cuda:1", path) == torch.float16
@@ -101,7 +116,9 @@ def test_stored_dtype_from_the_safetensors_headers(tmp_path):
     checkpoint(shards, {})
     save_safetensors({"a": torch.zeros(2, dtype=torch.bfloat16)}, shards / "s1.safetensors")
     save_safetensors({"b": torch.zeros(2, dtype=torch.bfloat16)}, shards / "s2.safetensors")
-    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    (shards / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}})
+    )
     assert stored_dtype(shards) == torch.bfloat16
 
 
@@ -120,16 +137,30 @@ def test_the_shipped_model_is_stored_in_bf16():
 
 
 # ------------------------------------------------------------------------------ devices
-@pytest.mark.parametrize("text, want", [("cpu", torch.device("cpu")), ("cuda", torch.device("cuda")),
-                                        ("cuda:1", torch.device("cuda", 1)), (" cuda:0 ", torch.device("cuda", 0)),
-                                        ("auto", "auto")])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("cpu", torch.device("cpu")),
+        ("cuda", torch.device("cuda")),
+        ("cuda:1", torch.device("cuda", 1)),
+        (" cuda:0 ", torch.device("cuda", 0)),
+        ("auto", "auto"),
+    ],
+)
 def test_device_names(text, want):
     assert parse_device(text) == want
 
 
-@pytest.mark.parametrize("text, words", [("cuda:x", "cuda or cuda:N"), ("cuda:", "cuda or cuda:N"),
-                                         ("cuda:-1", "0 or more"), ("gpu", "cpu, cuda, cuda:N or auto"),
-                                         ("cuda1", "cpu, cuda, cuda:N or auto")])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("cuda:x", "cuda or cuda:N"),
+        ("cuda:", "cuda or cuda:N"),
+        ("cuda:-1", "0 or more"),
+        ("gpu", "cpu, cuda, cuda:N or auto"),
+        ("cuda1", "cpu, cuda, cuda:N or auto"),
+    ],
+)
 def test_bad_device_names_are_one_line_errors(text, words):
     with pytest.raises(ValueError) as e:
         parse_device(text)
@@ -241,8 +272,8 @@ def test_bench_routes_its_dtype_through_resolve_dtype(monkeypatch, capsys):
 def test_serve_plans_memory_in_the_checkpoints_dtype(monkeypatch):
     """`dgemma serve --device cuda:1`'s fit check (the one every load makes) plans in the dtype the
     load will choose, against cuda:1's memory (a CUDA machine faked)."""
-    from dgemma.cli.common import resolve_model
     from dgemma import memory_plan
+    from dgemma.cli.common import resolve_model
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -258,8 +289,17 @@ def test_serve_plans_memory_in_the_checkpoints_dtype(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(memory_plan, "plan_memory", plan)
-    args = argparse.Namespace(model=None, device="cuda:1", dtype="auto", quantization=None, group_size=None,
-                              max_active=8, max_context=None, kv_cache_memory=None, prefill_chunk=2048)  # fmt: skip
+    args = argparse.Namespace(
+        model=None,
+        device="cuda:1",
+        dtype="auto",
+        quantization=None,
+        group_size=None,
+        max_active=8,
+        max_context=None,
+        kv_cache_memory=None,
+        prefill_chunk=2048,
+    )
     with pytest.raises(Loaded):
         resolve_model(args)
     assert seen == {"index": 1, "dtype": torch.bfloat16}

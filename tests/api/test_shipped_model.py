@@ -10,8 +10,14 @@ import dgemma
 from dgemma.cli import main
 from dgemma.cli.common import load_model
 
-REQUIRED = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json", "MODEL_CARD.md")
+REQUIRED = (
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "MODEL_CARD.md",
+)
 
 
 def test_shipped_files_size_and_architecture():
@@ -55,7 +61,9 @@ def test_shipped_model_matches_transformers():
     ref = DiffusionGemmaForBlockDiffusion.from_pretrained(d, dtype=torch.float32).eval()
     model = dgemma.load(dtype="float32")  # the reference in float32 (the default is the stored bf16)
     prompt = [model.tokenizer.encode("def fibonacci(n):")]
-    canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(0))
+    canvas = torch.randint(
+        0, model.config.vocab_size, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         expected = ref(input_ids=torch.tensor(prompt), decoder_input_ids=canvas).logits
     assert (model.canvas_logits(prompt, canvas) - expected).abs().max().item() < 1e-3

@@ -26,13 +26,22 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.subprocess
 def test_bench_quick_prints_its_plan_first_and_finishes_within_a_minute():
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "dgemma.cli", "bench", "--quick"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=180, check=False)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "dgemma.cli", "bench", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     took = time.monotonic() - start
     assert run.returncode == 0, run.stderr[-3000:]
     err, out = run.stderr, run.stdout
-    assert err.index("dgemma bench --quick: --size tiny") < err.index("building random bfloat16 weights of --size tiny on cpu") \
-        < err.index("warm-up: dgemma")  # fmt: skip
+    assert (
+        err.index("dgemma bench --quick: --size tiny")
+        < err.index("building random bfloat16 weights of --size tiny on cpu")
+        < err.index("warm-up: dgemma")
+    )
     assert "4 fixed steps" in err and "estimate ~" in err and "round 1/1: dgemma" in err  # plan, estimate, progress
     assert "dgemma-ar" in out and "ms_per_step" in out and "tokens [" not in out  # the table alone on stdout
     assert took < 60, f"bench --quick took {took:.0f} s"
@@ -132,13 +141,17 @@ def test_random_weights_of_the_released_size_are_built_on_the_device_asked_for(s
     """Built where they run (the meta device here: shapes only), never drawn on the CPU first
     (int4's weight_shape, two integers the kernels read on the host, stays there)."""
     net = random_weights(make_config(**PRESETS["real"]), "meta", torch.bfloat16, scheme)
-    tensors = [t for name, t in list(net.named_parameters()) + list(net.named_buffers()) if not name.endswith("weight_shape")]
+    tensors = [
+        t for name, t in list(net.named_parameters()) + list(net.named_buffers()) if not name.endswith("weight_shape")
+    ]
     assert {t.device.type for t in tensors} == {"meta"}
     assert net.embed_tokens.weight.dtype == torch.bfloat16 and net.embed_tokens.weight.shape == (262144, 2816)
     assert (getattr(net, "quantization", None) or (None,))[0] == scheme
 
 
-def test_bench_of_the_real_size_builds_on_its_device_and_writes_no_checkpoint_without_the_reference(monkeypatch, capsys):
+def test_bench_of_the_real_size_builds_on_its_device_and_writes_no_checkpoint_without_the_reference(
+    monkeypatch, capsys
+):
     """`dgemma bench --size real --device meta`: the weights are built on that device and no
     checkpoint is written (the old path built a float32 copy on the CPU and wrote ~50 GB before
     its first step). The runs go through run_dgemma and its bench engine, also on meta; only the
@@ -162,7 +175,19 @@ def test_bench_of_the_real_size_builds_on_its_device_and_writes_no_checkpoint_wi
     monkeypatch.setattr(benchmark, "_drain", fake_steps)
     monkeypatch.setattr(benchmark, "_run_ar", fake_ar)
     for scheme in ([], ["--quantization", "nvfp4"]):
-        argv = ["bench", "--size", "real", "--device", "meta", "--peers", "default,ar", "--runs", "1", "--no-warmup", "--json"]
+        argv = [
+            "bench",
+            "--size",
+            "real",
+            "--device",
+            "meta",
+            "--peers",
+            "default,ar",
+            "--runs",
+            "1",
+            "--no-warmup",
+            "--json",
+        ]
         assert main(argv + scheme) == 0, capsys.readouterr().err
         out, err = capsys.readouterr()
         assert f"building random {'nvfp4' if scheme else 'bfloat16'} weights of --size real on meta" in err
@@ -177,9 +202,18 @@ def test_bench_of_the_real_size_builds_on_its_device_and_writes_no_checkpoint_wi
 def test_a_checkpoint_is_written_only_for_the_reference_peer(tmp_path):
     from dgemma.cli.bench import bench_model
 
-    args = SimpleNamespace(model=None, size="test", tensor_parallel_size=1, force=False, quantization=None, group_size=None,
-                           dtype="float32")  # fmt: skip
+    args = SimpleNamespace(
+        model=None,
+        size="test",
+        tensor_parallel_size=1,
+        force=False,
+        quantization=None,
+        group_size=None,
+        dtype="float32",
+    )
     model, path = bench_model(args, torch.device("cpu"), torch.float32, ["default", "ar"], tmp_path, lambda _: None)
     assert path is None and not any(tmp_path.iterdir()) and model.net.embed_tokens.weight.device.type == "cpu"
-    model, path = bench_model(args, torch.device("cpu"), torch.float32, ["default", "reference"], tmp_path, lambda _: None)
+    model, path = bench_model(
+        args, torch.device("cpu"), torch.float32, ["default", "reference"], tmp_path, lambda _: None
+    )
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()

@@ -12,13 +12,28 @@ import pytest
 
 pexpect = pytest.importorskip("pexpect")
 
-from dgemma.api import default_model_dir  # noqa: E402
 from dgemma.inputs.tokenizer import Tokenizer  # noqa: E402
+from dgemma.loading import default_model_dir  # noqa: E402
 
 SYSTEM = "You are a helpful assistant who answers every question briefly, politely and accurately, in plain English."
-CHAT = [sys.executable, "-m", "dgemma.cli", "chat", "--steps", "4", "--max-new-tokens", "32", "--seed", "0", "--system", SYSTEM]
-FIGURES = re.compile(r"(\d+) tokens, [\d.]+ tokens/forward, [\d.]+ tok/s, first block [\d.]+s, "
-                     r"encoded (\d+) new prompt tokens \((\d+) cached\)")  # fmt: skip
+CHAT = [
+    sys.executable,
+    "-m",
+    "dgemma.cli",
+    "chat",
+    "--steps",
+    "4",
+    "--max-new-tokens",
+    "32",
+    "--seed",
+    "0",
+    "--system",
+    SYSTEM,
+]
+FIGURES = re.compile(
+    r"(\d+) tokens, [\d.]+ tokens/forward, [\d.]+ tok/s, first block [\d.]+s, "
+    r"encoded (\d+) new prompt tokens \((\d+) cached\)"
+)
 PROMPT = ">>> "
 
 pytestmark = pytest.mark.skipif(not (default_model_dir() / "config.json").exists(), reason="no shipped model")
@@ -113,9 +128,13 @@ def test_chat_in_a_terminal(tmp_path):
 @pytest.mark.subprocess
 def test_chat_through_a_pipe(tmp_path):
     out = subprocess.run(
-        CHAT + ["--no-canvas"], input="Hello there\n/set steps 3\nHow are you?\n", capture_output=True, text=True,
-        timeout=60, env=chat_env(tmp_path),
-    )  # fmt: skip
+        CHAT + ["--no-canvas"],
+        input="Hello there\n/set steps 3\nHow are you?\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=chat_env(tmp_path),
+    )
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.splitlines()) == 2  # one answer a turn, plain text
     assert "\x1b" not in out.stdout and ">>>" not in out.stdout
@@ -128,6 +147,7 @@ def test_chat_with_an_image(tmp_path):
     """/image attaches to the next message; the saved conversation holds the part; the next turn
     finds the image's prefix in the cache; bad files and text-only models are named."""
     from PIL import Image
+
     from vision_checkpoint import write_vision_checkpoint
 
     write_vision_checkpoint(tmp_path / "vision")
@@ -135,22 +155,56 @@ def test_chat_with_an_image(tmp_path):
     Image.new("RGB", (40, 30), (200, 30, 60)).save(picture)
     (tmp_path / "bad.png").write_bytes(b"no pixels here")
     saved = tmp_path / "chat.json"
-    lines = [f"/image {tmp_path / 'bad.png'}", f"/image {picture}", "what is this?", "and its colour?", f"/save {saved}"]
-    cmd = [sys.executable, "-m", "dgemma.cli", "chat", "--model", str(tmp_path / "vision"), "--steps", "2",
-           "--max-new-tokens", "8", "--seed", "0", "--no-canvas"]  # fmt: skip
-    out = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))
+    lines = [
+        f"/image {tmp_path / 'bad.png'}",
+        f"/image {picture}",
+        "what is this?",
+        "and its colour?",
+        f"/save {saved}",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dgemma.cli",
+        "chat",
+        "--model",
+        str(tmp_path / "vision"),
+        "--steps",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--seed",
+        "0",
+        "--no-canvas",
+    ]
+    out = subprocess.run(
+        cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path)
+    )
     assert out.returncode == 0, out.stderr
     assert "/image: " in out.stderr and "not an image" in out.stderr and "1 image(s) attached" in out.stderr
     turns = [tuple(int(g) for g in m) for m in FIGURES.findall(out.stderr)]
     assert len(turns) == 2 and turns[1][2] >= turns[0][1] - 32  # turn 2: the image turn's whole blocks were cached
     messages = json.loads(saved.read_text())
-    assert messages[0]["content"] == [{"type": "image", "image": str(picture)}, {"type": "text", "text": "what is this?"}]
+    assert messages[0]["content"] == [
+        {"type": "image", "image": str(picture)},
+        {"type": "text", "text": "what is this?"},
+    ]
     assert messages[2]["content"] == "and its colour?"
     # the saved conversation loads back and goes on
-    out = subprocess.run(cmd, input=f"/load {saved}\nmore?\n", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))
-    assert out.returncode == 0 and "loaded 4 messages" in out.stderr and len(FIGURES.findall(out.stderr)) == 1, out.stderr
-    text_only = subprocess.run(CHAT + ["--no-canvas"], input=f"/image {picture}\n", capture_output=True, text=True, timeout=60,
-                               env=chat_env(tmp_path))  # fmt: skip
+    out = subprocess.run(
+        cmd, input=f"/load {saved}\nmore?\n", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path)
+    )
+    assert out.returncode == 0 and "loaded 4 messages" in out.stderr and len(FIGURES.findall(out.stderr)) == 1, (
+        out.stderr
+    )
+    text_only = subprocess.run(
+        CHAT + ["--no-canvas"],
+        input=f"/image {picture}\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=chat_env(tmp_path),
+    )
     assert text_only.returncode == 0 and "has no vision tower" in text_only.stderr
 
 
@@ -189,7 +243,9 @@ def test_turn_two_keeps_its_prefix(tiny, capsys):
     # no system prompt: turn 1's prompt (12 tokens) is inside the first block, which the answer's
     # first block (of two, eos off) completes; a re-rendered answer differs there
     lines = ["Hello there", "How are you today?", "And then?"]
-    prompts, turns, session = chat_turns(tiny, lines, capsys, max_denoising_steps=4, max_new_tokens=64, eos_token_ids=[])
+    prompts, turns, session = chat_turns(
+        tiny, lines, capsys, max_denoising_steps=4, max_new_tokens=64, eos_token_ids=[]
+    )
     p1, p2, p3 = prompts
     (_, new1, cached1), (_, new2, cached2), (_, new3, cached3) = turns
     assert (new1, cached1) == (len(p1), 0) and len(p1) < 32
@@ -244,10 +300,28 @@ def test_chat_template_and_threads_flags(tmp_path):
         "{{ bos_token }}A conversation between a person and a model.\n{% for message in messages %}"
         "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{{ message['content'] | trim }}<turn|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
-    )  # fmt: skip
-    base = [sys.executable, "-m", "dgemma.cli", "chat", "--steps", "2", "--max-new-tokens", "32", "--seed", "0", "--no-canvas"]
-    out = subprocess.run(base + ["--threads", "1", "--chat-template", str(template)], input="Hello there\n",
-                         capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))  # fmt: skip
+    )
+    base = [
+        sys.executable,
+        "-m",
+        "dgemma.cli",
+        "chat",
+        "--steps",
+        "2",
+        "--max-new-tokens",
+        "32",
+        "--seed",
+        "0",
+        "--no-canvas",
+    ]
+    out = subprocess.run(
+        base + ["--threads", "1", "--chat-template", str(template)],
+        input="Hello there\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=chat_env(tmp_path),
+    )
     assert out.returncode == 0, out.stderr
     tok = Tokenizer.from_dir(default_model_dir())
     user = [{"role": "user", "content": "Hello there"}]
@@ -263,7 +337,9 @@ def test_chat_template_and_threads_flags(tmp_path):
         (["--chat-template", str(tmp_path / "missing.jinja")], "--chat-template: cannot read"),
         (["--threads", "0"], "--threads must be at least 1"),
     ):
-        out = subprocess.run(base + flags, input="", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))
+        out = subprocess.run(
+            base + flags, input="", capture_output=True, text=True, timeout=120, env=chat_env(tmp_path)
+        )
         assert out.returncode == 2 and why in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("dgemma: error: "), out.stderr
 
@@ -275,8 +351,9 @@ def test_ctrl_d_leaves_after_a_stopped_answer(tmp_path):
     then Ctrl-D at the empty prompt leaves (exit 0). The Ctrl-C stops the answer at its next
     step, never inside the engine's step."""
     env = {**chat_env(tmp_path), "TERM": "xterm", "COLUMNS": "250"}
-    child = pexpect.spawn(CHAT[0], [*CHAT[1:], "--max-new-tokens", "512"], env=env, encoding="utf-8", timeout=60,
-                          dimensions=(40, 250))  # fmt: skip
+    child = pexpect.spawn(
+        CHAT[0], [*CHAT[1:], "--max-new-tokens", "512"], env=env, encoding="utf-8", timeout=60, dimensions=(40, 250)
+    )
     try:
         child.expect_exact(PROMPT)
         child.sendline("/set eos off")  # the answer cannot end before the Ctrl-C
@@ -309,7 +386,9 @@ def test_chat_answers_a_file_on_standard_input_on_a_terminal(tmp_path):
     questions = tmp_path / "questions.txt"
     questions.write_text("Hello there\n/set steps 3\nHow are you?", encoding="utf-8")  # (no final newline)
     command = " ".join(f"'{part}'" for part in [*CHAT, "--no-canvas"]) + f" < '{questions}'; echo exit=$?"
-    child = pexpect.spawn("/bin/sh", ["-c", command], env={**chat_env(tmp_path), "TERM": "xterm"}, encoding="utf-8", timeout=120)
+    child = pexpect.spawn(
+        "/bin/sh", ["-c", command], env={**chat_env(tmp_path), "TERM": "xterm"}, encoding="utf-8", timeout=120
+    )
     try:
         child.expect(pexpect.EOF)
     finally:

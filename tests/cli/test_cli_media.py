@@ -79,7 +79,10 @@ def test_image_on_the_text_only_model(capsys, image):
 
 @pytest.mark.parametrize(
     "argv, words",
-    [(["--allowed-media-dir", "/no/such/dir"], "not a directory"), (["--max-images-per-request", "-1"], "--max-images-per-request")],
+    [
+        (["--allowed-media-dir", "/no/such/dir"], "not a directory"),
+        (["--max-images-per-request", "-1"], "--max-images-per-request"),
+    ],
 )
 def test_bad_serve_media_flags(capsys, argv, words):
     code = main(["serve", "--port", "0", *argv])

@@ -4,16 +4,32 @@ import json
 
 import pytest
 
-from dgemma.model.checkpoint import make_tiny_random
 from dgemma.cli import loadtest
+from dgemma.model.checkpoint import make_tiny_random
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_multi_turn_load_script(tmp_path, capsys):
     ckpt = make_tiny_random(tmp_path / "ckpt", seed=0)
-    argv = ["--model", str(ckpt), "--multi-turn", "--turns", "2", "--concurrency", "1", "--requests", "1",
-            "--prefix-tokens", "300", "--max-tokens", "32", "--steps", "4", "--json"]  # fmt: skip
+    argv = [
+        "--model",
+        str(ckpt),
+        "--multi-turn",
+        "--turns",
+        "2",
+        "--concurrency",
+        "1",
+        "--requests",
+        "1",
+        "--prefix-tokens",
+        "300",
+        "--max-tokens",
+        "32",
+        "--steps",
+        "4",
+        "--json",
+    ]
     assert loadtest.main(argv) == 0
     out = capsys.readouterr().out
     assert "shared system prompt:" in out
@@ -33,7 +49,10 @@ def test_system_prompt_and_flags():
     assert loadtest.system_prompt("1", 0) == "Session 1."
     p = loadtest.system_prompt("1", 500)
     assert p == loadtest.system_prompt("1", 500) and p.startswith("Session 1.\n")  # deterministic
-    assert 400 < len(p) <= len("Session 1.\n") + 500 and loadtest.system_prompt("2", 500)[len("Session 2."):] == p[len("Session 1."):]
+    assert (
+        400 < len(p) <= len("Session 1.\n") + 500
+        and loadtest.system_prompt("2", 500)[len("Session 2.") :] == p[len("Session 1.") :]
+    )
     args = loadtest.build_parser().parse_args(["--url", "http://x", "--multi-turn"])
     assert (args.turns, args.prefix_tokens, args.server_arg) == (2, 2048, [])
     args = loadtest.build_parser().parse_args(["--model", "m", "--server-arg=--no-prefix-cache", "--server-arg", "x"])
@@ -60,8 +79,13 @@ def test_one_chat_reads_stream_and_cached_tokens():
         return {"choices": [], "usage": u}
 
     async def run(details):
-        body = sse(delta({"role": "assistant", "content": ""}), delta({"content": "ab"}), delta({"content": "c"}),
-                   delta({}, "length"), usage(details))  # fmt: skip
+        body = sse(
+            delta({"role": "assistant", "content": ""}),
+            delta({"content": "ab"}),
+            delta({"content": "c"}),
+            delta({}, "length"),
+            usage(details),
+        )
         transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
         async with httpx.AsyncClient(transport=transport) as http:
             return await loadtest.one_chat(http, "http://x", {})

@@ -65,11 +65,15 @@ def test_temperature_belongs_to_ar_mode(capsys):
     assert code == 0 and out.strip()
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--steps", "0"], "--steps must be"), (["--max-new-tokens", "0"], "--max-new-tokens must be"),
-    (["--t-min", "0.9", "--t-max", "0.5"], "--t-max must be greater than --t-min"),
-    (["--entropy-bound", "-1"], "--entropy-bound must be"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--steps", "0"], "--steps must be"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be"),
+        (["--t-min", "0.9", "--t-max", "0.5"], "--t-max must be greater than --t-min"),
+        (["--entropy-bound", "-1"], "--entropy-bound must be"),
+    ],
+)
 def test_sampler_errors_name_the_flags_as_typed(capsys, flags, words):
     err = one_line_error(capsys, "x", *flags)
     assert words in err and "max_denoising_steps" not in err and "t_min" not in err
@@ -133,7 +137,9 @@ def test_serve_takes_a_chat_template(tmp_path):
     from serve_process import ServeProcess
 
     template = tmp_path / "plain.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}model:", encoding="utf-8")
+    template.write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}model:", encoding="utf-8"
+    )
     body = {"model": "dgemma-tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
     tok = dgemma.load().tokenizer
     with ServeProcess(["--served-model-name", "dgemma-tiny", "--chat-template", str(template), "--threads", "1"]) as s:
@@ -150,7 +156,9 @@ def test_written_weights_get_the_mode_of_new_files(tmp_path, capsys):
     old = os.umask(0o022)
     try:
         assert main(["make-tiny", str(tmp_path / "tiny")]) == 0
-        assert main(["quantize", "--model", str(tmp_path / "tiny"), "--scheme", "int8", "--out", str(tmp_path / "q")]) == 0
+        assert (
+            main(["quantize", "--model", str(tmp_path / "tiny"), "--scheme", "int8", "--out", str(tmp_path / "q")]) == 0
+        )
     finally:
         os.umask(old)
     for directory in (tmp_path / "tiny", tmp_path / "q"):
@@ -160,12 +168,15 @@ def test_written_weights_get_the_mode_of_new_files(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ bad arguments in one line
-@pytest.mark.parametrize("argv, words", [
-    (["bench", "--size", "nosuch"], "dgemma bench: error: argument --size: invalid choice: 'nosuch'"),
-    (["memory", "--card", "24XB"], "dgemma memory: error: argument --card: '24XB' is not a size"),
-    (["run", "--steps", "x", "y"], "dgemma run: error: argument --steps: invalid int value: 'x'"),
-    (["nosuch"], "dgemma: error: argument command: invalid choice: 'nosuch'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["bench", "--size", "nosuch"], "dgemma bench: error: argument --size: invalid choice: 'nosuch'"),
+        (["memory", "--card", "24XB"], "dgemma memory: error: argument --card: '24XB' is not a size"),
+        (["run", "--steps", "x", "y"], "dgemma run: error: argument --steps: invalid int value: 'x'"),
+        (["nosuch"], "dgemma: error: argument command: invalid choice: 'nosuch'"),
+    ],
+)
 def test_bad_arguments_are_one_line_without_the_usage_block(capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:
         main(argv)

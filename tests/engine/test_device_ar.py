@@ -12,14 +12,13 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
 pytestmark = pytest.mark.triton
 
-from host_sync import count_host_reads, no_host_sync, stub_triton_launches  # noqa: E402
-from launch_count import PINNED, ar_token_launches, counting_capture, h200, meta_engine, released_net  # noqa: E402
-
 import dgemma  # noqa: E402
 from dgemma.dense.ar import ar_events  # noqa: E402
 from dgemma.engine.device import ar as device_ar  # noqa: E402
 from dgemma.engine.device.ar import device_ar_events  # noqa: E402
 from dgemma.engine.events import Block  # noqa: E402
+from host_sync import count_host_reads, no_host_sync, stub_triton_launches  # noqa: E402
+from launch_count import PINNED, ar_token_launches, counting_capture, h200, meta_engine, released_net  # noqa: E402
 
 
 def collect(events):
@@ -44,7 +43,9 @@ def test_greedy_tokens_are_dense_ars_at_float32():
     assert got.sequences == want.sequences
     assert all(isinstance(b, Block) and len(b.tokens) == 1 for b in blocks)
     assert [b.done for b in blocks if b.row == 0][-1] and sum(b.done for b in blocks) == 2
-    assert model.engine.kv_usage() == model.engine.kv_usage() and not model.engine.scheduler.blocks.reservations  # all returned
+    assert (
+        model.engine.kv_usage() == model.engine.kv_usage() and not model.engine.scheduler.blocks.reservations
+    )  # all returned
 
 
 @pytest.mark.slow
@@ -90,7 +91,9 @@ def test_an_ar_step_makes_no_host_sync_and_a_batch_reads_once():
             return counting_capture(checked, graphs)
 
         with count_host_reads() as reads:
-            _, blocks = collect(device_ar_events(engine, [list(range(10, 300))], 9, 0.0, [0], (), read_every=4, capture=guarded))
+            _, blocks = collect(
+                device_ar_events(engine, [list(range(10, 300))], 9, 0.0, [0], (), read_every=4, capture=guarded)
+            )
     assert len(blocks) == 9 and reads.count == 3, reads.where
 
 
@@ -99,7 +102,9 @@ def test_an_ar_token_launches_at_most_a_diffusion_steps_layers():
     """An AR token's captured step at the released size: at most the diffusion step's launches a
     layer x 30 + 30 (the GPU issue's bound), pinned at this commit's count."""
     launches = ar_token_launches(released_net(None))
-    print(f"\nAR token: {launches.summary()}\n  layer 0: {launches.detail('layer 0')}\n  outside: {launches.detail('outside')}")
+    print(
+        f"\nAR token: {launches.summary()}\n  layer 0: {launches.detail('layer 0')}\n  outside: {launches.detail('outside')}"
+    )
     per_layer = PINNED[("bf16", 1)][0]
     assert launches.captured <= per_layer * 30 + 30
     assert max(launches.layers) <= 13 and launches.captured <= 398  # pinned

@@ -4,7 +4,6 @@ reservation past ~3,300 tokens at the released sizes)."""
 
 import pytest
 import torch
-from host_sync import DEVICE, stub_triton_launches
 
 from dgemma.config import GLOBAL, SLIDING
 from dgemma.dense.kv_cache import DenseKVCache
@@ -14,6 +13,7 @@ from dgemma.engine.prefill import prefill
 from dgemma.model.checkpoint import make_config, random_model
 from dgemma.model.diffusion_gemma import DiffusionGemma
 from dgemma.model.presets import PRESETS
+from host_sync import DEVICE, stub_triton_launches
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,9 @@ def real_meta_engine() -> Engine:
     device with the GPU path's kernels (launches stubbed: meta tensors hold no data)."""
     with torch.device(DEVICE):
         net = DiffusionGemma(make_config(**PRESETS["real"])).to(torch.bfloat16).eval()
-    options = EngineOptions(triton=True, cuda_graphs=False, batch_invariant=False, prefix_cache=False, kv_cache_memory=2**34)
+    options = EngineOptions(
+        triton=True, cuda_graphs=False, batch_invariant=False, prefix_cache=False, kv_cache_memory=2**34
+    )
     return Engine(net, options)
 
 
@@ -66,8 +68,12 @@ def test_chunked_prefix_decodes_as_the_whole_prompt_does(invariant):
     the ones no later position reads."""
     net = random_model(make_config(**PRESETS["test"]), seed=3, std=0.05)
     cfg, c = net.config, net.config.canvas_length
-    engine = Engine(net, EngineOptions(block_size=8, prefill_chunk=24, batch_invariant=invariant, prefix_cache=False,
-                                       kv_cache_memory=2**22))  # fmt: skip
+    engine = Engine(
+        net,
+        EngineOptions(
+            block_size=8, prefill_chunk=24, batch_invariant=invariant, prefix_cache=False, kv_cache_memory=2**22
+        ),
+    )
     prompt = torch.randint(10, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(0)).tolist()
     canvas = torch.randint(0, cfg.vocab_size, (1, c), generator=torch.Generator().manual_seed(1))
     kv = engine.encode_prefix(prompt)

@@ -9,12 +9,12 @@ import torch
 
 import dgemma
 from dgemma.config import GLOBAL, SLIDING
+from dgemma.dense.kv_cache import DenseKVCache
 from dgemma.engine.client import EngineClient
 from dgemma.engine.engine import Engine, EngineOptions, Request
-from dgemma.engine.request import RequestStatus
-from dgemma.dense.kv_cache import DenseKVCache
 from dgemma.engine.kv.paged_cache import SequenceBlocks
 from dgemma.engine.prefill import prefill
+from dgemma.engine.request import RequestStatus
 
 PREFIX = [(7 * i + 3) % 120 + 5 for i in range(45)]  # 5 full blocks of 8 (ref_gqa's canvas) and a partial one
 
@@ -186,15 +186,22 @@ def test_fixed_tokens_never_change_and_masked_tokens_are_never_sampled(ref_gqa, 
     c, vocab = model.config.canvas_length, model.config.vocab_size
     allowed_set = [11, 12, 13, 14]
     fixed = {0: 99, 5: 100}
-    constraints = CanvasConstraints.build(c, vocab, fixed=fixed, allowed={p: allowed_set for p in range(1, c) if p != 5})
+    constraints = CanvasConstraints.build(
+        c, vocab, fixed=fixed, allowed={p: allowed_set for p in range(1, c) if p != 5}
+    )
     engine = Engine(model.engine_net)
     if statistics == "torch":
         engine.runner.native = None
     elif engine.runner.native is None:
         pytest.skip("the native kernels do not run on this CPU (no AVX-512 BF16); the torch case covers the rest")
     # every free position is accepted every step (huge bound): the canvas after a step is all samples
-    req = Request(PREFIX, config(model, max_new_tokens=3 * c, eos_token_ids=[], entropy_bound=1e6), 5, drafts=True,
-                  constraints=constraints)  # fmt: skip
+    req = Request(
+        PREFIX,
+        config(model, max_new_tokens=3 * c, eos_token_ids=[], entropy_bound=1e6),
+        5,
+        drafts=True,
+        constraints=constraints,
+    )
     engine.add(req)
     drafts = 0
     while engine.has_work:
@@ -253,8 +260,13 @@ def test_a_32k_prompt_generates_while_a_short_request_keeps_receiving_blocks():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "scripts/long_context.py", "--prompt-tokens", "32768"], cwd=root,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "scripts/long_context.py", "--prompt-tokens", "32768"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     print(run.stdout)  # the figures docs/performance.md quotes
     assert re.search(r"long prompt: 32768 tokens, time to first block [\d.]+ s", run.stdout)
@@ -269,7 +281,11 @@ def test_memory_report_for_the_released_model_at_128k(capsys):
 
     assert main(["memory", "--size", "real", "--tokens", "131072"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.split()[1:2] in (["full_attention"], ["sliding_attention"])}
+    rows = {
+        line.split()[1]: line.split()
+        for line in out.splitlines()
+        if line.split()[1:2] in (["full_attention"], ["sliding_attention"])
+    }
     total = next(line.split() for line in out.splitlines() if line.startswith("total"))
     assert float(rows["full_attention"][3]) == float(rows["full_attention"][4]) == 2.5  # linear: 20 KiB per token
     assert float(rows["sliding_attention"][3]) < 0.4 < 25.0 == float(rows["sliding_attention"][4])  # the window only

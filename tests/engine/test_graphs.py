@@ -105,10 +105,16 @@ class FakeStreamContext:
 def fake_cuda(monkeypatch):
     cuda = FakeCuda()
     for name, value in {
-        "CUDAGraph": cuda.Graph, "Stream": cuda.Stream, "current_stream": cuda.current_stream,
-        "set_stream": cuda.set_stream, "stream": cuda.stream, "graph_pool_handle": cuda.graph_pool_handle,
-        "synchronize": lambda device=None: None, "empty_cache": lambda: None, "current_device": lambda: 0,
-    }.items():  # fmt: skip
+        "CUDAGraph": cuda.Graph,
+        "Stream": cuda.Stream,
+        "current_stream": cuda.current_stream,
+        "set_stream": cuda.set_stream,
+        "stream": cuda.stream,
+        "graph_pool_handle": cuda.graph_pool_handle,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "current_device": lambda: 0,
+    }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", cuda.end_allocate_to_pool, raising=False)
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
@@ -206,13 +212,22 @@ def requests(engine, kvs, seed: int, allowed: torch.Tensor | None = None) -> lis
         fixed = torch.full((c,), -1, dtype=torch.long)
         fixed[i] = 7 + i  # one fixed position a request
         constraints = SimpleNamespace(fixed=fixed, allowed=None if allowed is None else allowed[i * c : (i + 1) * c])
-        out.append(SimpleNamespace(
-            kv=kv, config=gen, step=i + 1, seed=seed * 10 + i, passes=3 * i, block_passes=i,
-            canvas=torch.randint(0, cfg.vocab_size, (c,), generator=g),
-            soft=(torch.randn(c, cfg.hidden_size, generator=g) * 0.1).to(engine.runner.net.dtype) if i != 1 else None,
-            history=None if i % 2 else torch.randint(0, cfg.vocab_size, (4, c), generator=g),
-            active_constraints=constraints,
-        ))  # fmt: skip
+        out.append(
+            SimpleNamespace(
+                kv=kv,
+                config=gen,
+                step=i + 1,
+                seed=seed * 10 + i,
+                passes=3 * i,
+                block_passes=i,
+                canvas=torch.randint(0, cfg.vocab_size, (c,), generator=g),
+                soft=(torch.randn(c, cfg.hidden_size, generator=g) * 0.1).to(engine.runner.net.dtype)
+                if i != 1
+                else None,
+                history=None if i % 2 else torch.randint(0, cfg.vocab_size, (4, c), generator=g),
+                active_constraints=constraints,
+            )
+        )
     return out
 
 

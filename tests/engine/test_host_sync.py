@@ -22,16 +22,15 @@ import torch
 
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
 
-from host_sync import DEVICE, HostSync, count_host_reads, no_host_sync, stub_triton_launches, to_device
-
 from dgemma.config import GenerationConfig
 from dgemma.engine.constraints import CanvasConstraints
-from dgemma.engine.engine import Engine, EngineOptions, Request
 from dgemma.engine.device.graphs import DecoderGraphs, eager_capture
+from dgemma.engine.engine import Engine, EngineOptions, Request
 from dgemma.engine.step_plan import DecodeResult
 from dgemma.model.checkpoint import make_config
 from dgemma.model.diffusion_gemma import DiffusionGemma
 from dgemma.model.presets import PRESETS
+from host_sync import DEVICE, HostSync, count_host_reads, no_host_sync, stub_triton_launches, to_device
 
 SEED_MAX = 2**64 - 1
 
@@ -48,8 +47,9 @@ def meta_engine(scheme: str | None) -> Engine:
 
         net = random_quantized_model(config, scheme, 16 if scheme == "int4" else None, torch.bfloat16)
     to_device(net.eval())
-    options = EngineOptions(triton=True, cuda_graphs=False, block_size=8, batch_invariant=False, prefix_cache=False,
-                            kv_cache_memory=2**24)  # fmt: skip
+    options = EngineOptions(
+        triton=True, cuda_graphs=False, block_size=8, batch_invariant=False, prefix_cache=False, kv_cache_memory=2**24
+    )
     return Engine(net, options)
 
 
@@ -98,7 +98,11 @@ def test_engine_steps_make_no_host_sync(scheme):
                 results = []
                 for group in runner._groups(plan.decode):
                     canvas = torch.stack([r.canvas for r in group])
-                    temps, soft, allowed = runner.temperatures(group), runner._soft_inputs(group), runner.allowed_masks(group)
+                    temps, soft, allowed = (
+                        runner.temperatures(group),
+                        runner._soft_inputs(group),
+                        runner.allowed_masks(group),
+                    )
                     pass_plan = runner.cache.plan_canvas(engine.runner.config.canvas_length, [r.kv for r in group])
                     with no_host_sync("none"):  # the captured part
                         outputs = runner.decoder_step(canvas, soft, temps, pass_plan, allowed)
@@ -144,7 +148,13 @@ def test_the_guard_catches_what_main_did():
     with pytest.raises(HostSync, match="copy from the host"):
         with no_host_sync("none"):
             torch.arange(4).to(DEVICE, non_blocking=True)
-    for op in (lambda: torch.bincount(x), lambda: x.nonzero(), lambda: x.sum().item(), lambda: x.tolist(), lambda: bool(x[0])):
+    for op in (
+        lambda: torch.bincount(x),
+        lambda: x.nonzero(),
+        lambda: x.sum().item(),
+        lambda: x.tolist(),
+        lambda: bool(x[0]),
+    ):
         with pytest.raises(HostSync, match="host sync"):
             with no_host_sync():
                 op()
@@ -179,8 +189,17 @@ def test_a_grammar_request_adds_only_its_own_reads():
     import dgemma
 
     model = dgemma.load()
-    engine = Engine(to_device(model.net.to(torch.bfloat16).eval()), EngineOptions(
-        triton=True, cuda_graphs=False, block_size=8, batch_invariant=False, prefix_cache=False, kv_cache_memory=2**24))  # fmt: skip
+    engine = Engine(
+        to_device(model.net.to(torch.bfloat16).eval()),
+        EngineOptions(
+            triton=True,
+            cuda_graphs=False,
+            block_size=8,
+            batch_invariant=False,
+            prefix_cache=False,
+            kv_cache_memory=2**24,
+        ),
+    )
     c = model.config.canvas_length
     gen = GenerationConfig(max_new_tokens=2 * c, max_denoising_steps=4)
     grammar = model.compile_grammar("regex", "[a-z]{3,40}")
@@ -188,7 +207,9 @@ def test_a_grammar_request_adds_only_its_own_reads():
     for seed in (2, 3, 4):
         engine.add(Request([8, 9, 10, 11], gen, seed))
     runner = engine.runner
-    runner.graphs = DecoderGraphs(buckets=(4,), capture=eager_capture)  # the plain rows replay; the grammar's runs eagerly
+    runner.graphs = DecoderGraphs(
+        buckets=(4,), capture=eager_capture
+    )  # the plain rows replay; the grammar's runs eagerly
     with stub_triton_launches(), torch.no_grad():
         with count_host_reads():
             engine.step()  # prompts encoded, first passes (the grammar reads its first draft)
@@ -212,12 +233,29 @@ def test_a_grammar_request_adds_only_its_own_reads():
 # ---------------------------------------------------------------------------------- static check
 ROOT = Path(__file__).resolve().parents[2] / "dgemma"
 STEP_MODULES = [
-    "engine/runner.py", "engine/device/graphs.py", "engine/sampler.py", "engine/kv/paged_cache.py", "engine/prefill.py",
-    "model/diffusion_gemma.py", "model/rope.py", "model/attention.py", "kernels/gpu.py", "kernels/triton_step.py",
-    "kernels/triton_layer.py", "kernels/triton_attention.py", "kernels/triton_quant.py", "quant/modules.py",
-    "engine/turbo.py", "engine/turbo_step.py", "engine/device/step.py", "engine/device/inputs.py", "engine/device/ar.py",
-    "kernels/triton_ar.py", "kernels/triton_norms.py", "kernels/triton_moe.py",
-]  # fmt: skip
+    "engine/runner.py",
+    "engine/device/graphs.py",
+    "engine/sampler.py",
+    "engine/kv/paged_cache.py",
+    "engine/prefill.py",
+    "model/diffusion_gemma.py",
+    "model/rope.py",
+    "model/attention.py",
+    "kernels/gpu.py",
+    "kernels/triton_step.py",
+    "kernels/triton_layer.py",
+    "kernels/triton_attention.py",
+    "kernels/triton_quant.py",
+    "quant/modules.py",
+    "engine/turbo.py",
+    "engine/turbo_step.py",
+    "engine/device/step.py",
+    "engine/device/inputs.py",
+    "engine/device/ar.py",
+    "kernels/triton_ar.py",
+    "kernels/triton_norms.py",
+    "kernels/triton_moe.py",
+]
 HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "bincount", "unique", "masked_select"}
 # (module, function): why it may read the device on the host
 ALLOWED = {

@@ -36,7 +36,9 @@ def test_warm_start_in_the_engine_starts_from_the_given_canvas(ref_gqa):
     model = dgemma.load(path)
     c = model.config.canvas_length
     start = [5] * c
-    drafts = [ev for ev in model.stream([1, 2, 3], drafts=True, seed=0, canvas=start, max_denoising_steps=1, max_new_tokens=c)]
+    drafts = [
+        ev for ev in model.stream([1, 2, 3], drafts=True, seed=0, canvas=start, max_denoising_steps=1, max_new_tokens=c)
+    ]
     cold = [ev for ev in model.stream([1, 2, 3], drafts=True, seed=0, max_denoising_steps=1, max_new_tokens=c)]
     assert drafts[0].canvas != cold[0].canvas
     with pytest.raises(ValueError, match=re.escape("canvas 0 must be a list of 8 entries (token ids)")):
@@ -45,8 +47,8 @@ def test_warm_start_in_the_engine_starts_from_the_given_canvas(ref_gqa):
 
 # ------------------------------------------------------------------------------------ fixed positions
 from dgemma.engine.constraints import CanvasConstraints, FirstCanvas  # noqa: E402
-from dgemma.engine.events import Block, Draft  # noqa: E402
 from dgemma.engine.constraints.infill import edit_plan, infill_plan, snap_spans  # noqa: E402
+from dgemma.engine.events import Block, Draft  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,9 @@ def test_fixed_positions_never_change_in_drafts_or_the_block(tiny):
     c, vocab = tiny.config.canvas_length, tiny.config.vocab_size
     fixed = {0: 5, 7: 100, 8: 101, 20: 3000, 31: 42}
     seeded = FirstCanvas(CanvasConstraints.build(c, vocab, fixed=fixed))
-    events = list(tiny.stream("import os\n", drafts=True, seed=3, constraints=seeded, max_new_tokens=2 * c, eos_token_ids=[]))
+    events = list(
+        tiny.stream("import os\n", drafts=True, seed=3, constraints=seeded, max_new_tokens=2 * c, eos_token_ids=[])
+    )
     firsts = [ev for ev in events if getattr(ev, "block", None) == 0]
     assert any(isinstance(ev, Draft) for ev in firsts)
     for ev in firsts:
@@ -74,7 +78,9 @@ def test_span_is_denoised_with_the_suffix_in_the_canvas(tiny):
     over that canvas (the span's start tokens as the engine drew them)."""
     prefix, suffix = "def area(r):\n", "    return 3.14159 * r * r\n"
     c = tiny.config.canvas_length
-    plan = infill_plan(tiny.tokenizer.encode(prefix), tiny.tokenizer.encode(suffix, add_special_tokens=False), 6, c, 1, 0)
+    plan = infill_plan(
+        tiny.tokenizer.encode(prefix), tiny.tokenizer.encode(suffix, add_special_tokens=False), 6, c, 1, 0
+    )
     first = next(iter(tiny.infill_stream(prefix, suffix, span_length=6, seed=0, max_denoising_steps=1)))
     g = torch.Generator().manual_seed(0)
     start = torch.randint(0, tiny.config.vocab_size, (c,), generator=g)  # the engine's first draw
@@ -114,8 +120,12 @@ def test_snap_spans_to_token_boundaries():
     assert snap_spans([(4, 6)], offsets, 11) == [(1, 3)]
     assert snap_spans([(9, 10)], offsets, 11) == [(5, 7)]  # a character split over two tokens takes both
     assert snap_spans([(0, 1), (2, 4)], offsets, 11) == [(0, 2)]  # touching after snapping: merged
-    for bad, words in [([(5, 5)], "0 <= start < end"), ([(0, 12)], "0 <= start < end"), ([(0, 4), (3, 6)], "overlap"),
-                       ([(1,)], "pair of character offsets")]:  # fmt: skip
+    for bad, words in [
+        ([(5, 5)], "0 <= start < end"),
+        ([(0, 12)], "0 <= start < end"),
+        ([(0, 4), (3, 6)], "overlap"),
+        ([(1,)], "pair of character offsets"),
+    ]:
         with pytest.raises(ValueError, match=words):
             snap_spans(bad, offsets, 11)
 
@@ -126,7 +136,9 @@ def test_plans_and_their_limits():
     with pytest.raises(ValueError, match="span_length must be 1 to 7"):
         infill_plan([2], [5], 8, 8, 1, 0)
     plan = edit_plan([2], list(range(10, 20)), [(2, 4), (6, 7)], 8, eos=1, pad=0)
-    assert plan.prompt == [2, 10, 11] and plan.canvas == [-1, -1, 14, 15, -1, 17, 18, 19] and plan.free == [(0, 2), (4, 5)]
+    assert (
+        plan.prompt == [2, 10, 11] and plan.canvas == [-1, -1, 14, 15, -1, 17, 18, 19] and plan.free == [(0, 2), (4, 5)]
+    )
     with pytest.raises(ValueError, match="more than one canvas"):
         edit_plan([2], list(range(30)), [(0, 2), (9, 12)], 8, 1, 0)
 
@@ -140,7 +152,23 @@ def test_run_with_suffix_prints_the_span(tiny, capsys, tmp_path):
     expected = tiny.infill(prefix, suffix, span_length=5, seed=0, max_denoising_steps=8).text
     assert capsys.readouterr().out == expected + "\n"
     (tmp_path / "suffix.py").write_text(suffix)
-    assert main(["run", prefix, "--suffix-file", str(tmp_path / "suffix.py"), "--seed", "0", "--span-length", "5", "--steps", "8"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                prefix,
+                "--suffix-file",
+                str(tmp_path / "suffix.py"),
+                "--seed",
+                "0",
+                "--span-length",
+                "5",
+                "--steps",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == expected + "\n"
 
 
@@ -163,25 +191,39 @@ def test_run_suffix_errors(argv, words, capsys):
 
 
 # ------------------------------------------------------------------------------------ the server's suffix
-from servers import MODEL  # noqa: E402  (conftest.py serves the tiny random `model` once a session: `server`, `client`)
-
 import openai  # noqa: E402
+
+from servers import MODEL  # noqa: E402  (conftest.py serves the tiny random `model` once a session: `server`, `client`)
 
 
 @pytest.mark.slow
 def test_suffix_is_insert_mode(model, client):  # noqa: F811
     prefix, suffix = "def f(x):\n", "\n    return y\n"
-    r = client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=16, seed=3,
-                                  extra_body={"span_length": 5, "max_denoising_steps": 4})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prefix,
+        suffix=suffix,
+        max_tokens=16,
+        seed=3,
+        extra_body={"span_length": 5, "max_denoising_steps": 4},
+    )
     expected = model.infill(prefix, suffix, span_length=5, seed=3, max_denoising_steps=4)
     assert r.choices[0].text == expected.text and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == 5
-    chosen = client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=8, seed=3,
-                                       extra_body={"max_denoising_steps": 4})  # fmt: skip
+    chosen = client.completions.create(
+        model=MODEL, prompt=prefix, suffix=suffix, max_tokens=8, seed=3, extra_body={"max_denoising_steps": 4}
+    )
     want = model.infill(prefix, suffix, lengths=[1, 2, 3, 4, 6, 8], seed=3, max_denoising_steps=4)
     assert chosen.choices[0].text == want.text and chosen.usage.completion_tokens == want.span_length
-    stream = client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=16, seed=3, stream=True,
-                                       extra_body={"span_length": 5, "max_denoising_steps": 4})  # fmt: skip
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prefix,
+        suffix=suffix,
+        max_tokens=16,
+        seed=3,
+        stream=True,
+        extra_body={"span_length": 5, "max_denoising_steps": 4},
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
 
 
@@ -189,11 +231,18 @@ def test_fixed_canvas_tokens(model, client):  # noqa: F811
     c = model.config.canvas_length
     canvas = [None] * c
     canvas[3], canvas[10] = 100, 101
-    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=c, seed=1,
-                                  extra_body={"canvas": canvas, "max_denoising_steps": 4, "ignore_eos": True})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL,
+        prompt=[5, 6, 7],
+        max_tokens=c,
+        seed=1,
+        extra_body={"canvas": canvas, "max_denoising_steps": 4, "ignore_eos": True},
+    )
     ids = model.tokenizer.encode(r.choices[0].text, add_special_tokens=False)
     fixed = FirstCanvas(CanvasConstraints.build(c, model.config.vocab_size, fixed={3: 100, 10: 101}))
-    out = model.generate([[5, 6, 7]], max_new_tokens=c, seed=1, max_denoising_steps=4, eos_token_ids=[], constraints=[fixed])
+    out = model.generate(
+        [[5, 6, 7]], max_new_tokens=c, seed=1, max_denoising_steps=4, eos_token_ids=[], constraints=[fixed]
+    )
     assert out.sequences[0][3] == 100 and out.sequences[0][10] == 101
     assert r.choices[0].text == model.tokenizer.decode(out.sequences[0]) and ids
 
@@ -216,7 +265,9 @@ BAD_INSERTS = [
 @pytest.mark.parametrize("extra, param", BAD_INSERTS)
 def test_bad_infill_requests_are_400s(client, extra, param):  # noqa: F811
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="def f():", max_tokens=extra.pop("max_tokens", 16), extra_body=extra)
+        client.completions.create(
+            model=MODEL, prompt="def f():", max_tokens=extra.pop("max_tokens", 16), extra_body=extra
+        )
     assert e.value.body["param"] == param, e.value.body
 
 

@@ -22,7 +22,11 @@ from launch_count import PINNED, encode_launches, released_net, step_launches  #
 LAYERS = 30
 PER_LAYER, OUTSIDE = 20, 40  # the GPU issue's bound: 640 a step
 # this commit's counts: (per layer at most, outside the layers, whole step)
-ENCODE_PINNED = (35, 18, 1068)  # a 256-token block after a 512-token prompt (attention: gathered SDPA, meta's math path)
+ENCODE_PINNED = (
+    35,
+    18,
+    1068,
+)  # a 256-token block after a 512-token prompt (attention: gathered SDPA, meta's math path)
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +36,15 @@ def bf16_net():
 
 def check(launches, key):
     per, outside, total = PINNED[key]
-    print(f"\n{key}: {launches.summary()}\n  layer 0: {launches.detail('layer 0')}\n  outside: {launches.detail('outside')}")
+    print(
+        f"\n{key}: {launches.summary()}\n  layer 0: {launches.detail('layer 0')}\n  outside: {launches.detail('outside')}"
+    )
     layers = launches.layers
     assert len(layers) == LAYERS
     assert max(layers) <= per, f"a layer launches {max(layers)} kernels (pinned {per}): {launches.detail('layer 0')}"
-    assert launches.outside <= outside, f"{launches.outside} launches outside the layers (pinned {outside}): {launches.detail('outside')}"
+    assert launches.outside <= outside, (
+        f"{launches.outside} launches outside the layers (pinned {outside}): {launches.detail('outside')}"
+    )
     assert launches.total <= total
     return launches
 
@@ -60,7 +68,9 @@ def test_quantised_steps_launch_what_bf16_does(bf16_net, scheme):
 def test_an_encode_pass_is_counted_and_pinned(bf16_net):
     launches = encode_launches(bf16_net)
     per, outside, total = ENCODE_PINNED
-    print(f"\nencode: {launches.summary()}\n  layer 0: {launches.detail('layer 0')}\n  outside: {launches.detail('outside')}")
+    print(
+        f"\nencode: {launches.summary()}\n  layer 0: {launches.detail('layer 0')}\n  outside: {launches.detail('outside')}"
+    )
     assert len(launches.layers) == LAYERS and max(launches.layers) <= per and launches.outside <= outside
     assert launches.total <= total and launches.captured == 0
 
@@ -70,8 +80,8 @@ def test_the_counter_sees_every_kind_of_launch():
     op its kernels; a host read one; a Triton launch one."""
     import torch
 
-    from launch_count import count_launches
     from dgemma.kernels import triton_layer
+    from launch_count import count_launches
 
     x = torch.empty(8, 4, device="meta")
     with count_launches() as launches:

@@ -69,7 +69,9 @@ def test_stopping_equals_reference(stability):
     ref = StableAndConfidentStoppingCriteria(stability_threshold=stability, confidence_threshold=0.3)
     history = None
     g = torch.Generator().manual_seed(stability)
-    canvases = [torch.randint(0, 3, (2, 4), generator=g) for _ in range(3)] + [torch.tensor([[1, 1, 1, 1], [2, 2, 2, 2]])] * 4
+    canvases = [torch.randint(0, 3, (2, 4), generator=g) for _ in range(3)] + [
+        torch.tensor([[1, 1, 1, 1], [2, 2, 2, 2]])
+    ] * 4
     for i, canvas in enumerate(canvases):
         logits = torch.randn(2, 4, 5, generator=g) * (1 + 4 * i)
         expected = ref(canvas, logits)

@@ -10,7 +10,9 @@ import torch
 from dgemma.engine import sampler
 from dgemma.kernels import native
 
-needs_native = pytest.mark.skipif(native.extension() is None, reason="native kernels unavailable (no AVX-512 BF16 or no compiler)")
+needs_native = pytest.mark.skipif(
+    native.extension() is None, reason="native kernels unavailable (no AVX-512 BF16 or no compiler)"
+)
 
 
 def _random_mask(rows: int, vocab: int, density: float, g: torch.Generator) -> torch.Tensor:
@@ -44,7 +46,9 @@ def test_pack_unpack_round_trip(vocab):
     # bits past the vocab are ignored when unpacking
     assert sampler.unpack_token_mask(torch.full_like(bits, -1), vocab).all()
     # leading dims pass through
-    assert torch.equal(sampler.unpack_token_mask(sampler.pack_token_mask(keep.view(2, 3, vocab)), vocab), keep.view(2, 3, vocab))
+    assert torch.equal(
+        sampler.unpack_token_mask(sampler.pack_token_mask(keep.view(2, 3, vocab)), vocab), keep.view(2, 3, vocab)
+    )
 
 
 def test_pack_known_words():
@@ -76,12 +80,22 @@ def test_torch_path_with_a_mask_equals_the_hand_computation(seed):
     assert (stats.weights[~keep] == 0).all() and (stats.weights[keep] > 0).all()
     # the engine's variant (logits overwritten, weights into a buffer) and a [B, C, V] layout agree
     buffer = torch.empty_like(logits)
-    fast = sampler.step_statistics(logits.clone(), temps, overwrite_logits=True, out=buffer, allowed=sampler.pack_token_mask(keep))
+    fast = sampler.step_statistics(
+        logits.clone(), temps, overwrite_logits=True, out=buffer, allowed=sampler.pack_token_mask(keep)
+    )
     assert fast.weights.data_ptr() == buffer.data_ptr()
-    assert torch.equal(fast.argmax, stats.argmax) and torch.equal(fast.weights, stats.weights) and torch.equal(fast.total, stats.total)
+    assert (
+        torch.equal(fast.argmax, stats.argmax)
+        and torch.equal(fast.weights, stats.weights)
+        and torch.equal(fast.total, stats.total)
+    )
     assert torch.allclose(fast.entropy, stats.entropy, atol=1e-6)
-    shaped = sampler.step_statistics(logits.view(2, 4, vocab), temps.view(2, 4, 1), allowed=sampler.pack_token_mask(keep.view(2, 4, vocab)))
-    assert torch.equal(shaped.argmax.view(-1), stats.argmax) and torch.equal(shaped.weights.view(rows, vocab), stats.weights)
+    shaped = sampler.step_statistics(
+        logits.view(2, 4, vocab), temps.view(2, 4, 1), allowed=sampler.pack_token_mask(keep.view(2, 4, vocab))
+    )
+    assert torch.equal(shaped.argmax.view(-1), stats.argmax) and torch.equal(
+        shaped.weights.view(rows, vocab), stats.weights
+    )
 
 
 def test_torch_path_with_an_all_ones_mask_is_bit_identical_to_no_mask():
@@ -121,7 +135,9 @@ def test_sampling_masked_weights_never_picks_a_disallowed_token():
     logits[5, ~keep[5]] = 50.0  # the disallowed tokens are the most likely ones
     stats = sampler.step_statistics(logits, 0.9, allowed=sampler.pack_token_mask(keep))
     one = torch.tensor(1.0)
-    edges = torch.tensor([0.0, 1e-45, 1e-30, 2**-24, 2**-10, 0.5, 1 - 2**-10, 1 - 2**-23, torch.nextafter(one, torch.tensor(0.0)).item()])
+    edges = torch.tensor(
+        [0.0, 1e-45, 1e-30, 2**-24, 2**-10, 0.5, 1 - 2**-10, 1 - 2**-23, torch.nextafter(one, torch.tensor(0.0)).item()]
+    )
     uniforms = torch.cat([edges, torch.rand(5000, generator=g)])
     for row in range(rows):
         picks = sampler.sample_from_weights(stats.weights[row].expand(len(uniforms), -1), uniforms)
@@ -131,7 +147,9 @@ def test_sampling_masked_weights_never_picks_a_disallowed_token():
     assert keep.repeat(len(uniforms), 1)[torch.arange(len(picks)), picks].all()
 
 
-def _native_and_torch(raw: torch.Tensor, temps: torch.Tensor, keep: torch.Tensor | None, bits: torch.Tensor | None = None):
+def _native_and_torch(
+    raw: torch.Tensor, temps: torch.Tensor, keep: torch.Tensor | None, bits: torch.Tensor | None = None
+):
     rows, vocab = raw.shape
     if bits is None:
         bits = sampler.pack_token_mask(keep) if keep is not None else torch.empty(0, dtype=torch.int32)
@@ -182,7 +200,9 @@ def test_native_all_ones_mask_is_bit_identical_to_no_mask(dtype):
     raw = (torch.randn(rows, vocab, generator=g) * 12).to(dtype)
     raw[1], raw[1, 9] = -1e4, 1e4  # weights at the exp floor
     temps = torch.rand(rows, generator=g) + 0.3
-    (no_mask, _), (ones, _) = (_native_and_torch(raw, temps, keep) for keep in (None, torch.ones(rows, vocab, dtype=torch.bool)))
+    (no_mask, _), (ones, _) = (
+        _native_and_torch(raw, temps, keep) for keep in (None, torch.ones(rows, vocab, dtype=torch.bool))
+    )
     for a, b in zip(no_mask, ones):
         assert torch.equal(a, b)
     weights, probs = torch.empty(rows, vocab), torch.empty(rows, vocab, dtype=torch.bfloat16)
@@ -201,6 +221,10 @@ def test_native_mask_edge_cases():
     argmax, entropy, total = kernel.step_statistics(raw, 30.0, temps, weights, no_probs, sampler.pack_token_mask(keep))
     assert entropy.isfinite().all() and total.isfinite().all() and weights.isfinite().all()
     assert argmax[2].item() == 47 and entropy[2].item() == 0.0 and weights[2, 47].item() == 1.0
-    for bad in (torch.zeros(3, 1, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int64)):
+    for bad in (
+        torch.zeros(3, 1, dtype=torch.int32),
+        torch.zeros(2, 2, dtype=torch.int32),
+        torch.zeros(3, 2, dtype=torch.int64),
+    ):
         with pytest.raises(RuntimeError, match="allowed"):
             kernel.step_statistics(raw, 30.0, temps, weights, no_probs, bad)

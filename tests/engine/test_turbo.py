@@ -10,16 +10,16 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.api import default_model_dir
 from dgemma.config import ConfigError, TurboSettings
+from dgemma.engine import turbo_step as turbo_step_module
 from dgemma.engine.client import EngineClient
 from dgemma.engine.constraints import CanvasConstraints
 from dgemma.engine.engine import Engine, EngineOptions, Request
 from dgemma.engine.events import Block, Draft
 from dgemma.engine.kv.paged_cache import PagedKVCache, SequenceBlocks
 from dgemma.engine.prefill import prefill
-from dgemma.engine import turbo_step as turbo_step_module
 from dgemma.engine.turbo import TurboPass, TurboState, canvas_kv_bytes, dormant, freeze
+from dgemma.loading import default_model_dir
 
 PROMPTS = ["def fib(n):\n", "import os\n", "class Stack:\n    def push(self, x):\n"]
 
@@ -56,8 +56,9 @@ def test_nothing_frozen_is_token_for_token_the_exact_pass(tiny):
     dormant entropy of 0 nothing rests: every pass computes every row through the turbo pass (keys
     from the buffer), and the answer is the exact one, draw for draw."""
     exact = tiny.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6])
-    turbo = tiny.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0,
-                          turbo_dormant_entropy=0.0)  # fmt: skip
+    turbo = tiny.generate(
+        PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0, turbo_dormant_entropy=0.0
+    )
     assert turbo.sequences == exact.sequences and turbo.decoder_passes == exact.decoder_passes
 
 
@@ -108,7 +109,9 @@ def test_fixed_positions_keep_their_tokens(tiny):
     c, vocab = tiny.config.canvas_length, tiny.config.vocab_size
     fixed = {0: 5, 7: 11, c - 1: 1}
     constraints = CanvasConstraints.build(c, vocab, fixed=fixed)
-    out = tiny.generate(["import os\n"], max_new_tokens=c, seed=2, constraints=[constraints], turbo=True, eos_token_ids=[])
+    out = tiny.generate(
+        ["import os\n"], max_new_tokens=c, seed=2, constraints=[constraints], turbo=True, eos_token_ids=[]
+    )
     assert all(out.sequences[0][i] == t for i, t in fixed.items())
 
 
@@ -124,8 +127,12 @@ def test_a_grammar_holds_and_only_a_prefix_freezes(tiny):
 
 
 def test_logprobs_come_back_for_every_committed_token(tiny):
-    req = Request(tiny.tokenizer.encode("def fib(n):\n"), tiny.generation_config.with_overrides(max_new_tokens=32, turbo=True), 5,
-                  top_logprobs=2)  # fmt: skip
+    req = Request(
+        tiny.tokenizer.encode("def fib(n):\n"),
+        tiny.generation_config.with_overrides(max_new_tokens=32, turbo=True),
+        5,
+        top_logprobs=2,
+    )
     events = list(EngineClient(Engine(tiny.engine_net, EngineOptions(prefix_cache=False))).run([req]))
     for block in [e for e in events if isinstance(e, Block)]:
         assert block.logprobs is not None and len(block.logprobs) == len(block.tokens)
@@ -137,7 +144,9 @@ def test_batched_requests_answer_as_alone(tiny):
     together = tiny.generate(PROMPTS, max_new_tokens=40, seed=[7, 8, 9], turbo=True)
     for i, prompt in enumerate(PROMPTS):
         alone = tiny.generate([prompt], max_new_tokens=40, seed=[7 + i], turbo=True)
-        assert alone.sequences[0] == together.sequences[i] and alone.decoder_positions[0] == together.decoder_positions[i]
+        assert (
+            alone.sequences[0] == together.sequences[i] and alone.decoder_positions[0] == together.decoder_positions[i]
+        )
 
 
 def test_batched_turbo_runs_one_pass_a_step_and_with_nothing_frozen_is_the_batched_exact_pass(monkeypatch):
@@ -147,8 +156,9 @@ def test_batched_turbo_runs_one_pass_a_step_and_with_nothing_frozen_is_the_batch
     model = dgemma.load(default_model_dir(), dtype="float32")
     model.configure_engine(batch_invariant=False, prefix_cache=False)
     exact = model.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6])
-    same = model.generate(PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0,
-                          turbo_dormant_entropy=0.0)  # fmt: skip
+    same = model.generate(
+        PROMPTS, max_new_tokens=40, seed=[4, 5, 6], turbo=True, turbo_freeze_entropy=0.0, turbo_dormant_entropy=0.0
+    )
     assert same.sequences == exact.sequences and same.decoder_passes == exact.decoder_passes
     net, calls = model.engine_net, []
     decode = net.decode
@@ -169,9 +179,18 @@ def test_reference_sampling_refuses_turbo(tiny):
         tiny.generate(["import os\n"], max_new_tokens=8, seed=1, sampling="reference", turbo=True)
 
 
-@pytest.mark.parametrize("knob,value", [("turbo_freeze_passes", 0), ("turbo_freeze_entropy", -1.0),
-                                        ("turbo_refresh_every", -2), ("turbo", "yes"), ("turbo_dormant_entropy", -0.5),
-                                        ("turbo_dormant_entropy", float("nan")), ("turbo_dormant_entropy", float("inf"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "knob,value",
+    [
+        ("turbo_freeze_passes", 0),
+        ("turbo_freeze_entropy", -1.0),
+        ("turbo_refresh_every", -2),
+        ("turbo", "yes"),
+        ("turbo_dormant_entropy", -0.5),
+        ("turbo_dormant_entropy", float("nan")),
+        ("turbo_dormant_entropy", float("inf")),
+    ],
+)
 def test_bad_knobs_are_refused_by_name(tiny, knob, value):
     with pytest.raises(ConfigError, match=knob):
         tiny.generate(["import os\n"], max_new_tokens=8, seed=1, **{knob: value})
@@ -196,12 +215,24 @@ def test_freeze_rule():
 def test_freeze_prefix_only_and_after_an_end_of_answer():
     s = TurboSettings(freeze_passes=1, freeze_entropy=1.0)
     ready = torch.tensor([True, False, True, True])
-    args = (torch.zeros(4, dtype=torch.bool), torch.zeros(4, dtype=torch.long), torch.tensor([7, 7, 1, 7]),
-            torch.tensor([7, 7, 1, 7]), ready, torch.zeros(4))  # fmt: skip
+    args = (
+        torch.zeros(4, dtype=torch.bool),
+        torch.zeros(4, dtype=torch.long),
+        torch.tensor([7, 7, 1, 7]),
+        torch.tensor([7, 7, 1, 7]),
+        ready,
+        torch.zeros(4),
+    )
     assert freeze(*args, s, prefix_only=True)[0].tolist() == [True, False, False, False]
     assert freeze(*args, s, eos_ids=(1,))[0].tolist() == [True, False, True, True]
-    eos_first = (args[0], args[1], torch.tensor([1, 7, 7, 7]), torch.tensor([1, 7, 7, 7]),
-                 torch.tensor([True, False, False, False]), args[5])  # fmt: skip
+    eos_first = (
+        args[0],
+        args[1],
+        torch.tensor([1, 7, 7, 7]),
+        torch.tensor([1, 7, 7, 7]),
+        torch.tensor([True, False, False, False]),
+        args[5],
+    )
     assert freeze(*eos_first, s, eos_ids=(1,))[0].tolist() == [True, True, True, True]
 
 
@@ -307,9 +338,13 @@ def test_images_with_turbo(vision_checkpoint):
     inputs = model.processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "what is it?"}]}],
         max_soft_tokens=70,
-    )  # fmt: skip
+    )
     exact = model.generate([inputs], max_new_tokens=24, seed=2)
-    same = model.generate([inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_entropy=0.0, turbo_dormant_entropy=0.0)
+    same = model.generate(
+        [inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_entropy=0.0, turbo_dormant_entropy=0.0
+    )
     assert same.sequences == exact.sequences
-    frozen = model.generate([inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_passes=1, turbo_freeze_entropy=100.0)
+    frozen = model.generate(
+        [inputs], max_new_tokens=24, seed=2, turbo=True, turbo_freeze_passes=1, turbo_freeze_entropy=100.0
+    )
     assert frozen.decoder_positions[0] < frozen.decoder_passes[0] * model.config.canvas_length

@@ -138,8 +138,15 @@ class FakeHub:
 
     # --- repos -----------------------------------------------------------------------------------------------------
 
-    def add_repo(self, repo_id: str, files: dict[str, bytes | pathlib.Path], branch: str = "main",
-                 gated: bool = False, token: str | None = None, private: bool = False) -> str:
+    def add_repo(
+        self,
+        repo_id: str,
+        files: dict[str, bytes | pathlib.Path],
+        branch: str = "main",
+        gated: bool = False,
+        token: str | None = None,
+        private: bool = False,
+    ) -> str:
         """A new commit of `repo_id` holding exactly `files` (path in repo -> content); `branch` points at it.
 
         Returns the commit sha (40 hex). Files > 1 MiB or *.safetensors are LFS files (ETag = sha256 hex, as the
@@ -237,7 +244,7 @@ def _safetensors_parameters(files: dict[str, HubFile]) -> dict[str, object] | No
         content = files[name].content
         try:
             (length,) = struct.unpack("<Q", content[:8])
-            header = json.loads(content[8:8 + length])
+            header = json.loads(content[8 : 8 + length])
         except (struct.error, ValueError):  # not a safetensors file: the hub then reports nothing
             return None
         for key, info in header.items():
@@ -260,8 +267,7 @@ def _model_info(repo: HubRepo, sha: str, blobs: bool) -> dict[str, object]:
             hub_file = files[path]
             entry.update(size=hub_file.size, blobId=hub_file.blob_id)
             if hub_file.lfs:
-                entry["lfs"] = {"sha256": hub_file.sha256, "size": hub_file.size,
-                                "pointerSize": len(hub_file.pointer)}
+                entry["lfs"] = {"sha256": hub_file.sha256, "size": hub_file.size, "pointerSize": len(hub_file.pointer)}
         siblings.append(entry)
     config: dict[str, object] = {}
     if "config.json" in files:
@@ -272,10 +278,22 @@ def _model_info(repo: HubRepo, sha: str, blobs: bool) -> dict[str, object]:
         config = {k: full[k] for k in ("architectures", "model_type", "quantization_config") if k in full}
     author = repo.repo_id.split("/")[0] if "/" in repo.repo_id else None
     return {
-        "_id": sha[:24], "id": repo.repo_id, "modelId": repo.repo_id, "author": author, "sha": sha,
-        "lastModified": _DATE, "createdAt": _DATE, "private": repo.private,
-        "gated": "manual" if repo.gated else False, "disabled": False, "downloads": 0, "likes": 0,
-        "tags": [], "library_name": "transformers", "config": config, "siblings": siblings,
+        "_id": sha[:24],
+        "id": repo.repo_id,
+        "modelId": repo.repo_id,
+        "author": author,
+        "sha": sha,
+        "lastModified": _DATE,
+        "createdAt": _DATE,
+        "private": repo.private,
+        "gated": "manual" if repo.gated else False,
+        "disabled": False,
+        "downloads": 0,
+        "likes": 0,
+        "tags": [],
+        "library_name": "transformers",
+        "config": config,
+        "siblings": siblings,
         "safetensors": _safetensors_parameters(files),
         "usedStorage": sum(f.size for f in files.values()),
     }
@@ -288,7 +306,7 @@ def _tree(files: dict[str, HubFile], prefix: str, recursive: bool) -> list[dict[
     for path in sorted(files):
         if not path.startswith(base):
             continue
-        parts = path[len(base):].split("/")
+        parts = path[len(base) :].split("/")
         depth = len(parts) if recursive else 1
         for i in range(1, min(depth, len(parts))):  # the directories on the way
             directory = base + "/".join(parts[:i])
@@ -412,20 +430,25 @@ class _HubRequestHandler(BaseHTTPRequestHandler):
             prefix = "/".join(unquote(s) for s in rest[2:]).strip("/")
             files = repo.commits[sha]
             if prefix and prefix not in files and not any(p.startswith(prefix + "/") for p in files):
-                raise HubError(404, "EntryNotFound", f"{prefix} does not exist on \"{rest[1]}\"",
-                               {"X-Repo-Commit": sha})
+                raise HubError(404, "EntryNotFound", f'{prefix} does not exist on "{rest[1]}"', {"X-Repo-Commit": sha})
             recursive = query.get("recursive", ["false"])[0].lower() == "true"
             if prefix in files:  # the real hub lists a file path as that one file
                 self._send_json([e for e in _tree(files, "", True) if e["path"] == prefix])
             else:
                 self._send_json(_tree(files, prefix, recursive))
         elif rest == ["refs"]:
-            self._send_json({
-                "branches": [{"name": n, "ref": f"refs/heads/{n}", "targetCommit": s}
-                             for n, s in sorted(repo.branches.items())],
-                "converts": [],
-                "tags": [{"name": n, "ref": f"refs/tags/{n}", "targetCommit": s} for n, s in sorted(repo.tags.items())],
-            })
+            self._send_json(
+                {
+                    "branches": [
+                        {"name": n, "ref": f"refs/heads/{n}", "targetCommit": s}
+                        for n, s in sorted(repo.branches.items())
+                    ],
+                    "converts": [],
+                    "tags": [
+                        {"name": n, "ref": f"refs/tags/{n}", "targetCommit": s} for n, s in sorted(repo.tags.items())
+                    ],
+                }
+            )
         else:
             raise HubError(404, None, "Not Found")
 
@@ -435,20 +458,26 @@ class _HubRequestHandler(BaseHTTPRequestHandler):
         if len(segments) < at + 3:
             raise HubError(404, "EntryNotFound", "Entry not found")
         revision = unquote(segments[at + 1])
-        path = "/".join(unquote(s) for s in segments[at + 2:])
+        path = "/".join(unquote(s) for s in segments[at + 2 :])
         bearer = self._bearer()
         repo = self.hub._repo(repo_id, bearer)
         sha = self.hub._commit(repo, revision)
         if repo.gated and not _token_ok(repo, bearer):
-            message = (f"Access to model {repo_id} is restricted. You must have access to it and be authenticated."
-                       if bearer is None else f"Access to model {repo_id} is restricted and you are not in the"
-                       " authorized list.")
+            message = (
+                f"Access to model {repo_id} is restricted. You must have access to it and be authenticated."
+                if bearer is None
+                else f"Access to model {repo_id} is restricted and you are not in the authorized list."
+            )
             raise HubError(401 if bearer is None else 403, "GatedRepo", message)
         hub_file = repo.commits[sha].get(path)
         if hub_file is None:
             raise HubError(404, "EntryNotFound", "Entry not found", {"X-Repo-Commit": sha})
-        headers = {"X-Repo-Commit": sha, "ETag": f'"{hub_file.etag}"', "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": sha,
+            "ETag": f'"{hub_file.etag}"',
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         if hub_file.lfs:
             headers["X-Linked-Etag"] = f'"{hub_file.sha256}"'
             headers["X-Linked-Size"] = str(hub_file.size)
@@ -457,10 +486,11 @@ class _HubRequestHandler(BaseHTTPRequestHandler):
         if range_header and method == "GET":
             span = _parse_range(range_header, hub_file.size)
             if span is None:
-                raise HubError(416, None, f"Range Not Satisfiable: {range_header}",
-                               {"Content-Range": f"bytes */{hub_file.size}"})
+                raise HubError(
+                    416, None, f"Range Not Satisfiable: {range_header}", {"Content-Range": f"bytes */{hub_file.size}"}
+                )
             first, last = span
-            body, status = body[first:last + 1], 206
+            body, status = body[first : last + 1], 206
             headers["Content-Range"] = f"bytes {first}-{last}/{hub_file.size}"
         if method == "HEAD":
             self._send(status, headers, b"", content_length=len(body))

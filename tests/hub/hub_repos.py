@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file, save
 
-from dgemma.api import default_model_dir
+from dgemma.loading import default_model_dir
 from dgemma.model.layout import INDEX_FILE, natural_key
 from dgemma.quant.write import write_quantized
 
@@ -48,11 +48,24 @@ TINY = default_model_dir()
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 ORIGINAL = "original/model-00001-of-00002.safetensors"  # a file dgemma must not fetch
 TINY_SHARES = (0.6, 0.4)
-FP8_ACTIVATIONS = {"dynamic": True, "group_size": None, "num_bits": 8, "strategy": "token", "symmetric": True,
-                   "type": "float"}  # fmt: skip
-NVFP4_ACTIVATIONS = {"dynamic": "local", "group_size": 16, "num_bits": 4, "observer": "static_minmax",
-                     "scale_dtype": "torch.float8_e4m3fn", "strategy": "tensor_group", "symmetric": True,
-                     "type": "float"}  # fmt: skip
+FP8_ACTIVATIONS = {
+    "dynamic": True,
+    "group_size": None,
+    "num_bits": 8,
+    "strategy": "token",
+    "symmetric": True,
+    "type": "float",
+}
+NVFP4_ACTIVATIONS = {
+    "dynamic": "local",
+    "group_size": 16,
+    "num_bits": 4,
+    "observer": "static_minmax",
+    "scale_dtype": "torch.float8_e4m3fn",
+    "strategy": "tensor_group",
+    "symmetric": True,
+    "type": "float",
+}
 CT_IGNORE = ["lm_head", "re:.*router.*", "re:.*vision.*", "re:.*self_conditioning.*"]
 MODELOPT_EXCLUDE = ["lm_head", "*router*", "*vision*", "*self_conditioning*"]
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.39.0"}
@@ -193,14 +206,23 @@ def modelopt_nvfp4_repo(source: Path = TINY) -> dict[str, bytes]:
             tensors[f"{module}.input_scale"] = torch.tensor(INPUT_SCALE, dtype=torch.float32)
         else:
             tensors[name] = tensor
-    hf_quant_config = {"producer": MODELOPT_PRODUCER,
-                       "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                                        "exclude_modules": MODELOPT_EXCLUDE}}  # fmt: skip
+    hf_quant_config = {
+        "producer": MODELOPT_PRODUCER,
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": 16,
+            "exclude_modules": MODELOPT_EXCLUDE,
+        },
+    }
     fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
     config["quantization_config"] = {
         "config_groups": {"group_0": {"input_activations": dict(fp4), "weights": dict(fp4), "targets": ["Linear"]}},
-        "ignore": MODELOPT_EXCLUDE, "quant_algo": "NVFP4", "producer": MODELOPT_PRODUCER, "quant_method": "modelopt",
-    }  # fmt: skip
+        "ignore": MODELOPT_EXCLUDE,
+        "quant_algo": "NVFP4",
+        "producer": MODELOPT_PRODUCER,
+        "quant_method": "modelopt",
+    }
     files = _side_files(source)
     files["config.json"] = _json(config)
     files["hf_quant_config.json"] = _json(hf_quant_config)

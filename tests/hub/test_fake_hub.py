@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fake_hub import FakeHub
 from hub_repos import INDEX_FILE, ORIGINAL, QUANTIZED_REPOS, tensors_of, tiny_repo
 
@@ -25,8 +24,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 TINY_ID, GATED_ID, PRIVATE_ID = "google/dgemma-tiny", "google/dgemma-gated", "someone/private-tiny"
 TOKEN = "hf_fixture_token"
-ALLOW = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", INDEX_FILE,
-         "model-*-of-*.safetensors", "hf_quant_config.json"]  # fmt: skip
+ALLOW = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    INDEX_FILE,
+    "model-*-of-*.safetensors",
+    "hf_quant_config.json",
+]
 CUT_FILE, CUT_AFTER = "model-00001-of-00002.safetensors", 10 * 2**20 + 2**19  # past the client's first 10 MiB chunk
 
 # Runs in the subprocess: every call of the client the tests look at, each result or error in one JSON report.
@@ -102,8 +108,14 @@ print(json.dumps(report))
 def run_client(hub: FakeHub, home: Path, online: bool, **args) -> dict:
     """The client script in a fresh process: HF_ENDPOINT = the fake hub, HF_HOME = `home`, no token, no Xet."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="0" if online else "1")  # fmt: skip
+    env.update(
+        HF_ENDPOINT=hub.url,
+        HF_HOME=str(home),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        HF_HUB_OFFLINE="0" if online else "1",
+    )
     payload = json.dumps(dict(args, online=online, tiny=TINY_ID, allow=ALLOW))
     done = subprocess.run([sys.executable, "-c", CLIENT, payload], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -148,8 +160,16 @@ def home(tmp_path_factory) -> Path:
 def online(hub, repos, home) -> dict:
     """The client's first use: the report, and what the hub saw (requests, bytes) during it."""
     hub.cut_next_get(TINY_ID, CUT_FILE, CUT_AFTER)
-    report = run_client(hub, home, online=True, old_sha=repos["old_sha"], gated=GATED_ID, private=PRIVATE_ID,
-                        token=TOKEN, quantized=[repo_id for repo_id, _, _ in repos["quantized"].values()])  # fmt: skip
+    report = run_client(
+        hub,
+        home,
+        online=True,
+        old_sha=repos["old_sha"],
+        gated=GATED_ID,
+        private=PRIVATE_ID,
+        token=TOKEN,
+        quantized=[repo_id for repo_id, _, _ in repos["quantized"].values()],
+    )
     return {"report": report, "requests": list(hub.requests), "bytes": dict(hub.bytes_served)}
 
 
@@ -158,8 +178,11 @@ def test_snapshot_fetches_what_it_asked_for(repos, online):
     a `*.safetensors` glob would take is never asked for."""
     report, tiny = online["report"], repos["tiny"]
     wanted = {p for p in tiny if p in ALLOW or (p.startswith("model-") and p.endswith(".safetensors"))}
-    assert set(report["files"]) == wanted == {*ALLOW[:5], "model-00001-of-00002.safetensors",
-                                              "model-00002-of-00002.safetensors"}  # fmt: skip
+    assert (
+        set(report["files"])
+        == wanted
+        == {*ALLOW[:5], "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    )
     assert all(report["files"][p] == sha256(tiny[p]) for p in wanted)
     assert Path(report["snapshot"]).name == repos["new_sha"]
     assert not [p for _, p in online["requests"] if ORIGINAL in p]
@@ -188,8 +211,12 @@ def test_model_info_tree_and_revisions(repos, online):
     assert report["sha"] == new_sha and report["siblings"] == sorted(repos["tiny"])
     assert report["sha_at"] == {"main": new_sha, "v1": old_sha, old_sha: old_sha}
     readme = repos["tiny"]["README.md"].decode()
-    assert report["readme_at"] == {"main": readme, "v1": "# the first commit\n", old_sha: "# the first commit\n",
-                                   old_sha[:12]: "# the first commit\n"}  # fmt: skip
+    assert report["readme_at"] == {
+        "main": readme,
+        "v1": "# the first commit\n",
+        old_sha: "# the first commit\n",
+        old_sha[:12]: "# the first commit\n",
+    }
     assert report["tree"] == sorted([[p, "RepoFile"] for p in repos["tiny"]] + [["original", "RepoFolder"]])
     assert report["tree_original"] == [ORIGINAL]
     assert report["lfs"][CUT_FILE] and not report["lfs"]["config.json"]
@@ -302,11 +329,17 @@ def loaded_by_hub_id(hub, repos, tmp_path_factory) -> dict:
     hub path fetches it; the report and the files the hub served meanwhile."""
     ids = [repo_id for repo_id, _, _ in repos["quantized"].values()]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path_factory.mktemp("hf_home_load")), HF_HUB_DISABLE_XET="1",
-               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")  # fmt: skip
+    env.update(
+        HF_ENDPOINT=hub.url,
+        HF_HOME=str(tmp_path_factory.mktemp("hf_home_load")),
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+    )
     before = len(hub.requests)
-    done = subprocess.run([sys.executable, "-c", LOAD, json.dumps(ids)], env=env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD, json.dumps(ids)], env=env, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     fetched: dict[str, set[str]] = {repo_id: set() for repo_id in ids}
     for method, path in hub.requests[before:]:

@@ -24,6 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fake_hub import FakeHub
+from hub_repos import ORIGINAL, tiny_repo
 from safetensors.torch import save
 
 import dgemma
@@ -31,12 +33,16 @@ from dgemma.hub import FitError, FitRequest, HubError, is_hub_id, resolve_checkp
 from dgemma.hub.fit import DEVICE_MEMORY_ENV, check_fit, local_facts, plan_for
 from dgemma.model.checkpoint import config_json, make_config
 from dgemma.model.presets import PRESETS
-from fake_hub import FakeHub
-from hub_repos import ORIGINAL, tiny_repo
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY, BIG, BIG2, GATED, NOT_DG, FP8 = ("dgemma/tiny", "dgemma/big", "dgemma/big2", "dgemma/gated", "meta/llama",
-                                       "dgemma/tiny-fp8")  # fmt: skip
+TINY, BIG, BIG2, GATED, NOT_DG, FP8 = (
+    "dgemma/tiny",
+    "dgemma/big",
+    "dgemma/big2",
+    "dgemma/gated",
+    "meta/llama",
+    "dgemma/tiny-fp8",
+)
 SHARD = "model-00001-of-00002.safetensors"
 TOKEN = "hf_letmein"
 SMALL_DEVICE = "1.2GiB"  # the `mid` size's plan for one request on a CPU: unquantised 1.7 GiB, fp8 1.3, int4 1.1
@@ -84,11 +90,16 @@ def config_bytes(preset: str, **extra) -> bytes:
 def big_repo() -> dict[str, bytes]:
     """config.json of the `mid` size (its plan is made in a blink, unlike the released size's);
     two tiny shards: their headers parse, nothing loads them."""
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-                                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
-    return {"config.json": config_bytes("mid"), "model.safetensors.index.json": json.dumps(index).encode(),
-            "model-00001-of-00002.safetensors": fake_safetensors(1.0),
-            "model-00002-of-00002.safetensors": fake_safetensors(2.0)}  # fmt: skip
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    }
+    return {
+        "config.json": config_bytes("mid"),
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "model-00001-of-00002.safetensors": fake_safetensors(1.0),
+        "model-00002-of-00002.safetensors": fake_safetensors(2.0),
+    }
 
 
 def fp8_repo() -> dict[str, bytes]:
@@ -99,13 +110,19 @@ def fp8_repo() -> dict[str, bytes]:
     shards, weight_map = {}, {}
     for i in (1, 2):
         module = f"model.decoder.layers.{i}.mlp.down_proj"
-        tensors = {f"{module}.weight": torch.zeros(64, 128, dtype=torch.float8_e4m3fn),
-                   f"{module}.weight_scale": torch.ones(64, 1), f"model.decoder.layers.{i}.norm": torch.ones(64)}
+        tensors = {
+            f"{module}.weight": torch.zeros(64, 128, dtype=torch.float8_e4m3fn),
+            f"{module}.weight_scale": torch.ones(64, 1),
+            f"model.decoder.layers.{i}.norm": torch.ones(64),
+        }
         file = f"model-0000{i}-of-00002.safetensors"
         shards[file] = save(tensors)
         weight_map.update(dict.fromkeys(tensors, file))
-    return {"config.json": config_bytes("test", quantization_config=quantization_config("fp8")),
-            "model.safetensors.index.json": json.dumps({"metadata": {}, "weight_map": weight_map}).encode(), **shards}
+    return {
+        "config.json": config_bytes("test", quantization_config=quantization_config("fp8")),
+        "model.safetensors.index.json": json.dumps({"metadata": {}, "weight_map": weight_map}).encode(),
+        **shards,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,18 +145,34 @@ def hub():
 
 
 def driver_env(endpoint: str, home: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.lower().endswith("_proxy") and not k.startswith(("HF_", "HUGGING")) and k != DEVICE_MEMORY_ENV}
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", NO_PROXY="127.0.0.1,localhost", **extra)  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.lower().endswith("_proxy") and not k.startswith(("HF_", "HUGGING")) and k != DEVICE_MEMORY_ENV
+    }
+    env.update(
+        HF_ENDPOINT=endpoint,
+        HF_HOME=str(home),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        NO_PROXY="127.0.0.1,localhost",
+        **extra,
+    )
     return env
 
 
 def drive(endpoint: str, home: Path, steps: list[dict], **extra: str) -> dict[str, dict]:
     """Run `steps` in one process against the hub at `endpoint`, with the cache in `home`."""
     out = home / f"results-{uuid.uuid4().hex}.json"
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(steps), str(out)], cwd=ROOT,
-                          env=driver_env(endpoint, home, **extra), capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(steps), str(out)],
+        cwd=ROOT,
+        env=driver_env(endpoint, home, **extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and out.is_file() and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     for name, r in results.items():
@@ -188,12 +221,17 @@ def online(hub, tmp_path_factory):
 def offline(hub, online):
     home, _ = online
     before = len(hub.requests)
-    results = drive(hub.url, home, [
-        step("run", "run", "--model", TINY, "def f", "--max-new-tokens", "4", "--steps", "2", "--seed", "0"),
-        {"name": "load", "load": TINY},
-        step("unknown", "pull", "nobody/nothing"),
-        step("uncached-revision", "run", "--model", TINY, "--revision", "v1", "hi"),
-    ], HF_HUB_OFFLINE="1")  # fmt: skip
+    results = drive(
+        hub.url,
+        home,
+        [
+            step("run", "run", "--model", TINY, "def f", "--max-new-tokens", "4", "--steps", "2", "--seed", "0"),
+            {"name": "load", "load": TINY},
+            step("unknown", "pull", "nobody/nothing"),
+            step("uncached-revision", "run", "--model", TINY, "--revision", "v1", "hi"),
+        ],
+        HF_HUB_OFFLINE="1",
+    )
     return results, hub.requests[before:]
 
 
@@ -231,8 +269,17 @@ def test_first_use_downloads_only_what_dgemma_reads(hub, online):
     path = Path(pull["out"].rsplit(" is in ", 1)[1].strip())
     assert path.is_dir() and path.is_relative_to(home)
     got = sorted(p.name for p in path.iterdir())
-    assert got == sorted(["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                          "model.safetensors.index.json", SHARD, "model-00002-of-00002.safetensors"])  # fmt: skip
+    assert got == sorted(
+        [
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "model.safetensors.index.json",
+            SHARD,
+            "model-00002-of-00002.safetensors",
+        ]
+    )
     fetched = " ".join(hub_paths(hub, TINY))
     assert "original" not in fetched and "README.md" not in fetched  # outside the allow-list: never asked for
     assert f"{TINY}/{ORIGINAL}" not in hub.bytes_served
@@ -403,7 +450,9 @@ def test_auto_picks_the_best_scheme_that_fits(monkeypatch):
         check_fit(facts, small)
     forced = check_fit(facts, small, force=True)
     assert not forced.fits and forced.scheme == "nvfp4"  # the smallest, as asked
-    monkeypatch.setattr(fit, "device_memory", lambda device, override=None, source=None: (totals["fp8"], "a small device"))
+    monkeypatch.setattr(
+        fit, "device_memory", lambda device, override=None, source=None: (totals["fp8"], "a small device")
+    )
     with pytest.raises(FitError, match="it would fit with quantization='fp8' .*; force=True loads it anyway"):
         dgemma.load()  # the API's refusal names load()'s arguments
 

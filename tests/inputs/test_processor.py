@@ -18,8 +18,8 @@ from dgemma.inputs.processor import (
     get_aspect_ratio_preserving_size,
     processor_sub_configs,
 )
-from dgemma.model.checkpoint import byte_tokenizer, tokenizer_config_json
 from dgemma.inputs.tokenizer import ChatTemplateError, Tokenizer
+from dgemma.model.checkpoint import byte_tokenizer, tokenizer_config_json
 from media_fixtures import TOKEN_IDS, save_gemma4_processor
 
 
@@ -121,8 +121,14 @@ def test_chat_template_matches_transformers(pair):
         {"role": "assistant", "content": "A picture."},
         {"role": "user", "content": [text_part("And"), {"type": "image", "image": b}, text_part("?")]},
     ]
-    out = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                  return_tensors="np", processor_kwargs={"max_soft_tokens": 70})  # fmt: skip
+    out = ref.apply_chat_template(
+        messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="np",
+        processor_kwargs={"max_soft_tokens": 70},
+    )
     tokens = list(ref.image_processor([a, b], max_soft_tokens=70)["num_soft_tokens_per_image"])
     mine = proc.apply_chat_template(messages, max_soft_tokens=70)
     assert_same(out, tokens, mine)
@@ -185,7 +191,9 @@ def test_configs_from_both_layouts(pair, tmp_path):
     assert not (path / "preprocessor_config.json").exists()
     assert proc.image_config == ImageProcessorConfig() and proc.video_config == VideoProcessorConfig()
     assert (proc.image_token_id, proc.boi_token_id, proc.eoi_token_id) == (
-        TOKEN_IDS["image_token"], TOKEN_IDS["boi_token"], TOKEN_IDS["eoi_token"]
+        TOKEN_IDS["image_token"],
+        TOKEN_IDS["boi_token"],
+        TOKEN_IDS["eoi_token"],
     )
     # transformers 4's layout: flat preprocessor_config.json and video_preprocessor_config.json
     old = tmp_path / "old"

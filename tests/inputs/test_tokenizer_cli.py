@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.model.checkpoint import make_tiny_random
 from dgemma.cli import main
 from dgemma.inputs.tokenizer import ChatTemplateError
+from dgemma.model.checkpoint import make_tiny_random
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,14 @@ from dgemma.inputs.model_inputs import MediaError, image_token_runs
 from dgemma.inputs.processor import Processor, VideoProcessorConfig, format_timestamp, sample_frame_indices
 from dgemma.inputs.tokenizer import Tokenizer
 from media_fixtures import save_gemma4_processor
-from media_samples import FPS, FRAMES, HEIGHT, WIDTH, colour, make_clip  # make_clip: a 3 s clip of FPS x FRAMES, one colour a frame
+from media_samples import (  # make_clip: a 3 s clip of FPS x FRAMES, one colour a frame
+    FPS,
+    FRAMES,
+    HEIGHT,
+    WIDTH,
+    colour,
+    make_clip,
+)
 
 
 @pytest.fixture(scope="module")

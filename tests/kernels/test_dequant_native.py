@@ -18,9 +18,14 @@ needs_kernel = pytest.mark.skipif(
     avx2.extension() is None,
     reason="native dequantisation unavailable (CPU lacks AVX2/FMA/F16C, no C++ compiler, the build failed, or DGEMMA_NATIVE=0)",
 )
-pytestmark = [pytest.mark.native, pytest.mark.usefixtures("two_threads")]  # two threads: the kernels split their work across threads
+pytestmark = [
+    pytest.mark.native,
+    pytest.mark.usefixtures("two_threads"),
+]  # two threads: the kernels split their work across threads
 OUT_DTYPES = [torch.float32, torch.bfloat16]
-AVX512_REASON = "the AVX-512 bf16 kernels need AVX-512 BF16 (native.py's extension), which this CPU lacks or did not build"
+AVX512_REASON = (
+    "the AVX-512 bf16 kernels need AVX-512 BF16 (native.py's extension), which this CPU lacks or did not build"
+)
 
 
 @pytest.fixture(params=["avx2", "avx512"])
@@ -138,7 +143,11 @@ def test_every_code_of_the_packed_formats(dtype, kernels):
     qf = formats.QTensor(
         "nvfp4",
         (9, 128),
-        {"weight_packed": formats.pack_e2m1(nibbles.to(torch.uint8)), "weight_scale": scale, "weight_global_scale": torch.tensor([37.3])},
+        {
+            "weight_packed": formats.pack_e2m1(nibbles.to(torch.uint8)),
+            "weight_scale": scale,
+            "weight_global_scale": torch.tensor([37.3]),
+        },
         16,
     )
     assert same_bits(native(qf, dtype), formats.dequantize(qf, dtype))
@@ -270,7 +279,9 @@ def test_bad_arguments_raise_with_a_message():
     with pytest.raises(RuntimeError, match=r"scale must be \[4, 4\]"):
         ext.dequant_nvfp4(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8), 1.0, out)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        ext.dequant_nvfp4(torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(4, 0, dtype=torch.uint8), 1.0, torch.empty(4, 8))
+        ext.dequant_nvfp4(
+            torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(4, 0, dtype=torch.uint8), 1.0, torch.empty(4, 8)
+        )
     with pytest.raises(RuntimeError, match="src must be bfloat16"):
         ext.widen_bf16(out.clone(), out)
     with pytest.raises(RuntimeError, match="differ in shape"):

@@ -17,7 +17,11 @@ needs_kernel = pytest.mark.skipif(
     ext is None,
     reason="native GEMMs unavailable (CPU lacks AVX2/FMA/F16C, no C++ compiler, the build failed, or DGEMMA_NATIVE=0)",
 )
-pytestmark = [needs_kernel, pytest.mark.native, pytest.mark.usefixtures("two_threads")]  # two threads: the kernels split their work across threads
+pytestmark = [
+    needs_kernel,
+    pytest.mark.native,
+    pytest.mark.usefixtures("two_threads"),
+]  # two threads: the kernels split their work across threads
 
 MS, NS, KS = (1, 3, 5, 32, 67), (1, 7, 37, 130), (8, 72, 1000, 1024)
 SCALE_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -94,7 +98,10 @@ def test_nvfp4(m, n, k):
     q = formats.quantize(w, "nvfp4")
     out = torch.full((m, n), float("nan"))
     p = q.parts
-    assert ext.gemm_nvfp4(x, p["weight_packed"], p["weight_scale"].view(torch.uint8), p["weight_global_scale"].item(), out) is out
+    assert (
+        ext.gemm_nvfp4(x, p["weight_packed"], p["weight_scale"].view(torch.uint8), p["weight_global_scale"].item(), out)
+        is out
+    )
     check(out, x, formats.dequantize(q))
 
 
@@ -139,7 +146,9 @@ def test_empty_sizes():
     wb = torch.randn(5, 16).bfloat16()
     assert ext.gemm_bf16(torch.empty(0, 16), wb, torch.empty(0, 5)).shape == (0, 5)
     out = torch.full((3, 5), float("nan"))
-    assert torch.equal(ext.gemm_bf16(torch.empty(3, 0), torch.empty(5, 0, dtype=torch.bfloat16), out), torch.zeros(3, 5))
+    assert torch.equal(
+        ext.gemm_bf16(torch.empty(3, 0), torch.empty(5, 0, dtype=torch.bfloat16), out), torch.zeros(3, 5)
+    )
 
 
 def test_threads_do_not_change_results():
@@ -171,13 +180,21 @@ def test_bad_arguments():
         (lambda: ext.gemm_bf16(x, wb.t().contiguous().t(), out), "w must be contiguous"),
         (lambda: ext.gemm_bf16(x, wb[None], out), "w must be 2D"),
         (lambda: ext.gemm_int8(x, q8.parts["weight"], torch.ones(7, 1), out), "one per output channel"),
-        (lambda: ext.gemm_int8(x, q8.parts["weight"], torch.ones(8, 1, dtype=torch.float64), out), "scale must be float32"),
+        (
+            lambda: ext.gemm_int8(x, q8.parts["weight"], torch.ones(8, 1, dtype=torch.float64), out),
+            "scale must be float32",
+        ),
         (lambda: ext.gemm_int8(x, wb, q8.parts["weight_scale"], out), "w must be int8"),
         (lambda: ext.gemm_int4(x, packed, s4, 12, out), "group must be a positive multiple of 8"),
         (lambda: ext.gemm_int4(x, packed, s4, 64, out), r"scale must be \[8, 1\]"),
         (lambda: ext.gemm_int4(x, packed.float(), s4, 32, out), "packed must be int32"),
         (lambda: ext.gemm_fp8(x, q8.parts["weight"], q8.parts["weight_scale"], out), "float8_e4m3fn"),
-        (lambda: ext.gemm_nvfp4(x, torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 3, dtype=torch.uint8), 1.0, out), r"scale must be \[8, 4\]"),
+        (
+            lambda: ext.gemm_nvfp4(
+                x, torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 3, dtype=torch.uint8), 1.0, out
+            ),
+            r"scale must be \[8, 4\]",
+        ),
     ]
     for fn, message in cases:
         with pytest.raises(RuntimeError, match=message):
@@ -228,7 +245,9 @@ def test_bf16_nn_threads_and_sizes():
     check_nn(many_m, x, w[:, :16].float())
     assert ext.gemm_bf16_nn(torch.empty(0, 16), w[:16], torch.empty(0, 130)).shape == (0, 130)
     out = torch.full((3, 5), float("nan"))
-    assert torch.equal(ext.gemm_bf16_nn(torch.empty(3, 0), torch.empty(0, 5, dtype=torch.bfloat16), out), torch.zeros(3, 5))
+    assert torch.equal(
+        ext.gemm_bf16_nn(torch.empty(3, 0), torch.empty(0, 5, dtype=torch.bfloat16), out), torch.zeros(3, 5)
+    )
 
 
 def test_matmul_nn_wrapper():

@@ -16,13 +16,17 @@ from dgemma.quant import formats, modules
 
 ext = native.extension()
 pytestmark = [
-    pytest.mark.skipif(ext is None, reason="the AVX-512 BF16 kernels need a CPU with AVX-512 BF16 (native.py's extension), which this one lacks or did not build"),
+    pytest.mark.skipif(
+        ext is None,
+        reason="the AVX-512 BF16 kernels need a CPU with AVX-512 BF16 (native.py's extension), which this one lacks or did not build",
+    ),
     pytest.mark.native,
     pytest.mark.usefixtures("two_threads"),  # two threads: the kernels split their work across threads
 ]
 # linear and cpu_quant_linear take these GEMMs where the CPU has no AMX (avx2.fused_bf16_extension)
 needs_dispatch = pytest.mark.skipif(
-    avx2.fused_bf16_extension() is None, reason="an AMX CPU: its bf16 activations multiply the weight dequantised whole on oneDNN's AMX GEMM"
+    avx2.fused_bf16_extension() is None,
+    reason="an AMX CPU: its bf16 activations multiply the weight dequantised whole on oneDNN's AMX GEMM",
 )
 
 
@@ -31,6 +35,7 @@ def through_linear(monkeypatch):
     """avx2.linear calls the kernels on any CPU that has them (an AMX one too), so that each
     test below checks the kernel through the wrapper's argument handling."""
     monkeypatch.setattr(avx2, "fused_bf16_extension", lambda: ext)
+
 
 MS, NS, KS = (1, 5, 6, 7, 13, 67), (1, 3, 4, 37, 130), (8, 72, 1000, 1024)
 
@@ -114,7 +119,9 @@ def test_row_slices_of_a_bigger_weight_and_a_batch_of_rows():
     q = quantized(w, "int8")
     assert avx2.linear(big, q) is None and avx2.linear(big[:-1], q) is not None
     out = torch.empty(big.shape[0], 150, dtype=torch.bfloat16)
-    check(ext.gemm_int8(big, q.parts["weight"], q.parts["weight_scale"], out), big, formats.dequantize(q, torch.bfloat16))
+    check(
+        ext.gemm_int8(big, q.parts["weight"], q.parts["weight_scale"], out), big, formats.dequantize(q, torch.bfloat16)
+    )
 
 
 @needs_dispatch
@@ -162,8 +169,15 @@ def test_misuse_is_refused_with_a_message():
 
 def test_empty_sizes():
     q = quantized(torch.randn(5, 64), "int8")
-    assert ext.gemm_int8(torch.empty(0, 64, dtype=torch.bfloat16), q.parts["weight"], q.parts["weight_scale"],
-                         torch.empty(0, 5, dtype=torch.bfloat16)).shape == (0, 5)  # fmt: skip
+    assert ext.gemm_int8(
+        torch.empty(0, 64, dtype=torch.bfloat16),
+        q.parts["weight"],
+        q.parts["weight_scale"],
+        torch.empty(0, 5, dtype=torch.bfloat16),
+    ).shape == (0, 5)
     out = torch.full((3, 5), float("nan"), dtype=torch.bfloat16)  # K = 0: an empty sum
     empty = torch.zeros(5, 0, dtype=torch.int8)
-    assert torch.equal(ext.gemm_int8(torch.empty(3, 0, dtype=torch.bfloat16), empty, torch.ones(5, 1), out), torch.zeros(3, 5, dtype=torch.bfloat16))
+    assert torch.equal(
+        ext.gemm_int8(torch.empty(3, 0, dtype=torch.bfloat16), empty, torch.ones(5, 1), out),
+        torch.zeros(3, 5, dtype=torch.bfloat16),
+    )

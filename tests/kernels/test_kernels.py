@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.kernels.cpu import PackedExperts, packed_copy, supported
 from checkpoints import step_logits
+from dgemma.kernels.cpu import PackedExperts, packed_copy, supported
 from oracle import build_reference
 
 pytestmark = pytest.mark.skipif(not supported(torch.float32), reason="no oneDNN packed linears in this torch")
@@ -17,7 +17,9 @@ def test_packed_copy_matches_and_shares_tensors(ref_wide):
     fast = packed_copy(model.net)
     assert fast is not model.net and fast.embed_tokens.weight is model.net.embed_tokens.weight
     assert fast.layers[0].input_layernorm.weight is model.net.layers[0].input_layernorm.weight
-    assert isinstance(fast.layers[0].experts, PackedExperts) and not isinstance(model.net.layers[0].experts, PackedExperts)
+    assert isinstance(fast.layers[0].experts, PackedExperts) and not isinstance(
+        model.net.layers[0].experts, PackedExperts
+    )
     assert model.net.lm_head_kernel is None  # the original stays on plain torch (reference-exact)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 160, (2, 21), generator=g)
@@ -36,7 +38,9 @@ def test_packed_copy_follows_the_activation(tmp_path):
     g = torch.Generator().manual_seed(1)
     prompt, canvas = torch.randint(0, 160, (1, 9), generator=g), torch.randint(0, 160, (1, 16), generator=g)
     soft = torch.randn(1, 16, 48, generator=g)
-    for a, b in zip(step_logits(model.net, prompt, canvas, soft), step_logits(packed_copy(model.net), prompt, canvas, soft)):
+    for a, b in zip(
+        step_logits(model.net, prompt, canvas, soft), step_logits(packed_copy(model.net), prompt, canvas, soft)
+    ):
         assert (a - b).abs().max().item() < 1e-4
 
 

@@ -1,7 +1,6 @@
 """Native CPU kernels (kernels/csrc): the AMX MoE block and the fused step statistics agree with the
 torch code they replace, to float32 / bfloat16 rounding, on the cases that stress them."""
 
-
 import dataclasses
 
 import pytest
@@ -15,9 +14,14 @@ from dgemma.kernels.cpu import LeanRMSNorm
 from dgemma.model.diffusion_gemma import DenseMLP, Experts
 from dgemma.model.layers import RMSNorm
 
-needs_native = pytest.mark.skipif(native.extension() is None, reason="native kernels unavailable (no AVX-512 BF16 or no compiler)")
+needs_native = pytest.mark.skipif(
+    native.extension() is None, reason="native kernels unavailable (no AVX-512 BF16 or no compiler)"
+)
 needs_amx = pytest.mark.skipif(native.amx() is None, reason="no AMX on this CPU")
-pytestmark = [pytest.mark.native, pytest.mark.usefixtures("two_threads")]  # two threads: the kernels split their work across threads
+pytestmark = [
+    pytest.mark.native,
+    pytest.mark.usefixtures("two_threads"),
+]  # two threads: the kernels split their work across threads
 
 
 class _MoEConfig:
@@ -57,7 +61,9 @@ def test_amx_experts_match_the_reference_block(approximate):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows, k, n", [(37, 64, 96), (1, 96, 32), (20, 4160, 64)])  # ragged rows; AR's one row; K-blocked
+@pytest.mark.parametrize(
+    "rows, k, n", [(37, 64, 96), (1, 96, 32), (20, 4160, 64)]
+)  # ragged rows; AR's one row; K-blocked
 def test_amx_linear_equals_a_bf16_matmul(rows, k, n):
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
@@ -158,10 +164,16 @@ def test_native_rms_norm_equals_the_model_norm(dtype, shape, scaled):
 def test_bf16_engine_net_on_amx_is_as_close_to_float32_as_the_reference(tmp_path):
     """A bf16 model whose shapes the AMX kernels take: the engine's step logits (AMX experts, MLPs,
     linears, native norms) are as close to the float32 model's as the bf16 reference path's are."""
-    from oracle import build_reference
     from checkpoints import step_logits
+    from oracle import build_reference
 
-    dims = {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "head_dim": 16, "global_head_dim": 32}
+    dims = {
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "head_dim": 16,
+        "global_head_dim": 32,
+    }
     build_reference(tmp_path, "gqa", text_overrides=dims)
     full, half = dgemma.load(tmp_path), dgemma.load(tmp_path, dtype="bfloat16")
     layer = half.engine_net.layers[0]
@@ -185,7 +197,9 @@ def test_a_failed_build_or_dgemma_native_0_falls_back_with_one_line(monkeypatch,
     monkeypatch.setattr(native, "_cpu_flags", lambda: native.AVX512_FLAGS | native.AMX_FLAGS)
 
     def broken_build(*args, **kwargs):
-        raise RuntimeError("Error building extension 'dgemma_native'\nx.cpp:1:1: error: no compiler here\nninja: build stopped")
+        raise RuntimeError(
+            "Error building extension 'dgemma_native'\nx.cpp:1:1: error: no compiler here\nninja: build stopped"
+        )
 
     monkeypatch.setattr(cpp, "load", broken_build)
     with caplog.at_level("WARNING", logger="dgemma"):

@@ -20,8 +20,10 @@ from torch.utils.cpp_extension import get_cxx_compiler
 import dgemma
 from dgemma.kernels import native
 
-pytestmark = [pytest.mark.skipif(shutil.which(get_cxx_compiler()) is None, reason=f"no C++ compiler ({get_cxx_compiler()})"),
-              pytest.mark.native]  # fmt: skip
+pytestmark = [
+    pytest.mark.skipif(shutil.which(get_cxx_compiler()) is None, reason=f"no C++ compiler ({get_cxx_compiler()})"),
+    pytest.mark.native,
+]
 
 NAME = "dgemma_tiny"
 TINY_CPP = """#include <Python.h>
@@ -45,7 +47,9 @@ LINES = ("building dgemma's", "rebuilding dgemma's", "waiting for another proces
 
 def _checkout(root: Path, answer: int = 42) -> Path:
     """A copy of the dgemma package (without its model assets) with the tiny module's sources."""
-    shutil.copytree(Path(dgemma.__file__).parent, root / "dgemma", ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    shutil.copytree(
+        Path(dgemma.__file__).parent, root / "dgemma", ignore=shutil.ignore_patterns("assets", "__pycache__")
+    )
     (root / "dgemma" / "tiny").mkdir()
     (root / "dgemma" / "tiny" / "tiny.cpp").write_text(TINY_CPP)
     (root / "dgemma" / "tiny" / "tiny.h").write_text(f"#define ANSWER {answer}\n")
@@ -68,7 +72,9 @@ def _environment(**env: str) -> dict[str, str]:
 def _start(checkout: Path, extensions: Path, site: Path | None = None, **env: str) -> subprocess.Popen:
     path = os.pathsep.join([*([str(site)] if site else []), str(checkout)])
     env = _environment(TORCH_EXTENSIONS_DIR=str(extensions), PYTHONPATH=path, **env)
-    return subprocess.Popen([sys.executable, "-c", BUILD], cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", BUILD], cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _finish(process: subprocess.Popen) -> tuple[list[str], list[str]]:
@@ -89,7 +95,9 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
     extensions = root / "extensions"
     report, lines = _run(_checkout(root / "a"), extensions)
     assert report[0].startswith(str(root / "a")) and report[2] == "42"
-    assert len(lines) == 1 and lines[0].startswith("building dgemma's tiny test kernels (seconds; cached afterwards) in")
+    assert len(lines) == 1 and lines[0].startswith(
+        "building dgemma's tiny test kernels (seconds; cached afterwards) in"
+    )
     (directory,) = extensions.iterdir()
     assert report[3] == str(directory / "build" / f"{NAME}.so")  # the building process imports torch's output
     return extensions, directory
@@ -117,10 +125,14 @@ def test_a_forced_or_corrupt_rebuild_says_so(built, tmp_path):
     checkout = _checkout(tmp_path / "c")
     report, lines = _run(checkout, extensions, **{native.REBUILD_VARIABLE: "1"})
     assert report[2] == "42" and len(lines) == 1
-    assert lines[0].startswith("rebuilding dgemma's tiny test kernels (seconds) in") and lines[0].endswith(f"{native.REBUILD_VARIABLE}=1")
+    assert lines[0].startswith("rebuilding dgemma's tiny test kernels (seconds) in") and lines[0].endswith(
+        f"{native.REBUILD_VARIABLE}=1"
+    )
     (directory / f"{NAME}.so").write_bytes(b"not a library")
     report, lines = _run(checkout, extensions)
-    assert report[2] == "42" and len(lines) == 1 and lines[0].startswith("rebuilding dgemma's tiny test kernels (seconds)")
+    assert (
+        report[2] == "42" and len(lines) == 1 and lines[0].startswith("rebuilding dgemma's tiny test kernels (seconds)")
+    )
     assert f"{NAME}.so there does not load" in lines[0]
     assert _run(checkout, extensions)[1] == []  # rebuilt: silent again
 
@@ -156,7 +168,12 @@ def test_concurrent_processes_wait_and_build_once(tmp_path, monkeypatch):
     assert all(report[2] == "42" for report, _ in results)
     other = _checkout(tmp_path / "other", answer=7)
     report, lines = _run(other, extensions)
-    assert report[2] == "7" and len(lines) == 1 and lines[0].startswith("building dgemma's") and len(list(extensions.iterdir())) == 2
+    assert (
+        report[2] == "7"
+        and len(lines) == 1
+        and lines[0].startswith("building dgemma's")
+        and len(list(extensions.iterdir())) == 2
+    )
 
 
 def test_build_directory_names_no_path(monkeypatch):
@@ -187,9 +204,18 @@ def test_test_subprocesses_import_the_session_build(tmp_path):
 
     if avx2.extension() is None and native.extension() is None:
         pytest.skip("no native kernels here (no AVX2/FMA/F16C and no AVX-512 BF16, no compiler, or DGEMMA_NATIVE=0)")
-    code = "from dgemma.kernels import avx2, native; print(avx2.extension() is not None, native.extension() is not None)"
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=_environment(PYTHONPATH=str(Path(dgemma.__file__).parents[1])))  # fmt: skip
+    code = (
+        "from dgemma.kernels import avx2, native; print(avx2.extension() is not None, native.extension() is not None)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=_environment(PYTHONPATH=str(Path(dgemma.__file__).parents[1])),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(avx2.extension() is not None), str(native.extension() is not None)]
     assert [line for line in done.stderr.splitlines() if line.startswith(LINES)] == []
@@ -205,7 +231,9 @@ def _on_demand(tmp_path: Path, monkeypatch, source: str = TINY_CPP) -> native.On
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setenv(native.POLICY_VARIABLE, "background")
     monkeypatch.delenv(native.REBUILD_VARIABLE, raising=False)
-    return native.OnDemand(NAME, [src / "tiny.cpp"], ["-O1"], "tiny test kernels", "seconds", frozenset(), "in use from now on")
+    return native.OnDemand(
+        NAME, [src / "tiny.cpp"], ["-O1"], "tiny test kernels", "seconds", frozenset(), "in use from now on"
+    )
 
 
 def _asked_until_settled(kernels: native.OnDemand, timeout_s: float = 240.0):
@@ -237,7 +265,9 @@ def test_a_background_build_lets_the_caller_go_on_then_switches(tmp_path, monkey
     assert builder.poll() == 0 and torch.get_num_threads() == 2
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
-    assert lines[0].startswith("building dgemma's tiny test kernels in the background on one core (seconds, once; cached in ")
+    assert lines[0].startswith(
+        "building dgemma's tiny test kernels in the background on one core (seconds, once; cached in "
+    )
     assert lines[0].endswith("torch's kernels on 1 thread meanwhile")
     assert lines[1].startswith("dgemma's tiny test kernels are built (") and lines[1].endswith("s): in use from now on")
     caplog.clear()
@@ -268,4 +298,7 @@ def test_wait_takes_over_a_background_build(tmp_path, monkeypatch, caplog):
         assert kernels.module() is None
         module = kernels.module(wait=True)
     assert module is not None and module.answer() == 42 and not kernels.building()
-    assert any(r.getMessage().startswith("waiting for the background build of dgemma's tiny test kernels") for r in caplog.records)
+    assert any(
+        r.getMessage().startswith("waiting for the background build of dgemma's tiny test kernels")
+        for r in caplog.records
+    )

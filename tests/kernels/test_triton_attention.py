@@ -31,7 +31,9 @@ from dgemma.kernels import triton_attention as ta  # noqa: E402
 from dgemma.model.attention import sdpa  # noqa: E402
 
 if not ta.INTERPRETED:
-    pytest.skip("triton_attention was imported before TRITON_INTERPRET was set: its kernel needs a GPU", allow_module_level=True)
+    pytest.skip(
+        "triton_attention was imported before TRITON_INTERPRET was set: its kernel needs a GPU", allow_module_level=True
+    )
 
 BS = 8  # pool block size
 # (lo, start) per row: no prefix / under a block / not a multiple of BS over several blocks;

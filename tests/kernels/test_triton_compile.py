@@ -27,7 +27,15 @@ pytestmark = [pytest.mark.triton, pytest.mark.subprocess, pytest.mark.slow]
 
 from triton_compile import HOPPER_SHARED, REGISTERS_PER_SM, released_variants, table  # noqa: E402
 
-from dgemma.kernels import triton_ar, triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step  # noqa: E402
+from dgemma.kernels import (  # noqa: E402
+    triton_ar,
+    triton_attention,
+    triton_layer,
+    triton_moe,
+    triton_norms,
+    triton_quant,
+    triton_step,
+)
 
 MATMULS = ("_paged_canvas_kernel", "_gemm_kernel", "_router_kernel")
 EXPERTS = 128  # the released model's
@@ -52,8 +60,13 @@ def test_every_kernel_is_compiled_at_the_picked_variants(variants):
     print("\n" + table(variants, uses=False))  # pytest -s: the table
     modules = (triton_step, triton_ar, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
     assert {v["kernel"] for v in variants} == {n for m in modules for n in dir(m) if n.endswith("_kernel")}
-    norm = {(v["constexprs"]["HALF"], v["constexprs"]["HAS_WEIGHT"], v["constexprs"]["HAS_ROPE"]) for v in of(variants, "_norm_rope_kernel")}
-    assert norm == {(half, w, w) for half in (128, 256) for w in (True, False)}  # the unfused path: q / k normed and rotated, v normed
+    norm = {
+        (v["constexprs"]["HALF"], v["constexprs"]["HAS_WEIGHT"], v["constexprs"]["HAS_ROPE"])
+        for v in of(variants, "_norm_rope_kernel")
+    }
+    assert norm == {
+        (half, w, w) for half in (128, 256) for w in (True, False)
+    }  # the unfused path: q / k normed and rotated, v normed
     assert {v["constexprs"]["HALF"] for v in of(variants, "_qkv_kernel")} == {128, 256}
     assert {v["constexprs"]["HAS_POOL"] for v in of(variants, "_qkv_kernel")} >= {False}
 
@@ -66,7 +79,10 @@ def test_every_kernel_is_compiled_at_the_picked_variants(variants):
     assert combined == {(d, s) for d, counts in splits.items() for s in counts if s > 1}
 
     # the GEMM: every weight format, grouped (gate|up with gelu * up, down scattered) and plain
-    gemms = {(v["constexprs"]["SCHEME"], v["constexprs"]["GROUPED"], v["constexprs"]["DUAL"]) for v in of(variants, "_gemm_kernel")}
+    gemms = {
+        (v["constexprs"]["SCHEME"], v["constexprs"]["GROUPED"], v["constexprs"]["DUAL"])
+        for v in of(variants, "_gemm_kernel")
+    }
     for scheme in (0, 2, 3, 4):  # int4, fp8, nvfp4 in every role; bf16 experts (bf16 linears: cuBLAS)
         assert {(scheme, True, True), (scheme, True, False)} <= gemms, scheme
     assert {(s, False, False) for s in (0, 1, 2, 3)} <= gemms
@@ -111,7 +127,9 @@ def streams(v: dict) -> str | None:
         return f"a {loop['smallest']}-byte load in the K loop"
     share = tile_bytes(v) / (32 * v["num_warps"])
     if loop["bytes"] > 1.25 * share:
-        return f"{loop['bytes']} bytes requested a thread a K step, {loop['bytes'] / share:.2f}x its share ({share:.0f})"
+        return (
+            f"{loop['bytes']} bytes requested a thread a K step, {loop['bytes'] / share:.2f}x its share ({share:.0f})"
+        )
     return None
 
 
@@ -131,8 +149,12 @@ def test_at_batch_1_each_expert_and_linear_is_one_row_tile(variants):
     tile), a quantised linear's one row tile (BLOCK_M 256)."""
     for scheme, fmt in ((0, "int4"), (3, "nvfp4"), (2, "fp8")):
         label = f"step {fmt} batch 1"
-        launches = [(v, g) for v in of(variants, "_gemm_kernel") if v["constexprs"]["SCHEME"] == scheme
-                    for g in v["grids"].get(label, [])]  # fmt: skip
+        launches = [
+            (v, g)
+            for v in of(variants, "_gemm_kernel")
+            if v["constexprs"]["SCHEME"] == scheme
+            for g in v["grids"].get(label, [])
+        ]
         grouped = [g for v, g in launches if v["constexprs"]["GROUPED"]]
         plain = [g for v, g in launches if not v["constexprs"]["GROUPED"]]
         assert grouped and plain, label
@@ -142,7 +164,9 @@ def test_at_batch_1_each_expert_and_linear_is_one_row_tile(variants):
 
 @pytest.fixture(scope="module")
 def sm80_fp8(tmp_path_factory, reports):
-    return released_variants(tmp_path_factory.mktemp("triton_cache_sm80"), reports, arch=80, only="_gemm_kernel:SCHEME=2")
+    return released_variants(
+        tmp_path_factory.mktemp("triton_cache_sm80"), reports, arch=80, only="_gemm_kernel:SCHEME=2"
+    )
 
 
 def test_the_fp8_gemm_streams_its_weights_on_ampere_too(sm80_fp8):

@@ -45,8 +45,14 @@ def torch_decisions(entropy, argmax, sampled, noise, fixed, bounds, conf, stabil
         argmax = torch.where(free, argmax, fixed)
     stops, hist = [], []
     for i in range(entropy.shape[0]):
-        stop, history = sampler.stable_and_confident(histories[i], argmax[i : i + 1], entropy[i : i + 1], int(stability[i]),
-                                                     float(conf[i]), None if free is None else free[i : i + 1])  # fmt: skip
+        stop, history = sampler.stable_and_confident(
+            histories[i],
+            argmax[i : i + 1],
+            entropy[i : i + 1],
+            int(stability[i]),
+            float(conf[i]),
+            None if free is None else free[i : i + 1],
+        )
         stops.append(bool(stop))
         hist.append(history)
     kept, shown = (accepted, entropy) if free is None else (accepted | ~free, entropy * free)

@@ -35,8 +35,11 @@ def model(tmp_path_factory):
     """The "test" size (3 layers, canvas 8, 4 experts) with random weights: the interpreter runs
     every kernel program by program, and the fused layer is a dozen kernels."""
     config = make_config(**PRESETS["test"])
-    path = save_checkpoint(random_model(config, seed=3, std=0.5), tmp_path_factory.mktemp("triton-engine") / "ckpt",
-                           tokenizer=byte_tokenizer())  # fmt: skip
+    path = save_checkpoint(
+        random_model(config, seed=3, std=0.5),
+        tmp_path_factory.mktemp("triton-engine") / "ckpt",
+        tokenizer=byte_tokenizer(),
+    )
     return dgemma.load(path)
 
 
@@ -87,9 +90,21 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
 
     for group in ([rows[1]], [rows[2], rows[0], rows[1]]):
         soft = torch.randn(len(group), c, model.config.hidden_size, generator=g).to(runner.net.dtype) * 0.1
-        reqs = [SimpleNamespace(kv=kv, config=gen, step=2, seed=i, passes=i, block_passes=1, history=None, active_constraints=None,
-                                canvas=torch.randint(0, vocab, (c,), generator=g), soft=soft[i])
-                for i, kv in enumerate(group)]  # fmt: skip
+        reqs = [
+            SimpleNamespace(
+                kv=kv,
+                config=gen,
+                step=2,
+                seed=i,
+                passes=i,
+                block_passes=1,
+                history=None,
+                active_constraints=None,
+                canvas=torch.randint(0, vocab, (c,), generator=g),
+                soft=soft[i],
+            )
+            for i, kv in enumerate(group)
+        ]
         replayed = graphs.run(runner, reqs)
         eager = eager_step(runner, reqs, None)
         for a, b in zip(replayed, eager):
@@ -154,7 +169,11 @@ def test_a_steps_encoder_work_is_one_prefill(model, monkeypatch):
 
     calls = []
     real = prefill_pass.prefill
-    monkeypatch.setattr(prefill_pass, "prefill", lambda net, cache, rows, *a, **k: calls.append(len(rows)) or real(net, cache, rows, *a, **k))
+    monkeypatch.setattr(
+        prefill_pass,
+        "prefill",
+        lambda net, cache, rows, *a, **k: calls.append(len(rows)) or real(net, cache, rows, *a, **k),
+    )
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     c = model.config.canvas_length
     steps = model.engine.stats.steps

@@ -29,7 +29,9 @@ from dgemma.model.diffusion_gemma import Experts  # noqa: E402
 from dgemma.model.layers import RMSNorm  # noqa: E402
 
 if not tk.INTERPRETED:
-    pytest.skip("triton_layer was imported before TRITON_INTERPRET was set: its kernels need a GPU", allow_module_level=True)
+    pytest.skip(
+        "triton_layer was imported before TRITON_INTERPRET was set: its kernels need a GPU", allow_module_level=True
+    )
 
 EPS = 1e-6
 
@@ -100,8 +102,15 @@ def test_norm_rope_matches_torch_chain(dtype, with_weight, with_rope):
 
 def proportional_tables(t: int, dtype: torch.dtype) -> tuple[LayerSpec, torch.Tensor, torch.Tensor]:
     """A global layer's "proportional" RoPE (a quarter of the pairs rotate) at scattered positions."""
-    spec = LayerSpec(GLOBAL, head_dim=128, num_kv_heads=2, rope_theta=1e6, rope_type="proportional",
-                     partial_rotary_factor=0.25, rope_factor=1.0)  # fmt: skip
+    spec = LayerSpec(
+        GLOBAL,
+        head_dim=128,
+        num_kv_heads=2,
+        rope_theta=1e6,
+        rope_type="proportional",
+        partial_rotary_factor=0.25,
+        rope_factor=1.0,
+    )
     positions = torch.tensor([[0, 1, 7, 300, 4095][:t]])
     cos, sin = rope.cos_sin(positions, rope.inv_freq(spec), dtype)
     return spec, cos[0], sin[0]
@@ -143,8 +152,10 @@ def test_norm_rope_strided_view_and_out():
     torch.testing.assert_close(xi, y, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("x_dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                                (torch.float32, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "x_dtype,pool_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+)
 def test_norm_rope_pool_write_touches_only_its_slots(x_dtype, pool_dtype):
     t, heads, d = 7, 2, 16
     x = rand(t, heads, d, seed=8, dtype=x_dtype)
@@ -223,14 +234,18 @@ def test_combine_topk_matches_torch_tail(top_k, dtype):
     ref = (y * weights.reshape(-1)[perm].unsqueeze(-1))[inverse].view(n, top_k, -1).sum(dim=1).to(dtype)
     out = tk.combine_topk(y, inverse, weights.reshape(-1), top_k)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, ref, rtol=1e-5 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0)
+    torch.testing.assert_close(
+        out, ref, rtol=1e-5 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0
+    )
     wide = tk.combine_topk(y, inverse.int(), weights.reshape(-1), top_k, out_dtype=torch.float32)
     exact = (y.float() * weights.reshape(-1)[perm].unsqueeze(-1))[inverse].view(n, top_k, -1).sum(dim=1)
     torch.testing.assert_close(wide, exact, rtol=1e-5, atol=1e-6)
 
 
 def make_experts(num_experts: int, hidden: int, inter: int, approximate: str, dtype: torch.dtype) -> Experts:
-    cfg = SimpleNamespace(num_experts=num_experts, hidden_size=hidden, moe_intermediate_size=inter, gelu_approximate=approximate)
+    cfg = SimpleNamespace(
+        num_experts=num_experts, hidden_size=hidden, moe_intermediate_size=inter, gelu_approximate=approximate
+    )
     experts = Experts(cfg)
     with torch.no_grad():
         experts.gate_up_proj.copy_(rand(num_experts, 2 * inter, hidden, seed=15, scale=hidden**-0.5))
@@ -285,14 +300,39 @@ x3 = torch.zeros(2, 2, 16)
         (lambda: tk.norm_rope(x3, torch.ones(8), None, None, EPS), "weight must be"),
         (lambda: tk.norm_rope(x3, None, torch.ones(2, 16), None, EPS), "both cos and sin"),
         (lambda: tk.norm_rope(x3, None, torch.ones(3, 16), torch.ones(3, 16), EPS), "cos / sin must be"),
-        (lambda: tk.norm_rope(x3, None, None, None, EPS, pool=torch.zeros(8, 3, 16), slots=torch.zeros(2, dtype=torch.long)), "pool must be"),
-        (lambda: tk.norm_rope(x3, None, None, None, EPS, pool=torch.zeros(8, 2, 16), slots=torch.zeros(3, dtype=torch.long)), "slots must be"),
+        (
+            lambda: tk.norm_rope(
+                x3, None, None, None, EPS, pool=torch.zeros(8, 3, 16), slots=torch.zeros(2, dtype=torch.long)
+            ),
+            "pool must be",
+        ),
+        (
+            lambda: tk.norm_rope(
+                x3, None, None, None, EPS, pool=torch.zeros(8, 2, 16), slots=torch.zeros(3, dtype=torch.long)
+            ),
+            "slots must be",
+        ),
         (lambda: tk.gelu_mul(torch.zeros(3, 7)), "even last dim"),
         (lambda: tk.gelu_mul(torch.zeros(3, 8), "erf"), "approximate must be"),
         (lambda: tk.combine_topk(torch.zeros(6, 4), torch.zeros(4, dtype=torch.long), torch.zeros(4), 2), "6 pairs"),
-        (lambda: tk.combine_topk(torch.zeros(5, 4), torch.zeros(5, dtype=torch.long), torch.zeros(5), 2), "multiple of top_k"),
+        (
+            lambda: tk.combine_topk(torch.zeros(5, 4), torch.zeros(5, dtype=torch.long), torch.zeros(5), 2),
+            "multiple of top_k",
+        ),
     ],
-    ids=["x-dims", "head-dim", "weight", "cos-only", "table-shape", "pool-heads", "slots", "odd", "approx", "pairs", "top_k"],
+    ids=[
+        "x-dims",
+        "head-dim",
+        "weight",
+        "cos-only",
+        "table-shape",
+        "pool-heads",
+        "slots",
+        "odd",
+        "approx",
+        "pairs",
+        "top_k",
+    ],
 )
 def test_bad_shapes_raise(call, message):
     with pytest.raises(ValueError, match=message):

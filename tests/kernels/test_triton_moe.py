@@ -9,7 +9,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
 pytestmark = pytest.mark.triton

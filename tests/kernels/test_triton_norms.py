@@ -62,8 +62,15 @@ def test_embed_norm_is_embed_self_conditioning_and_the_first_input_norm(net):
     soft = rand(net, 2, 5, cfg.hidden_size, seed=2)
     mlp = sc.mlp(sc.pre_norm(soft))
     for decoder, extra in ((False, None), (True, None), (True, mlp)):
-        h, x = tn.embed_norm(net.embed_tokens.weight, scale, layer.input_layernorm.weight, cfg.rms_norm_eps,
-                             ids=ids, decoder=decoder, self_conditioning=extra)  # fmt: skip
+        h, x = tn.embed_norm(
+            net.embed_tokens.weight,
+            scale,
+            layer.input_layernorm.weight,
+            cfg.rms_norm_eps,
+            ids=ids,
+            decoder=decoder,
+            self_conditioning=extra,
+        )
         want = net.embed(ids)
         if decoder:
             want = sc.post_norm(want + extra) if extra is not None else sc.post_norm(want)
@@ -81,13 +88,24 @@ def test_embed_norm_is_embed_self_conditioning_and_the_first_input_norm(net):
 def test_post_attention_gives_the_residual_and_the_three_feed_forward_inputs(net):
     cfg, layer = net.config, net.layers[1]
     h, attn = rand(net, 7, cfg.hidden_size, seed=4), rand(net, 7, cfg.hidden_size, seed=5, scale=3.0)
-    got = tn.post_attention(h, attn, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
-                            layer.pre_feedforward_layernorm_2.weight, layer.router.scale, layer.router.root_size,
-                            cfg.rms_norm_eps)  # fmt: skip
+    got = tn.post_attention(
+        h,
+        attn,
+        layer.post_attention_layernorm.weight,
+        layer.pre_feedforward_layernorm.weight,
+        layer.pre_feedforward_layernorm_2.weight,
+        layer.router.scale,
+        layer.router.root_size,
+        cfg.rms_norm_eps,
+    )
     h2 = h + layer.post_attention_layernorm(attn)
     router = layer.router
-    want = (h2, layer.pre_feedforward_layernorm(h2), layer.pre_feedforward_layernorm_2(h2),
-            router.norm(h2) * router.scale * router.root_size)  # fmt: skip
+    want = (
+        h2,
+        layer.pre_feedforward_layernorm(h2),
+        layer.pre_feedforward_layernorm_2(h2),
+        router.norm(h2) * router.scale * router.root_size,
+    )
     for g, w in zip(got, want):
         close(g, w)
 
@@ -99,10 +117,24 @@ def test_combine_ends_the_layer_and_norms_the_next_input(net):
     h, dense = rand(net, t, cfg.hidden_size, seed=6), rand(net, t, cfg.hidden_size, seed=7)
     y = rand(net, t * k, cfg.hidden_size, seed=8)
     top_w = torch.rand(t, k, generator=torch.Generator().manual_seed(9))
-    h_out, x = tn.combine(h, dense, y, top_w, layer.post_feedforward_layernorm_1.weight, layer.post_feedforward_layernorm_2.weight,
-                          layer.post_feedforward_layernorm.weight, layer.layer_scalar, net.norm.weight, cfg.rms_norm_eps)  # fmt: skip
-    moe = (y.view(t, k, -1) * top_w[..., None]).sum(1).to(net.dtype)  # Experts.forward's end: bf16 rows x float32 weights
-    f = layer.post_feedforward_layernorm(layer.post_feedforward_layernorm_1(dense) + layer.post_feedforward_layernorm_2(moe))
+    h_out, x = tn.combine(
+        h,
+        dense,
+        y,
+        top_w,
+        layer.post_feedforward_layernorm_1.weight,
+        layer.post_feedforward_layernorm_2.weight,
+        layer.post_feedforward_layernorm.weight,
+        layer.layer_scalar,
+        net.norm.weight,
+        cfg.rms_norm_eps,
+    )
+    moe = (
+        (y.view(t, k, -1) * top_w[..., None]).sum(1).to(net.dtype)
+    )  # Experts.forward's end: bf16 rows x float32 weights
+    f = layer.post_feedforward_layernorm(
+        layer.post_feedforward_layernorm_1(dense) + layer.post_feedforward_layernorm_2(moe)
+    )
     want = (h + f) * layer.layer_scalar
     close(h_out, want)
     close(x, net.norm(want))
@@ -142,9 +174,19 @@ def test_qkv_norm_rope_is_attention_project_and_writes_the_pool(net, layer_index
     slots = torch.tensor([4, -1, 0, 7, 2])
     pool_k = torch.zeros(2, 4, spec.num_kv_heads, spec.head_dim, dtype=net.dtype)
     pool_v = torch.zeros_like(pool_k)
-    gq, gk, gv = triton_layer.qkv_norm_rope(qkv, (cfg.num_heads, spec.num_kv_heads), spec.head_dim, attn.v_proj is not None,
-                                            attn.q_norm.weight, attn.k_norm.weight, cfg.rms_norm_eps, cos, sin, col,
-                                            pools=(pool_k, pool_v, slots))  # fmt: skip
+    gq, gk, gv = triton_layer.qkv_norm_rope(
+        qkv,
+        (cfg.num_heads, spec.num_kv_heads),
+        spec.head_dim,
+        attn.v_proj is not None,
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        cfg.rms_norm_eps,
+        cos,
+        sin,
+        col,
+        pools=(pool_k, pool_v, slots),
+    )
     for got, want in ((gq, q), (gk, k), (gv, v)):
         close(got.contiguous(), want[0].transpose(0, 1).contiguous())
     flat_k, flat_v = pool_k.view(-1, *pool_k.shape[2:]), pool_v.view(-1, *pool_v.shape[2:])

@@ -21,10 +21,20 @@ from dgemma.quant.formats import QTensor, dequantize, quantize  # noqa: E402
 from dgemma.quant.modules import quantize_stacked  # noqa: E402
 
 if not tq.INTERPRETED:
-    pytest.skip("triton_quant was imported before TRITON_INTERPRET was set: its kernels need a GPU", allow_module_level=True)
+    pytest.skip(
+        "triton_quant was imported before TRITON_INTERPRET was set: its kernels need a GPU", allow_module_level=True
+    )
 
 # scheme, group size, inputs K (not a multiple of the K-tile: a masked tail)
-CASES = [("int4", 8, 40), ("int4", 32, 96), ("int4", 64, 320), ("int4", 128, 384), ("int8", None, 50), ("fp8", None, 50), ("nvfp4", None, 48)]
+CASES = [
+    ("int4", 8, 40),
+    ("int4", 32, 96),
+    ("int4", 64, 320),
+    ("int4", 128, 384),
+    ("int8", None, 50),
+    ("fp8", None, 50),
+    ("nvfp4", None, 48),
+]
 IDS = [f"{s}{g or ''}" for s, g, _ in CASES]
 
 
@@ -58,7 +68,9 @@ def test_linear_matches_dequantized_float32(scheme, group, k, m, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("scheme,group,k", [("int4", 8, 40), ("int8", None, 50), ("fp8", None, 50), ("nvfp4", None, 48), ("plain", None, 40)])
+@pytest.mark.parametrize(
+    "scheme,group,k", [("int4", 8, 40), ("int8", None, 50), ("fp8", None, 50), ("nvfp4", None, 48), ("plain", None, 40)]
+)
 def test_half_precision_activations(dtype, scheme, group, k):
     x = acts(2, 3, k, dtype=dtype)
     if scheme == "plain":
@@ -84,7 +96,9 @@ def test_nvfp4_codes_decode_exactly():
     codes = torch.arange(16, dtype=torch.uint8).repeat(2)  # every e2m1 code, in both nibbles
     packed = (codes[0::2] | (codes[1::2] << 4)).reshape(1, 16)
     scale = torch.tensor([[1.0, 0.5]]).to(torch.float8_e4m3fn)
-    q = QTensor("nvfp4", (1, 32), {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": torch.tensor([2.0])})
+    q = QTensor(
+        "nvfp4", (1, 32), {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": torch.tensor([2.0])}
+    )
     assert torch.equal(tq.quant_linear(torch.eye(32), q).T, dequantize(q, torch.float32))
 
 
@@ -93,8 +107,14 @@ def test_int4_scales_are_padded_to_whole_tiles_with_zeros():
     K-tiles (rows then start on 8- / 16-byte boundaries, read as vectors), the padding zero."""
     q = quantize(weight(8, 704), "int4", 64)  # 11 groups a row -> 12
     w = tq.gemm_weight(q)
-    assert w.scales.shape == (8, 12) and torch.equal(w.scales[:, :11], q.parts["weight_scale"]) and not w.scales[:, 11:].any()
-    assert w.data.dtype == torch.uint8 and w.data.data_ptr() == q.parts["weight_packed"].data_ptr()  # the codes as stored
+    assert (
+        w.scales.shape == (8, 12)
+        and torch.equal(w.scales[:, :11], q.parts["weight_scale"])
+        and not w.scales[:, 11:].any()
+    )
+    assert (
+        w.data.dtype == torch.uint8 and w.data.data_ptr() == q.parts["weight_packed"].data_ptr()
+    )  # the codes as stored
     with pytest.raises(ValueError, match="group size"):
         tq.gemm_weight(quantize(weight(8, 96), "int4", 96))
 

@@ -21,7 +21,9 @@ from dgemma.engine import sampler  # noqa: E402
 from dgemma.kernels import triton_step as ts  # noqa: E402
 
 if not ts.INTERPRETED:
-    pytest.skip("triton_step was imported before TRITON_INTERPRET was set: its kernels need a GPU", allow_module_level=True)
+    pytest.skip(
+        "triton_step was imported before TRITON_INTERPRET was set: its kernels need a GPU", allow_module_level=True
+    )
 
 CAP = 30.0
 
@@ -177,7 +179,13 @@ PINNED_U = [
     ["0x1.b207b4p-4", "0x1.554e0ep-2", "0x1.fd577cp-5", "0x1.07fb02p-1"],
     ["0x1.e94a14p-5", "0x1.4e5b10p-1", "0x1.05f8bcp-1", "0x1.1bc078p-3"],
 ]
-PINNED_NOISE = [[453, 499, 126, 206], [866, 547, 485, 567], [438, 393, 666, 51], [57, 336, 86, 641], [231, 797, 82, 531]]
+PINNED_NOISE = [
+    [453, 499, 126, 206],
+    [866, 547, 485, 567],
+    [438, 393, 666, 51],
+    [57, 336, 86, 641],
+    [231, 797, 82, 531],
+]
 
 
 def philox_reference(seed: int, step: int, canvas_length: int, vocab: int) -> tuple[list[float], list[int]]:

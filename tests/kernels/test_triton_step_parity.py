@@ -34,14 +34,21 @@ def source_windows(model, prompt: int, canvas: int) -> list[tuple[list[int], lis
     text = "".join(inspect.getsource(m) for m in (inspect, os))
     ids = model.tokenizer.encode(text)
     step = len(ids) // (CANVASES + 1)
-    return [(ids[i * step : i * step + prompt], ids[i * step + prompt : i * step + prompt + canvas]) for i in range(CANVASES)]
+    return [
+        (ids[i * step : i * step + prompt], ids[i * step + prompt : i * step + prompt + canvas])
+        for i in range(CANVASES)
+    ]
 
 
 def decoder_logits(net, triton: bool, windows) -> torch.Tensor:
     """Float32 logits [n C, V] of one decoder pass over the continuations after their prompts,
     through an engine's network and cache (Triton: the fused network and the paged attention)."""
-    engine = Engine(net, EngineOptions(triton=triton, cuda_graphs=False, batch_invariant=False, prefix_cache=False,
-                                       kv_cache_memory=2**26))  # fmt: skip
+    engine = Engine(
+        net,
+        EngineOptions(
+            triton=triton, cuda_graphs=False, batch_invariant=False, prefix_cache=False, kv_cache_memory=2**26
+        ),
+    )
     runner, c = engine.runner, net.config.canvas_length
     rows = [engine.encode_prefix(p) for p, _ in windows]
     canvas = torch.tensor([cont for _, cont in windows])

@@ -6,14 +6,16 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
+from checkpoints import step_logits
 from dgemma.kernels import avx2, choice, widened
 from dgemma.model.diffusion_gemma import Experts
-from checkpoints import step_logits
 
 pytestmark = pytest.mark.native
 
 
-@pytest.mark.parametrize("tokens, k, n, tile", [(1, 24, 40, 64), (7, 48, 37, 100), (33, 64, 128, 1 << 18), (5, 16, 8, 8)])
+@pytest.mark.parametrize(
+    "tokens, k, n, tile", [(1, 24, 40, 64), (7, 48, 37, 100), (33, 64, 128, 1 << 18), (5, 16, 8, 8)]
+)
 def test_tiled_linear_equals_a_float32_matmul_on_the_widened_weight(tokens, k, n, tile):
     g = torch.Generator().manual_seed(tokens)
     x, w = torch.randn(2, tokens, k, generator=g), torch.randn(n, k, generator=g).bfloat16()
@@ -48,7 +50,9 @@ def test_soft_embed_and_experts_equal_their_float32_computation(native_gemm, mon
         want.gate_up_proj.copy_(half.gate_up_proj.float())
         want.down_proj.copy_(half.down_proj.float())
         expected = want(x, index, weights)  # (float32 sums in another order: within 1e-5 of the largest output)
-        torch.testing.assert_close(widened.WidenedExperts(half)(x, index, weights), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+        torch.testing.assert_close(
+            widened.WidenedExperts(half)(x, index, weights), expected, rtol=0, atol=1e-5 * expected.abs().max().item()
+        )
 
 
 def test_native_bf16_can_be_switched_off(monkeypatch):
@@ -79,7 +83,9 @@ def test_bf16_engine_without_native_bf16_computes_float32_on_bf16_weights(tmp_pa
     net = half.engine_net
     assert net.dtype == torch.float32 and half.net.dtype == torch.bfloat16
     layer, original = net.layers[0], half.net.layers[0]
-    assert isinstance(layer.experts, widened.WidenedExperts) and isinstance(layer.self_attn.q_proj, widened.WidenedLinear)
+    assert isinstance(layer.experts, widened.WidenedExperts) and isinstance(
+        layer.self_attn.q_proj, widened.WidenedLinear
+    )
     assert layer.self_attn.q_proj.weight.data_ptr() == original.self_attn.q_proj.weight.data_ptr()  # shared, bf16
     assert layer.experts.gate_up.data_ptr() == original.experts.gate_up_proj.data_ptr()
     g = torch.Generator().manual_seed(3)
@@ -94,7 +100,10 @@ def test_bf16_engine_without_native_bf16_computes_float32_on_bf16_weights(tmp_pa
     # (tokens are not compared with the float32 model's: the same float32 maths summed in another
     # order flips a near-tie of this random model within a few blocks, and then every token after)
     out = half.generate([[2, 5, 6, 7]], max_new_tokens=16, seed=0)
-    assert len(out.sequences[0]) == 16 and out.sequences == half.generate([[2, 5, 6, 7]], max_new_tokens=16, seed=0).sequences
+    assert (
+        len(out.sequences[0]) == 16
+        and out.sequences == half.generate([[2, 5, 6, 7]], max_new_tokens=16, seed=0).sequences
+    )
 
 
 @pytest.mark.slow

@@ -50,7 +50,9 @@ def _env(tmp_path) -> dict[str, str]:
 
 
 def compile_for_sm90(script: str, tmp_path) -> None:
-    done = subprocess.run([sys.executable, "-c", script], env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
     if done.returncode == 3:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
@@ -72,17 +74,25 @@ def table(variants: list[dict], uses: bool = True) -> str:
     """The variants as a text table (for reports and failing asserts)."""
     rows = [("kernel", "constexprs", "warps/stages", "regs", "spill st/ld", "shared", "used by" if uses else "")]
     for v in variants:
-        rows.append((
-            v["kernel"], " ".join(f"{k}={x}" for k, x in v["constexprs"].items()), f"{v['num_warps']}/{v['num_stages']}",
-            str(v.get("registers", "-")), f"{v.get('spill_stores', '-')}/{v.get('spill_loads', '-')}",
-            str(v.get("shared", "-")), "; ".join(v["used_by"]) if uses else "",
-        ))  # fmt: skip
+        rows.append(
+            (
+                v["kernel"],
+                " ".join(f"{k}={x}" for k, x in v["constexprs"].items()),
+                f"{v['num_warps']}/{v['num_stages']}",
+                str(v.get("registers", "-")),
+                f"{v.get('spill_stores', '-')}/{v.get('spill_loads', '-')}",
+                str(v.get("shared", "-")),
+                "; ".join(v["used_by"]) if uses else "",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join(("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in rows)
 
 
 # ------------------------------------------------------------------------------ the subprocess
-PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_FUNCTION = re.compile(
+    r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
 PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 TENSOR_CORES = re.compile(r"\b(?:wgmma|mma)\.")
 
@@ -120,8 +130,12 @@ def k_loop(ptx: str) -> dict | None:
     body = lines[start:end]
     sizes = [load_bytes(m.group(0)) for x in body for m in GLOBAL_LOAD.finditer(x)]
     sizes += [int(m.group(1), 0) for x in body for m in CP_ASYNC.finditer(x)]
-    return dict(loads=len(sizes), bytes=sum(sizes), smallest=min(sizes) if sizes else 0,
-                mma=sum(bool(TENSOR_CORES.search(x)) for x in body))  # fmt: skip
+    return dict(
+        loads=len(sizes),
+        bytes=sum(sizes),
+        smallest=min(sizes) if sizes else 0,
+        mma=sum(bool(TENSOR_CORES.search(x)) for x in body),
+    )
 
 
 def _ptxas_report(log: str, name: str) -> dict:
@@ -149,7 +163,17 @@ def _run_ptxas(ptx: str, name: str, arch: str, fp_fusion: bool) -> dict:
         with open(src, "w") as f:
             f.write(ptx)
         fmad = [] if fp_fusion else ["--fmad=false"]
-        cmd = [get_ptxas(90).path, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", src, "-o", src + ".o"]
+        cmd = [
+            get_ptxas(90).path,
+            "-lineinfo",
+            *fmad,
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={arch}",
+            src,
+            "-o",
+            src + ".o",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return _ptxas_report(done.stderr + done.stdout, name)
 
@@ -186,8 +210,18 @@ class Launches:
                 pointers = sorted((k, t) for k, t in signature.items() if t.startswith("*"))
                 key = (pointers, sorted((k, v) for k, v in constexprs.items() if k[0] in declared))
             key = repr((fn.__name__, key, options))
-            entry = self.variants.setdefault(key, dict(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs,
-                                                       options=options, used_by=[], grids={}))  # fmt: skip
+            entry = self.variants.setdefault(
+                key,
+                dict(
+                    fn=fn,
+                    signature=signature,
+                    constexprs=constexprs,
+                    attrs=attrs,
+                    options=options,
+                    used_by=[],
+                    grids={},
+                ),
+            )
             if self.label not in entry["used_by"]:
                 entry["used_by"].append(self.label)
             g = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
@@ -199,12 +233,20 @@ class Launches:
         fn, options = entry["fn"], entry["options"]
         declared = {p.name for p in fn.params if p.is_constexpr}
         names = fn.arg_names
-        constexprs = {names[k[0]]: entry["constexprs"][k] for k in sorted(entry["constexprs"]) if names[k[0]] in declared}
+        constexprs = {
+            names[k[0]]: entry["constexprs"][k] for k in sorted(entry["constexprs"]) if names[k[0]] in declared
+        }
         pointers = {n: t for n, t in entry["signature"].items() if t.startswith("*")}
         plain = (int, float, str, bool, type(None))
-        return dict(kernel=fn.__name__, constexprs={k: v if isinstance(v, plain) else str(v) for k, v in constexprs.items()},
-                    num_warps=options.num_warps, num_stages=options.num_stages, pointers=pointers,
-                    used_by=entry["used_by"], grids=entry.get("grids", {}))  # fmt: skip
+        return dict(
+            kernel=fn.__name__,
+            constexprs={k: v if isinstance(v, plain) else str(v) for k, v in constexprs.items()},
+            num_warps=options.num_warps,
+            num_stages=options.num_stages,
+            pointers=pointers,
+            used_by=entry["used_by"],
+            grids=entry.get("grids", {}),
+        )
 
     def cache_key(self, entry: dict) -> str:
         """triton's own key of this compile (triton.compile's cache key, hashed)."""
@@ -218,7 +260,9 @@ class Launches:
 
         src = ASTSource(entry["fn"], entry["signature"], entry["constexprs"], entry["attrs"])
         options = self.backend.parse_options(entry["options"].__dict__)
-        return hashlib.sha256(get_cache_key(src, self.backend, options, get_cache_invalidating_env_vars()).encode()).hexdigest()
+        return hashlib.sha256(
+            get_cache_key(src, self.backend, options, get_cache_invalidating_env_vars()).encode()
+        ).hexdigest()
 
     def compile(self, entry: dict) -> dict:
         """Compile one variant for sm90: registers, spills and stack (ptxas -v), shared bytes
@@ -236,8 +280,11 @@ class Launches:
         log = io.StringIO()
         knobs.nvidia.dump_ptxas_log = True
         with contextlib.redirect_stdout(log):  # make_cubin prints the ptxas -v log there
-            kernel = triton.compile(ASTSource(fn, entry["signature"], entry["constexprs"], entry["attrs"]),
-                                    target=self.target, options=options.__dict__)  # fmt: skip
+            kernel = triton.compile(
+                ASTSource(fn, entry["signature"], entry["constexprs"], entry["attrs"]),
+                target=self.target,
+                options=options.__dict__,
+            )
         name, ptx = kernel.metadata.name, kernel.asm["ptx"]
         report = _ptxas_report(log.getvalue(), name)
         if "registers" not in report or "spill_stores" not in report:
@@ -245,10 +292,16 @@ class Launches:
             report = _run_ptxas(ptx, name, arch, options.enable_fp_fusion)
         if "registers" not in report or "spill_stores" not in report:
             raise RuntimeError(f"no registers / spills for {name} in ptxas -v's log:\n{log.getvalue()}")
-        report.update(shared=kernel.metadata.shared + report.get("static_shared", 0),
-                      tensor_cores=bool(TENSOR_CORES.search(ptx)), seconds=round(time.perf_counter() - began, 2),
-                      k_loop=k_loop(ptx), arch=self.target.arch)  # fmt: skip
-        if os.environ.get("DGEMMA_PTX_DIR"):  # the PTX itself, for reading (gpu_check writes it under its output folder)
+        report.update(
+            shared=kernel.metadata.shared + report.get("static_shared", 0),
+            tensor_cores=bool(TENSOR_CORES.search(ptx)),
+            seconds=round(time.perf_counter() - began, 2),
+            k_loop=k_loop(ptx),
+            arch=self.target.arch,
+        )
+        if os.environ.get(
+            "DGEMMA_PTX_DIR"
+        ):  # the PTX itself, for reading (gpu_check writes it under its output folder)
             os.makedirs(os.environ["DGEMMA_PTX_DIR"], exist_ok=True)
             with open(os.path.join(os.environ["DGEMMA_PTX_DIR"], f"{name}.sm{self.target.arch}.ptx"), "w") as f:
                 f.write(ptx)
@@ -271,13 +324,20 @@ def _launch_released(launches: Launches) -> None:
     and sampling, quantised linears at a short prefill chunk's rows)."""
     import torch
 
-    from launch_count import ar_token_launches, encode_launches, h200, released_net, step_launches
-
-    from dgemma.kernels import triton_ar, triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
+    from dgemma.kernels import (
+        triton_ar,
+        triton_attention,
+        triton_layer,
+        triton_moe,
+        triton_norms,
+        triton_quant,
+        triton_step,
+    )
     from dgemma.model.checkpoint import make_config
     from dgemma.model.diffusion_gemma import Experts
     from dgemma.model.presets import PRESETS
     from dgemma.quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, quantize
+    from launch_count import ar_token_launches, encode_launches, h200, released_net, step_launches
 
     modules = (triton_step, triton_ar, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
     for fn in [getattr(m, name) for m in modules for name in dir(m) if name.endswith("_kernel")]:
@@ -285,9 +345,13 @@ def _launch_released(launches: Launches) -> None:
 
     for scheme in (None, "fp8", "int4", "nvfp4"):
         net = released_net(scheme)
-        for batch in ((1, 4) if scheme in (None, "nvfp4") else (1,)):  # the decoder pass's shapes first
+        for batch in (1, 4) if scheme in (None, "nvfp4") else (1,):  # the decoder pass's shapes first
             launches.label = f"prompts {scheme or 'bf16'} batch {batch}"
-            step_launches(net, batch, on_counted=lambda b=batch, s=scheme: setattr(launches, "label", f"step {s or 'bf16'} batch {b}"))
+            step_launches(
+                net,
+                batch,
+                on_counted=lambda b=batch, s=scheme: setattr(launches, "label", f"step {s or 'bf16'} batch {b}"),
+            )
         launches.label = f"encode {scheme or 'bf16'}"
         encode_launches(net)
         if scheme is None:  # AR mode's captured token (engine/device/ar.py): slots, argmax, advance
@@ -314,8 +378,12 @@ def _launch_released(launches: Launches) -> None:
         with torch.device(meta):
             experts = Experts(cfg).to(dt)
         launches.label = "moe_experts (unfused)"
-        triton_layer.moe_experts(experts, empty(c, h), empty(c, cfg.top_k_experts, dtype=torch.long),
-                                 empty(c, cfg.top_k_experts, dtype=torch.float32))  # fmt: skip
+        triton_layer.moe_experts(
+            experts,
+            empty(c, h),
+            empty(c, cfg.top_k_experts, dtype=torch.long),
+            empty(c, cfg.top_k_experts, dtype=torch.float32),
+        )
         # quantised linears at a prefill chunk's and a short pass's rows
         for scheme in SCHEMES:
             q = quantize(empty(cfg.intermediate_size, h, dtype=torch.float32), scheme, DEFAULT_GROUP_SIZE, dt)

@@ -103,6 +103,8 @@ def test_erf_gelu_checkpoint_matches_reference(tmp_path):
     sc = torch.randn(1, model.config.canvas_length, model.config.vocab_size, generator=g) * 4
     with torch.no_grad():
         expected = ref(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=sc).logits
-        tanh_instead = build_reference(tmp_path / "tanh", "gqa")(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=sc).logits
+        tanh_instead = build_reference(tmp_path / "tanh", "gqa")(
+            input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=sc
+        ).logits
     assert (tanh_instead - expected).abs().max().item() > 1e-3  # the test can tell the two apart
     assert (model.canvas_logits(prompt.tolist(), canvas, sc) - expected).abs().max().item() < 1e-4

@@ -64,7 +64,9 @@ def test_image_features_match_reference(vision_ref):
     start = 0
     for im in IMAGES:  # the engine's way: one image, real patches only, packed CPU linears
         n = im.num_patches
-        one = model.engine_net.vision.image_features(torch.from_numpy(im.pixel_values[None, :n]), torch.from_numpy(im.position_ids[None, :n]))
+        one = model.engine_net.vision.image_features(
+            torch.from_numpy(im.pixel_values[None, :n]), torch.from_numpy(im.position_ids[None, :n])
+        )
         assert (one - want[start : start + im.num_soft_tokens]).abs().max() < 1e-4 * want.abs().max()
         start += im.num_soft_tokens
 
@@ -78,10 +80,13 @@ def _reference_logits(ref, inputs: ModelInputs, canvas: torch.Tensor, bidirectio
         cache = DynamicCache(config=ref.config.text_config)
         kwargs["past_key_values"] = cache
         kwargs["attention_mask"] = ref.model.encoder.create_masks_for_generate(
-            config=ref.config, inputs_embeds=torch.empty(1, x.shape[1], 0), attention_mask=torch.ones_like(x),
-            past_key_values=cache, position_ids=torch.arange(x.shape[1])[None],
+            config=ref.config,
+            inputs_embeds=torch.empty(1, x.shape[1], 0),
+            attention_mask=torch.ones_like(x),
+            past_key_values=cache,
+            position_ids=torch.arange(x.shape[1])[None],
             mm_token_type_ids=torch.tensor([inputs.mm_token_type_ids]),
-        )  # fmt: skip
+        )
     with torch.no_grad():
         return ref(input_ids=x, decoder_input_ids=canvas, **kwargs).logits
 
@@ -91,7 +96,9 @@ def test_canvas_logits_with_images_match_reference(vision_ref, num_images):
     path, ref = vision_ref
     model = dgemma.load(path)
     inputs = prompt_with(IMAGES[:num_images])
-    canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(num_images))
+    canvas = torch.randint(
+        0, model.config.vocab_size, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(num_images)
+    )
     want = _reference_logits(ref, inputs, canvas)
     got = model.canvas_logits([inputs], canvas)
     assert (got - want).abs().max().item() < 1e-4
@@ -112,9 +119,13 @@ def test_reference_tokens_with_images_equal_generate(vision_ref):
         knobs = {"confidence_threshold": 0.5}
         torch.manual_seed(seed)
         want = ref.generate(
-            x, **reference_inputs(inputs), mm_token_type_ids=torch.tensor([inputs.mm_token_type_ids]), max_new_tokens=20,
-            sampler_config=EntropyBoundSamplerConfig(entropy_bound=1.0), **knobs,
-        )  # fmt: skip
+            x,
+            **reference_inputs(inputs),
+            mm_token_type_ids=torch.tensor([inputs.mm_token_type_ids]),
+            max_new_tokens=20,
+            sampler_config=EntropyBoundSamplerConfig(entropy_bound=1.0),
+            **knobs,
+        )
         torch.manual_seed(seed)
         got = model.generate([inputs], max_new_tokens=20, sampling="reference", entropy_bound=1.0, **knobs)
         expected = want.sequences[0, x.shape[1] :].tolist()[:20]
@@ -211,17 +222,26 @@ def test_processor_to_logits_matches_reference(tmp_path):
     assert model.supports_images
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in [(200, 130), (90, 300)]]
-    messages = [{"role": "user", "content": [
-        {"type": "text", "text": "two pictures:"}, {"type": "image", "image": images[0]},
-        {"type": "image", "image": images[1]}, {"type": "text", "text": "which is wider?"},
-    ]}]  # fmt: skip
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "two pictures:"},
+                {"type": "image", "image": images[0]},
+                {"type": "image", "image": images[1]},
+                {"type": "text", "text": "which is wider?"},
+            ],
+        }
+    ]
     inputs = model.processor.apply_chat_template(messages, max_soft_tokens=70)
     proc = save_gemma4_processor(tmp_path / "again")
     want = proc.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True, images_kwargs={"max_soft_tokens": 70}
     )
     assert inputs.input_ids == list(want["input_ids"][0])
-    canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(0))
+    canvas = torch.randint(
+        0, model.config.vocab_size, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(0)
+    )
     expected = _reference_logits(ref, inputs, canvas)
     assert (model.canvas_logits([inputs], canvas) - expected).abs().max().item() < 1e-4
 

@@ -2,7 +2,15 @@
 
 import importlib
 
-MODULES = ("checks_model", "checks_sampling", "checks_engine", "checks_quant", "checks_grammar", "checks_vision", "checks_failure")
+MODULES = (
+    "checks_model",
+    "checks_sampling",
+    "checks_engine",
+    "checks_quant",
+    "checks_grammar",
+    "checks_vision",
+    "checks_failure",
+)
 
 
 def all_checks():

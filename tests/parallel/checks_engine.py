@@ -11,16 +11,16 @@ of streams started at different steps (one batched decoder pass), drafts, infill
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
+from margins import FLOOR, measured
 
 import dgemma
 from dgemma.api import Model
 from dgemma.engine.events import Block, Draft
 from dgemma.parallel.group import ShardGroup
 from dgemma.parallel.shard import shard_model
-from margins import FLOOR, measured
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]
 # what each mode's whole-model run must have measured (reference mode's multinomial draws cannot be)
@@ -44,22 +44,33 @@ def _fresh(model: Model, **options) -> Model:
 
 def _sharded(group: ShardGroup, expert_parallel: bool = False) -> Model:
     whole = _tiny()
-    return Model(shard_model(copy.deepcopy(whole.net), group, expert_parallel), whole.generation_config, whole.tokenizer)
+    return Model(
+        shard_model(copy.deepcopy(whole.net), group, expert_parallel), whole.generation_config, whole.tokenizer
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _whole_generate(seed, knobs: tuple, tokens: int = 48) -> tuple:
     """The whole model's `generate` of PROMPTS (`tokens` new: 48 is two canvases) and the margins
     of its decisions (cached: expert parallelism and the load check compare with default mode's run)."""
     whole = _tiny()
     ids = [whole.tokenizer.encode(p) for p in PROMPTS]
     with measured() as margins:
-        out = whole.generate(ids, max_new_tokens=tokens, seed=list(seed) if isinstance(seed, tuple) else seed, **dict(knobs))
+        out = whole.generate(
+            ids, max_new_tokens=tokens, seed=list(seed) if isinstance(seed, tuple) else seed, **dict(knobs)
+        )
     return out, margins
 
 
-def _same_tokens(group: ShardGroup, expert_parallel: bool = False, seed=(3, 4, 5), kinds=EXACT, tokens: int = 48,
-                 cut: Model | None = None, **knobs) -> None:  # fmt: skip
+def _same_tokens(
+    group: ShardGroup,
+    expert_parallel: bool = False,
+    seed=(3, 4, 5),
+    kinds=EXACT,
+    tokens: int = 48,
+    cut: Model | None = None,
+    **knobs,
+) -> None:
     whole, cut = _tiny(), cut or _sharded(group, expert_parallel)
     want, margins = _whole_generate(seed, tuple(sorted(knobs.items())), tokens)
     margins.assert_above(FLOOR, kinds, what=f"whole model, seed {seed}, {knobs}")
@@ -115,11 +126,16 @@ def check_canvas_logits_and_ar_mode(group: ShardGroup) -> None:
     whole, cut = _tiny(), _sharded(group)
     ids = [whole.tokenizer.encode(p) for p in PROMPTS[:2]]
     canvas = [[5 + i for i in range(whole.config.canvas_length)]] * 2
-    previous = torch.randn(2, whole.config.canvas_length, whole.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    previous = torch.randn(
+        2, whole.config.canvas_length, whole.config.vocab_size, generator=torch.Generator().manual_seed(0)
+    )
     want = whole.canvas_logits(ids, canvas, self_conditioning_logits=previous)
     got = cut.canvas_logits(ids, canvas, self_conditioning_logits=previous)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert whole.generate(ids, max_new_tokens=12, mode="ar").sequences == cut.generate(ids, max_new_tokens=12, mode="ar").sequences
+    assert (
+        whole.generate(ids, max_new_tokens=12, mode="ar").sequences
+        == cut.generate(ids, max_new_tokens=12, mode="ar").sequences
+    )
 
 
 def check_load_tensor_parallel(group: ShardGroup) -> None:
@@ -150,11 +166,24 @@ def _same_events(got: list, want: list, what: str) -> None:
     for i, (a, b) in enumerate(zip(got, want)):
         assert type(a) is type(b), f"{what}: event {i} is a {type(a).__name__}, want a {type(b).__name__}"
         if isinstance(a, Draft):
-            assert (a.block, a.step, a.canvas, a.accepted, a.frozen) == (b.block, b.step, b.canvas, b.accepted, b.frozen), (what, i, a, b)
+            assert (a.block, a.step, a.canvas, a.accepted, a.frozen) == (
+                b.block,
+                b.step,
+                b.canvas,
+                b.accepted,
+                b.frozen,
+            ), (what, i, a, b)
             gap = max(abs(x - y) for x, y in zip(a.entropy, b.entropy))
-            assert len(a.entropy) == len(b.entropy) and gap <= 1e-4 * (1 + 1e-6), f"{what}: event {i}: entropies {gap:.3g} apart"
+            assert len(a.entropy) == len(b.entropy) and gap <= 1e-4 * (1 + 1e-6), (
+                f"{what}: event {i}: entropies {gap:.3g} apart"
+            )
         else:
-            assert (a.block, a.tokens, a.done, a.decoder_passes) == (b.block, b.tokens, b.done, b.decoder_passes), (what, i, a, b)
+            assert (a.block, a.tokens, a.done, a.decoder_passes) == (b.block, b.tokens, b.done, b.decoder_passes), (
+                what,
+                i,
+                a,
+                b,
+            )
 
 
 def check_prefix_cache(group: ShardGroup) -> None:
@@ -163,7 +192,9 @@ def check_prefix_cache(group: ShardGroup) -> None:
     whole, cut = _fresh(_tiny()), _sharded(group)
     stack = PROMPTS[2] + "        self.items = []\n\n    def push(self, item):\n        self.items.append(item)\n\n"
     stack += "    def pop(self):\n        return self.items.pop()\n\n    def peek(self):\n        return self.items[-1]\n\n    def size(self):\n"
-    first, second = (whole.tokenizer.encode(stack + tail) for tail in ("        return len(self.items)\n", "        n = 0\n"))
+    first, second = (
+        whole.tokenizer.encode(stack + tail) for tail in ("        return len(self.items)\n", "        n = 0\n")
+    )
     block = whole.engine.scheduler.options.block_size
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared >= 2 * block, f"the prompts share {shared} tokens, fewer than 2 blocks of {block}"
@@ -244,7 +275,9 @@ def check_infill(group: ShardGroup) -> None:
     assert ranked[0] - ranked[1] > FLOOR, want.scores
     got = cut.infill(prefix, suffix, lengths=(3, 11), seed=5)
     assert (got.text, got.tokens, got.span_length) == (want.text, want.tokens, want.span_length), (got, want)
-    assert got.scores.keys() == want.scores.keys() and all(abs(got.scores[n] - want.scores[n]) < 1e-4 for n in want.scores), (got, want)
+    assert got.scores.keys() == want.scores.keys() and all(
+        abs(got.scores[n] - want.scores[n]) < 1e-4 for n in want.scores
+    ), (got, want)
 
 
 def check_generate_int4(group: ShardGroup) -> None:
@@ -257,4 +290,7 @@ def check_generate_int4(group: ShardGroup) -> None:
         want = whole.generate(ids, max_new_tokens=32, seed=[3, 4])
     margins.assert_above(FLOOR, EXACT, what="whole int4 model, seeds 3, 4")
     got = cut.generate(ids, max_new_tokens=32, seed=[3, 4])
-    assert got.sequences == want.sequences and got.decoder_passes == want.decoder_passes, (got.sequences, want.sequences)
+    assert got.sequences == want.sequences and got.decoder_passes == want.decoder_passes, (
+        got.sequences,
+        want.sequences,
+    )

@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
 from checks_engine import PROMPTS, _sharded, _tiny
+
 from dgemma.engine.constraints.grammar import CANDIDATES, held_rows, pass_rows
 from dgemma.engine.sampler import pack_token_mask
+from dgemma.engine.sharded import sampling
 from dgemma.engine.turbo import TurboState
 from dgemma.engine.turbo_step import _full_weights
-from dgemma.engine.sharded import sampling
 from dgemma.parallel.group import ShardGroup
 from dgemma.parallel.plan import vocab_shard
 
@@ -96,12 +96,21 @@ def check_grammar_walk_on_random_weights(group: ShardGroup) -> None:
     full[3, 40] = full[3, first_end + 1] = full[3, 7] = 5.0  # a tie across the shards
     full[4, 9] = 0.0
     local = full[:, start:end].contiguous()
-    for row, allowed, answer in ((3, [first_end + 1, 40, 7, 100], 7), (3, [first_end + 1, 40, 100], 40), (4, [9], None)):
+    for row, allowed, answer in (
+        (3, [first_end + 1, 40, 7, 100], 7),
+        (3, [first_end + 1, 40, 100], 40),
+        (4, [9], None),
+    ):
         mask = torch.zeros(vocab, dtype=torch.bool)
         mask[allowed] = True
-        assert sampling.sharded_best_allowed_at(local, group, start, row, pack_token_mask(mask)) == answer, (row, allowed)
+        assert sampling.sharded_best_allowed_at(local, group, start, row, pack_token_mask(mask)) == answer, (
+            row,
+            allowed,
+        )
     try:
-        sampling.sharded_best_allowed_at(local, group, start, group.rank, pack_token_mask(torch.ones(vocab, dtype=torch.bool)))
+        sampling.sharded_best_allowed_at(
+            local, group, start, group.rank, pack_token_mask(torch.ones(vocab, dtype=torch.bool))
+        )
     except sampling.WalkDivergedError as e:
         assert str(e) == f"grammar walks diverged across ranks: positions {list(range(group.size))}", e
     else:

@@ -14,10 +14,10 @@ import torch
 
 from dgemma.config import GLOBAL, SLIDING
 from dgemma.dense.kv_cache import DenseKVCache
+from dgemma.memory_plan import rank_kv_bytes_per_token, rank_weight_bytes
 from dgemma.model.checkpoint import make_config, random_model
 from dgemma.model.presets import PRESETS
 from dgemma.parallel.group import ShardGroup
-from dgemma.memory_plan import rank_kv_bytes_per_token, rank_weight_bytes
 from dgemma.parallel.plan import ShardError, ShardPlan
 from dgemma.parallel.shard import gather_logits, shard_model, soft_embed_from_logits
 from dgemma.quant.modules import weight_bytes as held_bytes
@@ -28,16 +28,42 @@ LAYERS = [SLIDING, SLIDING, GLOBAL, SLIDING, GLOBAL]
 # Sliding layers 4 heads / 2 KV heads (split), K=V global layers with 1 KV head (replicated on 2
 # ranks), a vocabulary that 64 does not divide (shards 512 + 491), top-2 of 4 experts.
 GQA = dict(
-    vocab_size=1003, hidden_size=32, num_layers=5, num_heads=4, num_kv_heads=2, head_dim=8, global_head_dim=16,
-    num_global_kv_heads=1, intermediate_size=64, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
-    sliding_window=4, canvas_length=8, layer_types=LAYERS, max_position_embeddings=256,
+    vocab_size=1003,
+    hidden_size=32,
+    num_layers=5,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    global_head_dim=16,
+    num_global_kv_heads=1,
+    intermediate_size=64,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=16,
+    sliding_window=4,
+    canvas_length=8,
+    layer_types=LAYERS,
+    max_position_embeddings=256,
 )
 # The released model's divisibility (intermediate 2112 -> 1056, moe 704 -> 352 per rank; 8 query
 # heads, KV heads 4 sliding / 2 global: split) at a small hidden size; vocabulary 1000.
 RELEASED = dict(
-    vocab_size=1000, hidden_size=32, num_layers=3, num_heads=8, num_kv_heads=4, head_dim=4, global_head_dim=8,
-    num_global_kv_heads=2, intermediate_size=2112, num_experts=4, top_k_experts=2, moe_intermediate_size=704,
-    sliding_window=4, canvas_length=8, layer_types=[SLIDING, GLOBAL, GLOBAL], max_position_embeddings=256,
+    vocab_size=1000,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=4,
+    global_head_dim=8,
+    num_global_kv_heads=2,
+    intermediate_size=2112,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=704,
+    sliding_window=4,
+    canvas_length=8,
+    layer_types=[SLIDING, GLOBAL, GLOBAL],
+    max_position_embeddings=256,
 )
 
 
@@ -196,14 +222,25 @@ def check_plan_refusals(group: ShardGroup) -> None:
     cases = [
         (base, 3, False, r"4 attention heads do not split across 3 ranks"),
         (replace(base, intermediate_size=66), 4, False, r"intermediate_size 66 does not split across 4 ranks"),
-        (replace(base, moe_intermediate_size=18), 4, False,
-         r"moe_intermediate_size 18 does not split across 4 ranks; try expert parallelism"),
+        (
+            replace(base, moe_intermediate_size=18),
+            4,
+            False,
+            r"moe_intermediate_size 18 does not split across 4 ranks; try expert parallelism",
+        ),
         (replace(base, num_experts=6), 4, True, r"6 experts do not split across 4 ranks \(expert parallelism\)"),
-        (six, 2, False, (r"layer 0: 3 query heads per rank straddle the groups of 2 query heads that share each "
-                         r"of its 3 KV heads \(2 ranks\)")),
+        (
+            six,
+            2,
+            False,
+            (
+                r"layer 0: 3 query heads per rank straddle the groups of 2 query heads that share each "
+                r"of its 3 KV heads \(2 ranks\)"
+            ),
+        ),
         (replace(base, vocab_size=32), 2, False, r"vocabulary of 32 leaves rank 1 of 2 no rows"),
         (base, 0, False, r"tensor parallel size must be an integer >= 1 \(got 0\)"),
-    ]  # fmt: skip
+    ]
     for config, size, ep, message in cases:
         try:
             ShardPlan.build(config, size, ep)

@@ -28,10 +28,10 @@ from itertools import chain
 from pathlib import Path
 
 import torch
+from checks_model import TOL, _passes
 from safetensors.torch import save_file
 
 import dgemma
-from checks_model import TOL, _passes
 from dgemma.config import GLOBAL, SLIDING
 from dgemma.memory_plan import rank_weight_bytes
 from dgemma.model import weights as weights_module
@@ -50,16 +50,42 @@ from dgemma.quant.write import write_quantized
 # layers' 1 KV head replicated; 32 of 64 intermediate and of 64 expert intermediate per rank:
 # whole int4 groups of 32 and nvfp4 groups of 16; vocabulary 1003 (shards 512 + 491)
 SHAPE = dict(
-    vocab_size=1003, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
-    num_global_kv_heads=1, intermediate_size=64, num_experts=4, top_k_experts=2, moe_intermediate_size=64,
-    sliding_window=4, canvas_length=8, layer_types=[SLIDING, GLOBAL, SLIDING], max_position_embeddings=128,
+    vocab_size=1003,
+    hidden_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_kv_heads=1,
+    intermediate_size=64,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=64,
+    sliding_window=4,
+    canvas_length=8,
+    layer_types=[SLIDING, GLOBAL, SLIDING],
+    max_position_embeddings=128,
 )
 # the released model's divisibility: 2112 -> 1056 and 704 -> 352 per rank (not whole int4 groups of
 # 64; whole nvfp4 groups of 16), 4 heads of 16 per rank (64 inputs of o_proj)
 RELEASED = dict(
-    vocab_size=1000, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, global_head_dim=32,
-    num_global_kv_heads=2, intermediate_size=2112, num_experts=4, top_k_experts=2, moe_intermediate_size=704,
-    sliding_window=4, canvas_length=8, layer_types=[SLIDING, GLOBAL], max_position_embeddings=128,
+    vocab_size=1000,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_kv_heads=2,
+    intermediate_size=2112,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=704,
+    sliding_window=4,
+    canvas_length=8,
+    layer_types=[SLIDING, GLOBAL],
+    max_position_embeddings=128,
 )
 GROUP = {"fp8": None, "int8": None, "int4": 32, "nvfp4": None}
 
@@ -139,8 +165,13 @@ def check_cut_qtensor_is_the_cut_of_the_weight(group: ShardGroup) -> None:
     (experts' rows in two spans, whole experts, columns of whole groups); a cut group is refused."""
     gen = torch.Generator().manual_seed(0)
     for scheme in ("fp8", "int8", "int4", "nvfp4"):
-        for shape, dim, spans in (((4, 64, 32), 1, ((8, 24), (40, 56))), ((4, 64, 32), 0, ((1, 3),)),
-                                  ((4, 32, 64), 2, ((32, 64),)), ((48, 64), 0, ((16, 32),)), ((48, 64), 1, ((0, 32),))):
+        for shape, dim, spans in (
+            ((4, 64, 32), 1, ((8, 24), (40, 56))),
+            ((4, 64, 32), 0, ((1, 3),)),
+            ((4, 32, 64), 2, ((32, 64),)),
+            ((48, 64), 0, ((16, 32),)),
+            ((48, 64), 1, ((0, 32),)),
+        ):
             q = quantize(torch.randn(shape, generator=gen), scheme, 16)
             assert torch.equal(dequantize(cut_qtensor(q, dim, spans)), Cut(dim, spans).of(dequantize(q))), (scheme, dim)
         if scheme in ("int4", "nvfp4"):
@@ -164,9 +195,11 @@ def check_released_divisibility_int4(group: ShardGroup) -> None:
     """int4 groups of 64: each layer's dense MLP whole on one rank (layer i on rank i % 2), the
     experts' 352 refused without expert parallelism and split whole with it; nvfp4's 16 divide both."""
     config = make_config(**RELEASED)
-    _refused(r"layers\.0\.experts: the 352 of each expert's intermediate each of 2 ranks holds are not whole int4 "
-             r"groups of 64: use expert parallelism, or a group size that divides 352",
-             lambda: shard_model(random_model(config, seed=0), group, False, quantization=("int4", 64)))  # fmt: skip
+    _refused(
+        r"layers\.0\.experts: the 352 of each expert's intermediate each of 2 ranks holds are not whole int4 "
+        r"groups of 64: use expert parallelism, or a group size that divides 352",
+        lambda: shard_model(random_model(config, seed=0), group, False, quantization=("int4", 64)),
+    )
     net = _quantised_split(RELEASED, group, "int4", 64, ep=True, seed=7)
     assert net.shard_layout.owners == {0: 0, 1: 1}
     for i, layer in enumerate(net.layers):
@@ -174,8 +207,10 @@ def check_released_divisibility_int4(group: ShardGroup) -> None:
         assert isinstance(layer.mlp, Elsewhere) != mine and (not mine or isinstance(layer.mlp.down_proj, QuantLinear))
     net = _quantised_split(RELEASED, group, "nvfp4", None, ep=False, seed=8)
     assert not net.shard_layout.owners
-    _refused(r"layers\.0\.self_attn\.o_proj: the 32 inputs each of 2 ranks holds are not whole int4 groups of 64",
-             lambda: shard_model(random_model(make_config(**SHAPE), seed=0), group, quantization=("int4", 64)))  # fmt: skip
+    _refused(
+        r"layers\.0\.self_attn\.o_proj: the 32 inputs each of 2 ranks holds are not whole int4 groups of 64",
+        lambda: shard_model(random_model(make_config(**SHAPE), seed=0), group, quantization=("int4", 64)),
+    )
 
 
 @contextmanager
@@ -265,13 +300,21 @@ def check_load_quantizing_while_reading(group: ShardGroup) -> None:
         _written(group, lambda: save_checkpoint(whole, root / "f32"))
         for scheme, ep in (("fp8", False), ("int8", True), ("int4", False), ("nvfp4", False)):
             one = dgemma.load(root / "f32", dtype="float32", quantization=scheme, group_size=GROUP[scheme])
-            split = dgemma.load(root / "f32", dtype="float32", quantization=scheme, group_size=GROUP[scheme],
-                                tensor_parallel_size=group.size, expert_parallel=ep)  # fmt: skip
+            split = dgemma.load(
+                root / "f32",
+                dtype="float32",
+                quantization=scheme,
+                group_size=GROUP[scheme],
+                tensor_parallel_size=group.size,
+                expert_parallel=ep,
+            )
             assert split.net.quantization == one.net.quantization
             _assert_share(split.net, one.net)
             _compare_logits(split.net, one.net, group)
-        _refused(r"o_proj: the 32 inputs each of 2 ranks holds are not whole int4 groups of 64",
-                 lambda: dgemma.load(root / "f32", quantization="int4", tensor_parallel_size=group.size))  # fmt: skip
+        _refused(
+            r"o_proj: the 32 inputs each of 2 ranks holds are not whole int4 groups of 64",
+            lambda: dgemma.load(root / "f32", quantization="int4", tensor_parallel_size=group.size),
+        )
 
 
 def _modelopt(src: Path, out: Path) -> None:
@@ -293,9 +336,12 @@ def _modelopt(src: Path, out: Path) -> None:
     fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
     config["quantization_config"] = {
         "config_groups": {"group_0": {"input_activations": fp4, "weights": fp4, "targets": ["Linear"]}},
-        "ignore": ["lm_head", "*router*", "*self_conditioning*"], "quant_algo": "NVFP4", "kv_cache_scheme": None,
-        "producer": {"name": "modelopt", "version": "0.37.0"}, "quant_method": "modelopt",
-    }  # fmt: skip
+        "ignore": ["lm_head", "*router*", "*self_conditioning*"],
+        "quant_algo": "NVFP4",
+        "kv_cache_scheme": None,
+        "producer": {"name": "modelopt", "version": "0.37.0"},
+        "quant_method": "modelopt",
+    }
     (out / "config.json").write_text(json.dumps(config))
     shutil.copy(src / "generation_config.json", out / "generation_config.json")
 
@@ -322,10 +368,14 @@ def check_prequantized_checkpoints(group: ShardGroup) -> None:
             assert split.net.quantization == one.net.quantization
             _assert_share(split.net, one.net)
             _compare_logits(split.net, one.net, group)
-        _refused(r"layers\.0\.experts: .* not whole int4 groups of 64: use expert parallelism",
-                 lambda: dgemma.load(root / "released-int4", tensor_parallel_size=group.size))  # fmt: skip
+        _refused(
+            r"layers\.0\.experts: .* not whole int4 groups of 64: use expert parallelism",
+            lambda: dgemma.load(root / "released-int4", tensor_parallel_size=group.size),
+        )
         one = dgemma.load(root / "released-int4", dtype="float32")
-        split = dgemma.load(root / "released-int4", dtype="float32", tensor_parallel_size=group.size, expert_parallel=True)
+        split = dgemma.load(
+            root / "released-int4", dtype="float32", tensor_parallel_size=group.size, expert_parallel=True
+        )
         assert split.net.shard_layout.owners == {0: 0, 1: 1}
         _assert_share(split.net, one.net)
         _compare_logits(split.net, one.net, group)

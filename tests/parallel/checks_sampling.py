@@ -71,7 +71,9 @@ def _stats_case(group, vocab: int, seed: int, temp, masked: bool, overwrite: boo
     want = sampler.step_statistics(full.clone(), temp, allowed=allowed)
     local = full[:, start:end].clone()
     out = torch.empty_like(local) if overwrite else None
-    got = sampling.sharded_step_statistics(local, temp, group, start, allowed=allowed, overwrite_logits=overwrite, out=out)
+    got = sampling.sharded_step_statistics(
+        local, temp, group, start, allowed=allowed, overwrite_logits=overwrite, out=out
+    )
     label = f"vocab {vocab}, seed {seed}, masked {masked}, overwrite {overwrite}"
     if not torch.equal(got.argmax, want.argmax):
         bad = (got.argmax != want.argmax).nonzero().flatten().tolist()
@@ -159,7 +161,9 @@ def check_sample(group):
         bad = (got != want) & compared
         if bad.any():
             i = int(bad.nonzero()[0])
-            raise AssertionError(f"vocab {vocab}: draw {i}: token {int(got[i])} vs {int(want[i])} (margin {float(margin[i]):.3g})")
+            raise AssertionError(
+                f"vocab {vocab}: draw {i}: token {int(got[i])} vs {int(want[i])} (margin {float(margin[i]):.3g})"
+            )
         if (weights.gather(1, got[:, None]) == 0).any():
             raise AssertionError(f"vocab {vocab}: a zero-weight token was sampled")
         if not torch.equal(got[5 * draws : 6 * draws], torch.full((draws,), vocab - 2)):
@@ -266,7 +270,9 @@ def check_tiny_vocabulary(group):
     assert torch.equal(got.argmax, want.argmax) and torch.equal(got.weights, want.weights[:, start:end]), "statistics"
     _close(got.entropy, want.entropy, "entropy")
     u = torch.rand(6, generator=g)
-    assert torch.equal(sampling.sharded_sample(got.weights, u, group, start), sampler.sample_from_weights(want.weights, u)), "sample"
+    assert torch.equal(
+        sampling.sharded_sample(got.weights, u, group, start), sampler.sample_from_weights(want.weights, u)
+    ), "sample"
     a = sampling.sharded_row_logprobs(got.weights, want.argmax, 30, group, start)
     b = sampler.row_logprobs(want.weights, want.argmax, 30)
     for r, (x, y) in enumerate(zip(a, b)):

@@ -57,9 +57,13 @@ def check_images_generate_like_one_process(group: ShardGroup) -> None:
     def counted(self, *args):  # the split model's tower runs (the engine's copy of the network's included)
         towers.append(1)
         return tower(self, *args)
+
     # a random checkpoint: self-conditioning amplifies float rounding (x40 a pass here), so whole runs
     # part after a few passes; the first pass after a prompt with images is compared, value by value
-    for inputs, seed in ((_prompt([_image(9, 6, 0), _image(6, 12, 1)]), 2), (_prompt([_image(3, 3, 2)], text=(22,)), 3)):
+    for inputs, seed in (
+        (_prompt([_image(9, 6, 0), _image(6, 12, 1)]), 2),
+        (_prompt([_image(3, 3, 2)], text=(22,)), 3),
+    ):
         want = next(e for e in whole.stream(inputs, drafts=True, seed=seed, max_new_tokens=8) if hasattr(e, "entropy"))
         type(cut.net.vision).image_features = counted
         try:

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -85,7 +85,9 @@ class Margins:
             raise AssertionError(f"{what}: no {', '.join(missing)} decisions measured")
         kind, m = self.smallest(kinds)
         if not m.value > floor:
-            raise AssertionError(f"{what}: a {kind} decision's margin {m.value:.3g} <= {floor} ({m.where}); {self.summary()}")
+            raise AssertionError(
+                f"{what}: a {kind} decision's margin {m.value:.3g} <= {floor} ({m.where}); {self.summary()}"
+            )
 
 
 def argmax_gaps(weights: torch.Tensor) -> torch.Tensor:
@@ -131,10 +133,15 @@ def measured() -> Iterator[Margins]:
     on exit). Runs made inside it must be the whole model's, in one process."""
     m = Margins()
     saved = [
-        (runner_module.Runner, "statistics"), (runner_module.Runner, "sample_rows"), (sampler, "entropy_bound_accept"),
-        (sampler, "stable_and_confident"), (sampler, "temperature"), (sampler, "reference_entropy"), (turbo_step, "freeze"),
+        (runner_module.Runner, "statistics"),
+        (runner_module.Runner, "sample_rows"),
+        (sampler, "entropy_bound_accept"),
+        (sampler, "stable_and_confident"),
+        (sampler, "temperature"),
+        (sampler, "reference_entropy"),
+        (turbo_step, "freeze"),
         (turbo, "dormant"),
-    ]  # fmt: skip
+    ]
     originals = {(owner, name): getattr(owner, name) for owner, name in saved}
     temperature_now = [None]
 
@@ -192,9 +199,16 @@ def measured() -> Iterator[Margins]:
             m.add("dormant", (entropy[deciding].double() - threshold).abs())
         return originals[(turbo, "dormant")](frozen, streak, entropy, rested, threshold)
 
-    hooks = dict(statistics=statistics, sample_rows=sample_rows, entropy_bound_accept=entropy_bound_accept,
-                 stable_and_confident=stable_and_confident, temperature=temperature,
-                 reference_entropy=reference_entropy, freeze=freeze, dormant=dormant)  # fmt: skip
+    hooks = dict(
+        statistics=statistics,
+        sample_rows=sample_rows,
+        entropy_bound_accept=entropy_bound_accept,
+        stable_and_confident=stable_and_confident,
+        temperature=temperature,
+        reference_entropy=reference_entropy,
+        freeze=freeze,
+        dormant=dormant,
+    )
     for owner, name in saved:
         setattr(owner, name, hooks[name])
     try:

@@ -13,6 +13,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 from checks import all_checks  # noqa: E402
+
 from processes import processes_with  # noqa: E402
 
 NAMES = [name for name, _ in all_checks()]
@@ -23,8 +24,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 def group_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel") / "results.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "worker.py"), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "worker.py"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -67,8 +76,13 @@ def test_load_in_a_plain_process_starts_and_ends_its_ranks(ending):
     starts rank 1 (gloo); the tokens are one process's (whole and streamed, across a second
     engine); work outside the engine is refused in one line; the rank ends at `close()`, or when
     the process exits without it: no process is left behind."""
-    proc = subprocess.Popen([sys.executable, "-c", LED, ending], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LED, ending],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])
@@ -109,8 +123,10 @@ def test_serve_tensor_parallel_answers_like_one_process_and_ends_when_a_rank_die
     one = dgemma.load(dtype="float32")
     torch.set_num_threads(1)  # as the server's --threads 1
     prompts = {1: "def add(a, b):", 2: "import os\n\n"}
-    want = {seed: one.tokenizer.decode(one.generate([one.tokenizer.encode(p)], max_new_tokens=24, seed=seed).sequences[0])
-            for seed, p in prompts.items()}  # fmt: skip
+    want = {
+        seed: one.tokenizer.decode(one.generate([one.tokenizer.encode(p)], max_new_tokens=24, seed=seed).sequences[0])
+        for seed, p in prompts.items()
+    }
     with ServeProcess(["--tensor-parallel-size", "2", "--dtype", "float32"]) as two:
         client = openai_client(two.url)
         plain = client.completions.create(model="dgemma-tiny", prompt=prompts[1], max_tokens=24, seed=1)
@@ -131,9 +147,11 @@ def test_sizes_the_host_cannot_run_are_refused_before_any_rank_starts(capsys):
 
     from dgemma.cli import main
 
-    for flags, said in ((["-tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),
-                        (["-tp", "100000"], f"--tensor-parallel-size 100000: this host has {os.cpu_count()} CPU cores"),
-                        (["--expert-parallel"], "--expert-parallel needs --tensor-parallel-size 2 or more")):  # fmt: skip
+    for flags, said in (
+        (["-tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),
+        (["-tp", "100000"], f"--tensor-parallel-size 100000: this host has {os.cpu_count()} CPU cores"),
+        (["--expert-parallel"], "--expert-parallel needs --tensor-parallel-size 2 or more"),
+    ):
         assert main(["run", "hello", *flags]) == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1, err

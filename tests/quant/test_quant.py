@@ -71,7 +71,9 @@ def test_int4_packing_is_compressed_tensors_layout():
     values = torch.tensor([[-8, -7, 0, 1, 2, 3, 6, 7]], dtype=torch.int8)
     word = pack_int4(values)
     # value k of a word in bits 4k..4k+3, offset by 8: 0x F E B A 9 8 1 0 from the last value down
-    assert word.dtype == torch.int32 and word.item() == int.from_bytes(bytes([0x10, 0x98, 0xBA, 0xFE]), "little", signed=True)
+    assert word.dtype == torch.int32 and word.item() == int.from_bytes(
+        bytes([0x10, 0x98, 0xBA, 0xFE]), "little", signed=True
+    )
     assert torch.equal(unpack_int4(word), values)
 
 
@@ -122,7 +124,11 @@ def test_engine_logits_equal_reference_on_dequantised_weights(quant_ref, scheme)
     model = dgemma.load(path, quantization=scheme, group_size=16)
     for layer in model.net.layers:  # every target holds only its quantised parts
         assert isinstance(layer.experts, QuantExperts)
-        assert all(isinstance(layer.get_submodule(t), QuantLinear) for t in LINEAR_TARGETS if t != "self_attn.v_proj" or layer.self_attn.v_proj is not None)
+        assert all(
+            isinstance(layer.get_submodule(t), QuantLinear)
+            for t in LINEAR_TARGETS
+            if t != "self_attn.v_proj" or layer.self_attn.v_proj is not None
+        )
     linears = [name for name, m in model.net.layers.named_modules() if isinstance(m, nn.Linear)]
     assert linears and all(name.endswith("router.proj") for name in linears)  # routers stay full precision
     prompt, canvas, want = reference_case(model, path, 0)
@@ -165,7 +171,9 @@ def test_a_written_checkpoint_loads_and_equals_the_reference_on_its_weights(quan
     prompt, canvas, want = reference_case(model, path, 1)
     got = model.canvas_logits([prompt.tolist()], canvas)
     assert (got - want).abs().max().item() < 1e-4
-    if scheme != "nvfp4":  # (nvfp4 files share one global scale across q/k/v, as vLLM needs; load-time quantisation does not)
+    if (
+        scheme != "nvfp4"
+    ):  # (nvfp4 files share one global scale across q/k/v, as vLLM needs; load-time quantisation does not)
         at_load = dgemma.load(path, quantization=scheme, group_size=16)
         assert torch.equal(at_load.canvas_logits([prompt.tolist()], canvas), got)
 

@@ -17,19 +17,22 @@ from dgemma.cli import main
 from dgemma.config import ConfigError
 from dgemma.model.checkpoint import make_tiny_random
 from dgemma.model.layout import WeightsError
+from dgemma.quant.formats import SCHEMES, QuantError, dequantize, quantize
+from dgemma.quant.modules import QuantExperts
 from dgemma.quant.pack import QuantPartsError, split_rows
 from dgemma.quant.quant_config import DISK_FORMATS, EMBEDDING_FORMATS, QuantConfigError, QuantGroup, quantization_config
 from dgemma.quant.read import quantised_modules, read_quantized, to_qtensor
 from dgemma.quant.tensor_sources import TensorReader
-from dgemma.quant.formats import SCHEMES, QuantError, dequantize, quantize
-from dgemma.quant.modules import QuantExperts
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor, ModelCompressor  # noqa: E402
 from compressed_tensors.compressors.format import infer_module_format  # noqa: E402
 from compressed_tensors.quantization import (  # noqa: E402
-    QuantizationArgs, QuantizationConfig, QuantizationScheme, preset_name_to_scheme,
-)  # fmt: skip
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    preset_name_to_scheme,
+)
 
 GROUP = {"fp8": None, "int8": None, "int4": 32, "nvfp4": None}
 EXPERT = re.compile(r"model\.decoder\.(layers\.\d+\.experts)\.(\d+)\.(gate|up|down)_proj")
@@ -64,7 +67,9 @@ def library_scheme(scheme: str, group_size: int | None) -> QuantizationScheme:
         return preset_name_to_scheme("NVFP4A16", ["Linear"])
     args = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False)
     if scheme == "int4":
-        args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=True, dynamic=False)
+        args = QuantizationArgs(
+            num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=True, dynamic=False
+        )
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
@@ -109,7 +114,11 @@ def test_library_decompression_equals_dgemma_dequantize(written, variant):
     CompressedTensorsConfig.from_dict({"quantization_config": quant_block(path)})  # transformers parses it too
     info, weights = read_quantized(path)
     assert (info.quant_method, info.format, info.scheme, info.group_size) == (
-        "compressed-tensors", DISK_FORMATS[scheme], scheme, GROUP[scheme] or (16 if scheme == "nvfp4" else None))
+        "compressed-tensors",
+        DISK_FORMATS[scheme],
+        scheme,
+        GROUP[scheme] or (16 if scheme == "nvfp4" else None),
+    )
     lib = library_decompress(path, r"layers\.[05]\.")  # a sliding and the global layer
     assert len(lib) == 2 * (7 + 8 * 3) - 1  # attention, MLP and 8 experts (no v_proj on the global layer)
     for module, want in lib.items():
@@ -126,7 +135,9 @@ def test_config_block_is_what_the_library_writes(tmp_path, scheme):
     fmt = infer_module_format(torch.nn.Linear, lib).value  # the format the library picks for the scheme
     assert fmt == DISK_FORMATS[scheme]
     lib.format = fmt
-    config = QuantizationConfig(config_groups={"group_0": lib}, format=fmt, quantization_status="compressed", ignore=ignore)
+    config = QuantizationConfig(
+        config_groups={"group_0": lib}, format=fmt, quantization_status="compressed", ignore=ignore
+    )
     (tmp_path / "config.json").write_text("{}")
     ModelCompressor(quantization_config=config).update_config(str(tmp_path))
     assert quantization_config(scheme, GROUP[scheme], ignore) == quant_block(tmp_path)
@@ -137,7 +148,10 @@ def test_quantised_embeddings(tiny, tmp_path, embeddings):
     path = quantize_cli(tiny, tmp_path / "q", "nvfp4", "--quantize-embeddings", embeddings)
     block = quant_block(path)
     emb = QuantizationConfig.model_validate(block).config_groups["group_1"]
-    assert emb.targets == ["Embedding"] and infer_module_format(torch.nn.Embedding, emb).value == EMBEDDING_FORMATS[embeddings]
+    assert (
+        emb.targets == ["Embedding"]
+        and infer_module_format(torch.nn.Embedding, emb).value == EMBEDDING_FORMATS[embeddings]
+    )
     assert block["format"] == "mixed-precision"
     info, weights = read_quantized(path)
     assert {g.scheme for g in info.groups} == {"nvfp4", embeddings}
@@ -152,15 +166,20 @@ def test_experts_unfused_on_disk_fused_on_load(tiny, written, scheme):
     path, source = written[scheme], TensorReader(tiny)
     names = set(TensorReader(path).files)
     assert not any("experts.gate_up_proj" in n or "experts.down_proj" in n for n in names)
-    assert {"model.decoder.layers.2.experts.7.gate_proj.weight_scale", "model.decoder.layers.2.experts.7.up_proj.weight_scale",
-            "model.decoder.layers.2.experts.7.down_proj.weight_scale"} <= names  # fmt: skip
+    assert {
+        "model.decoder.layers.2.experts.7.gate_proj.weight_scale",
+        "model.decoder.layers.2.experts.7.up_proj.weight_scale",
+        "model.decoder.layers.2.experts.7.down_proj.weight_scale",
+    } <= names
     _, weights = read_quantized(path)
     for name in ("layers.2.experts.gate_up_proj", "layers.2.experts.down_proj"):
         # the same parts, bit for bit, as quantising the fused tensor while loading
         want = quantize(source.get("model.decoder." + name), scheme, GROUP[scheme])
         got = weights[name]
         assert got.shape == want.shape and got.group_size == want.group_size
-        assert got.parts.keys() == want.parts.keys() and all(torch.equal(got.parts[k], want.parts[k]) for k in want.parts), name
+        assert got.parts.keys() == want.parts.keys() and all(
+            torch.equal(got.parts[k], want.parts[k]) for k in want.parts
+        ), name
     q, k, v = (weights[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     if scheme == "nvfp4":  # one global scale for what vLLM fuses
         assert torch.equal(q.parts["weight_global_scale"], k.parts["weight_global_scale"])
@@ -179,7 +198,10 @@ def test_fused_experts_on_disk_are_read_as_they_are(tiny, written, tmp_path, sch
         tensors.update({f"{name}.{k}": v for k, v in quantize(source.get(name), scheme, GROUP[scheme]).parts.items()})
     path = write_checkpoint(tmp_path / "fused", tensors, base_config(written[scheme]), quant_block(written[scheme]))
     _, weights = read_quantized(path)
-    assert sorted(n for n in weights if "experts" in n) == ["layers.0.experts.down_proj", "layers.0.experts.gate_up_proj"]
+    assert sorted(n for n in weights if "experts" in n) == [
+        "layers.0.experts.down_proj",
+        "layers.0.experts.gate_up_proj",
+    ]
     for name in ("layers.0.experts.gate_up_proj", "layers.0.experts.down_proj"):
         want = quantize(source.get("model.decoder." + name), scheme, GROUP[scheme])
         assert weights[name].shape == want.shape and torch.equal(dequantize(weights[name]), dequantize(want))
@@ -192,8 +214,11 @@ def test_kept_tensors_and_the_ignore_list(tmp_path):
 
     model = write_vision_checkpoint(tmp_path / "src", processor=False)
     path = quantize_cli(tmp_path / "src", tmp_path / "q", "fp8")
-    linears = {n.replace("model.encoder.language_model.", "model.decoder.")  # the text stack is tied, stored as the decoder
-               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}  # fmt: skip
+    linears = {
+        n.replace("model.encoder.language_model.", "model.decoder.")  # the text stack is tied, stored as the decoder
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     targets = re.compile(r"model\.decoder\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
     quantised = {m for m in linears if targets.fullmatch(m)}
     assert set(quant_block(path)["ignore"]) == linears - quantised
@@ -239,13 +264,18 @@ def library_compressed(tiny: Path, scheme_name: str, scheme: QuantizationScheme)
     scales = {}  # nvfp4: gate and up with one global scale (llm-compressor's fused-layer global scales)
     for e in range(gate_up.shape[0]):
         gate, up = split_rows(quantize(gate_up[e], scheme_name, GROUP[scheme_name]), [half, half])
-        scales.update({f"model.decoder.layers.0.experts.{e}.gate_proj": gate, f"model.decoder.layers.0.experts.{e}.up_proj": up})
+        scales.update(
+            {f"model.decoder.layers.0.experts.{e}.gate_proj": gate, f"model.decoder.layers.0.experts.{e}.up_proj": up}
+        )
     for module, w in weights.items():
         q = scales.get(module) or quantize(w, scheme_name, GROUP[scheme_name])
         state = {"weight": w.bfloat16(), "weight_scale": q.parts["weight_scale"].bfloat16()}
         if scheme_name == "nvfp4":
-            state = {"weight": w, "weight_scale": q.parts["weight_scale"].float(),
-                     "weight_global_scale": q.parts["weight_global_scale"]}  # fmt: skip
+            state = {
+                "weight": w,
+                "weight_scale": q.parts["weight_scale"].float(),
+                "weight_global_scale": q.parts["weight_global_scale"],
+            }
         out.update({f"{module}.{k}": v for k, v in compressor.compress(state, scheme).items()})
     return out
 
@@ -259,12 +289,17 @@ def test_reads_what_the_library_compresses(tiny, tmp_path, name):
         scheme = preset_name_to_scheme(name, ["Linear"])
     scheme.format = infer_module_format(torch.nn.Linear, scheme).value  # INT8 (W8A8): int-quantized, an int8 `weight`
     tensors = library_compressed(tiny, scheme_name, scheme)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format=scheme.format, quantization_status="compressed")
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, format=scheme.format, quantization_status="compressed"
+    )
     path = write_checkpoint(tmp_path / name, tensors, base_config(tiny), None)
     ModelCompressor(quantization_config=config).update_config(str(path))
     info, weights = read_quantized(path)
-    assert info.scheme == scheme_name and sorted(weights) == ["layers.0.experts.down_proj", "layers.0.experts.gate_up_proj",
-                                                              "layers.0.self_attn.q_proj.weight"]  # fmt: skip
+    assert info.scheme == scheme_name and sorted(weights) == [
+        "layers.0.experts.down_proj",
+        "layers.0.experts.gate_up_proj",
+        "layers.0.self_attn.q_proj.weight",
+    ]
     assert weights["layers.0.experts.gate_up_proj"].shape == (8, 64, 64)
     for module, want in library_decompress(path).items():
         assert torch.equal(dgemma_weight(weights, module).to(want.dtype), want), module
@@ -287,13 +322,25 @@ def modelopt_from(path: Path, out: Path, layout: str) -> Path:
     groups = {"group_0": {"input_activations": fp4, "weights": fp4, "targets": ["Linear"]}}
     exclude = ["lm_head", "*router*", "*self_conditioning*"]
     if layout == "config.json":
-        block = {"config_groups": groups, "ignore": exclude, "quant_algo": "NVFP4", "kv_cache_scheme": None,
-                 "producer": {"name": "modelopt", "version": "0.37.0"}, "quant_method": "modelopt"}  # fmt: skip
+        block = {
+            "config_groups": groups,
+            "ignore": exclude,
+            "quant_algo": "NVFP4",
+            "kv_cache_scheme": None,
+            "producer": {"name": "modelopt", "version": "0.37.0"},
+            "quant_method": "modelopt",
+        }
         return write_checkpoint(out, tensors, base_config(path), block)
     write_checkpoint(out, tensors, base_config(path), None)
-    legacy = {"producer": {"name": "modelopt", "version": "0.29.0"},
-              "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                               "exclude_modules": exclude}}  # fmt: skip
+    legacy = {
+        "producer": {"name": "modelopt", "version": "0.29.0"},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": 16,
+            "exclude_modules": exclude,
+        },
+    }
     (out / "hf_quant_config.json").write_text(json.dumps(legacy))
     return out
 
@@ -324,7 +371,9 @@ def test_fusing_gate_and_up_with_different_global_scales(written, tmp_path):
         changed = dict(tensors)
         changed[f"{up}.weight_scale"] = (scale * ratio).to(torch.float8_e4m3fn)
         changed[f"{up}.weight_global_scale"] = global_scale * ratio
-        path = write_checkpoint(tmp_path / str(ratio), changed, base_config(written["nvfp4"]), quant_block(written["nvfp4"]))
+        path = write_checkpoint(
+            tmp_path / str(ratio), changed, base_config(written["nvfp4"]), quant_block(written["nvfp4"])
+        )
         _, weights = read_quantized(path)
         fused = weights["layers.1.experts.gate_up_proj"].select(3)
         assert torch.equal(fused.parts["weight_global_scale"], changed[f"{up}.weight_global_scale"])  # the smaller one
@@ -333,7 +382,9 @@ def test_fusing_gate_and_up_with_different_global_scales(written, tmp_path):
         alone = {p: dequantize(to_qtensor(parts, group, p)) for p, parts in stored.items()}  # each on its own scales
         assert torch.equal(got[half:], alone[up])  # up keeps its scales
         if exact:
-            assert torch.equal(changed[f"{up}.weight_scale"].float(), scale * ratio)  # (the fixture's scales halve exactly)
+            assert torch.equal(
+                changed[f"{up}.weight_scale"].float(), scale * ratio
+            )  # (the fixture's scales halve exactly)
             assert torch.equal(got, expected)
         else:  # gate's fp8 scales rescaled and rounded once
             bound = 2**-4 * alone[gate].abs() + 6 * 2**-10 / fused.parts["weight_global_scale"]
@@ -415,9 +466,14 @@ def test_unquantised_checkpoint_is_refused(tiny):
 
 
 BAD_PARTS = [
-    (dict(drop=["model.decoder.layers.1.self_attn.o_proj.weight_scale"]),
-     "missing tensor model.decoder.layers.1.self_attn.o_proj.weight_scale"),
-    (dict(drop=["model.decoder.layers.0.experts.3.up_proj."]), "missing tensors of model.decoder.layers.0.experts.3.up_proj"),
+    (
+        dict(drop=["model.decoder.layers.1.self_attn.o_proj.weight_scale"]),
+        "missing tensor model.decoder.layers.1.self_attn.o_proj.weight_scale",
+    ),
+    (
+        dict(drop=["model.decoder.layers.0.experts.3.up_proj."]),
+        "missing tensors of model.decoder.layers.0.experts.3.up_proj",
+    ),
     (dict(block="fp8"), "stores weight_packed, not the weight its config group (fp8, format float-quantized) reads"),
     (dict(block="ignore"), "layers.2.mlp.up_proj is stored quantised but quantization_config's ignore list names it"),
     (dict(block="targets"), "model.decoder.layers.0.mlp.down_proj is stored quantised but no config group targets it"),
@@ -431,8 +487,12 @@ def test_missing_or_misfit_parts(written, tmp_path, change, words):
     path = written[change.get("scheme", "nvfp4")]
     block = quant_block(path)
     if change.get("block") == "int8":  # an int-quantized int8 config over fp8 tensors
-        block = edit(block, format="int-quantized", config_groups__group_0__format="int-quantized",
-                     config_groups__group_0__weights__type="int")  # fmt: skip
+        block = edit(
+            block,
+            format="int-quantized",
+            config_groups__group_0__format="int-quantized",
+            config_groups__group_0__weights__type="int",
+        )
     elif change.get("block") == "group":
         block = edit(block, config_groups__group_0__weights__group_size=64)
     elif change.get("block") == "fp8":
@@ -455,7 +515,10 @@ def test_missing_or_misfit_parts(written, tmp_path, change, words):
         (["--scheme", "int3"], "unknown quantization scheme 'int3'"),
         (["--scheme", "int4", "--group-size", "12"], "int4 group size must be a positive multiple of 8 (got 12)"),
         (["--scheme", "fp8", "--group-size", "32"], "a group size applies to int4 only"),
-        (["--scheme", "int4", "--group-size", "128"], "int4 needs the input size (32) to be a multiple of its group size 128"),
+        (
+            ["--scheme", "int4", "--group-size", "128"],
+            "int4 needs the input size (32) to be a multiple of its group size 128",
+        ),
         (["--scheme", "fp8", "--dtype", "int8"], "--dtype must be one of"),
         (["--scheme", "fp8", "--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
         (["--scheme", "fp8", "--out", "QUANTISED"], "exists and is not empty"),
@@ -485,4 +548,7 @@ def test_quantize_random_weights_of_a_named_size(tmp_path):
     assert isinstance(model.net.layers[0].experts, QuantExperts)
     assert model.net.layers[0].experts.gate_up_proj.weight_scale.dtype == torch.bfloat16
     assert len(model.generate([[2, 5, 6]], max_new_tokens=8, seed=0).sequences[0]) == 8
-    assert main(["quantize", "--size", "micro", "--model", str(out), "--scheme", "int4", "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(["quantize", "--size", "micro", "--model", str(out), "--scheme", "int4", "--out", str(tmp_path / "x")])
+        == 2
+    )

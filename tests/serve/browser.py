@@ -21,11 +21,19 @@ def launch(profile: str, width: int = 1400, height: int = 900):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-                 f"--user-data-dir={profile}", f"--window-size={width},{height}",
-                 # everything but 127.0.0.1 goes to a proxy that does not exist, and no other name resolves
-                 "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=127.0.0.1",
-                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):  # fmt: skip
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        f"--window-size={width},{height}",
+        # everything but 127.0.0.1 goes to a proxy that does not exist, and no other name resolves
+        "--proxy-server=http://127.0.0.1:9",
+        "--proxy-bypass-list=127.0.0.1",
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)

@@ -13,11 +13,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tool_fakes import TOOLS, FakeEngine
 
-from dgemma.serve.reasoning import CHANNEL, CHANNEL_END, THINK, ReasoningParser, Thought, keeping_channel, split_reasoning
+from dgemma.serve.reasoning import (
+    CHANNEL,
+    CHANNEL_END,
+    THINK,
+    ReasoningParser,
+    Thought,
+    keeping_channel,
+    split_reasoning,
+)
 from dgemma.serve.tools.syntax import QUOTE as Q
 from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
-from tool_fakes import TOOLS, FakeEngine
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures" / "client_bodies.json").read_text())
 USER = [{"role": "user", "content": "What is 2+2?"}]
@@ -86,7 +94,11 @@ def test_recorded_client_bodies(server, fake, record):  # noqa: F811
     else:
         choice = r.json()["choices"][0]
         message, finish = choice["message"], [choice["finish_reason"]]
-        content, calls, reasoning = message["content"], message.get("tool_calls") or [], message.get("reasoning_content") or ""
+        content, calls, reasoning = (
+            message["content"],
+            message.get("tool_calls") or [],
+            message.get("reasoning_content") or "",
+        )
         assert r.json()["usage"]["completion_tokens"] > 0
     if calls:
         assert finish == ["tool_calls"] and len(calls) == 1 and calls[0]["id"].startswith("call_")
@@ -125,8 +137,21 @@ ACCEPTED = [
     {"top_k": -1, "min_p": 0, "repetition_penalty": 1},
     {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0},
     {"chat_template_kwargs": {"custom_flag": True, "enable_thinking": False}},
-    {"messages": [*USER, {"role": "assistant", "content": "4", "reasoning_content": "2+2", "reasoning": None, "refusal": None,
-                          "function_call": None, "audio": None}, {"role": "user", "content": "Sure?"}]},  # fmt: skip
+    {
+        "messages": [
+            *USER,
+            {
+                "role": "assistant",
+                "content": "4",
+                "reasoning_content": "2+2",
+                "reasoning": None,
+                "refusal": None,
+                "function_call": None,
+                "audio": None,
+            },
+            {"role": "user", "content": "Sure?"},
+        ]
+    },
 ]
 
 
@@ -171,17 +196,36 @@ REFUSED = [
     ({"prediction": {"type": "content"}}, "prediction.content", "missing"),
     ({"safety_identifier": "x" * 65}, "safety_identifier", "at most 64 characters"),
     ({"prompt_cache_retention": "forever"}, "prompt_cache_retention", "'in_memory' or '24h'"),
-    ({"stream_options": {"include_obfuscation": "no"}, "stream": True}, "stream_options.include_obfuscation", "boolean"),
+    (
+        {"stream_options": {"include_obfuscation": "no"}, "stream": True},
+        "stream_options.include_obfuscation",
+        "boolean",
+    ),
     ({"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),
     ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking", "must be a boolean"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages", "set by the server"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "set by the server"),
     ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs.not a name", "not a template variable"),
-    ({"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "high"}, "reasoning_effort", "contradicts"),
-    ({"messages": [*USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
-     "messages[1].function_call", "send tool_calls"),  # fmt: skip
-    ({"messages": [{"role": "user", "content": "hi", "reasoning_content": "hm"}]}, "messages[0].reasoning_content",
-     "only assistant messages"),  # fmt: skip
+    (
+        {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "high"},
+        "reasoning_effort",
+        "contradicts",
+    ),
+    (
+        {
+            "messages": [
+                *USER,
+                {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+            ]
+        },
+        "messages[1].function_call",
+        "send tool_calls",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi", "reasoning_content": "hm"}]},
+        "messages[0].reasoning_content",
+        "only assistant messages",
+    ),
     ({"messages": [*USER, {"role": "assistant", "content": "4", "audio": {"id": "a1"}}]}, "messages[1].audio", "audio"),
     ({"guided_nonsense": 1}, "guided_nonsense", "unknown field"),
 ]
@@ -197,7 +241,11 @@ def test_refused_fields(server, fake, fields, param, text):  # noqa: F811
 
 @pytest.mark.parametrize(
     "fields,param",
-    [({"metadata": {"a": "b"}}, "metadata"), ({"reasoning_effort": "low"}, "reasoning_effort"), ({"top_k": 3}, "top_k")],
+    [
+        ({"metadata": {"a": "b"}}, "metadata"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"top_k": 3}, "top_k"),
+    ],
 )
 def test_completions_endpoint_takes_only_its_fields(server, fake, fields, param):  # noqa: F811
     """The legacy endpoint has no chat fields (an unknown field, as on OpenAI); vLLM's extras are checked the same."""
@@ -215,8 +263,12 @@ SYSTEM = [{"role": "system", "content": "Be brief."}, *USER]
 
 @pytest.mark.parametrize(
     "fields",
-    [{"reasoning_effort": "low"}, {"reasoning_effort": "high"}, {"chat_template_kwargs": {"enable_thinking": True}},
-     {"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "medium"}],  # fmt: skip
+    [
+        {"reasoning_effort": "low"},
+        {"reasoning_effort": "high"},
+        {"chat_template_kwargs": {"enable_thinking": True}},
+        {"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "medium"},
+    ],
 )
 def test_thinking_writes_think_into_the_system_turn(server, fake, fields):  # noqa: F811
     """The tiny model's template knows nothing of thinking: dgemma writes <|think|> where Gemma 4's
@@ -224,7 +276,9 @@ def test_thinking_writes_think_into_the_system_turn(server, fake, fields):  # no
     assert chat(server, messages=SYSTEM, **fields).status_code == 200
     assert fake.prompts[-1].startswith(f"<bos><|turn>system\n{THINK}Be brief.<turn|>\n<|turn>user\n")
     assert chat(server, **fields).status_code == 200
-    assert fake.prompts[-1].startswith(f"<bos><|turn>system\n{THINK}<turn|>\n<|turn>user\nWhat is 2+2?<turn|>\n<|turn>model\n")
+    assert fake.prompts[-1].startswith(
+        f"<bos><|turn>system\n{THINK}<turn|>\n<|turn>user\nWhat is 2+2?<turn|>\n<|turn>model\n"
+    )
     # with tools: <|think|>, the system text, the declarations (Gemma 4's order)
     assert chat(server, messages=SYSTEM, tools=TOOLS[:1], **fields).status_code == 200
     assert fake.prompts[-1].startswith(f"<bos><|turn>system\n{THINK}Be brief.<|tool>declaration:get_weather{{")
@@ -290,9 +344,18 @@ def test_reasoning_content_whole(client, fake):  # noqa: F811
 
 
 def test_reasoning_content_streamed(client, fake):  # noqa: F811
-    fake.text = f"{CHANNEL}thought\n" + "Step by step: " * 12 + f"done.{CHANNEL_END}The answer is 4."  # over several blocks
-    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=256, stream=True,
-                                                 extra_body={"chat_template_kwargs": {"enable_thinking": True}}))  # fmt: skip
+    fake.text = (
+        f"{CHANNEL}thought\n" + "Step by step: " * 12 + f"done.{CHANNEL_END}The answer is 4."
+    )  # over several blocks
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=256,
+            stream=True,
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     reasoning = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]
     content = [d.content for d in deltas if d.content]
@@ -302,7 +365,11 @@ def test_reasoning_content_streamed(client, fake):  # noqa: F811
     assert last_thought < min(i for i, d in enumerate(deltas) if d.content)  # the thought first, then the answer
     assert not any(CHANNEL in x or CHANNEL_END in x or "thought\n" in x for x in reasoning + content)
     # the same split as the whole response gives
-    whole = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=256, reasoning_effort="high").choices[0].message
+    whole = (
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=256, reasoning_effort="high")
+        .choices[0]
+        .message
+    )
     assert (whole.reasoning_content, whole.content) == ("".join(reasoning), "".join(content))
 
 
@@ -315,14 +382,24 @@ def test_thinking_cut_by_max_tokens(client, fake):  # noqa: F811
 def test_thinking_then_a_tool_call(client, fake):  # noqa: F811
     """The thought is split off first; the call is parsed from the content only."""
     call = f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
-    for text in (f"{CHANNEL}thought\nI need the weather.{CHANNEL_END}{call}", f"{CHANNEL}thought\nI need the weather. {call}"):
+    for text in (
+        f"{CHANNEL}thought\nI need the weather.{CHANNEL_END}{call}",
+        f"{CHANNEL}thought\nI need the weather. {call}",
+    ):
         fake.text = text
-        r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, reasoning_effort="low")
+        r = client.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, reasoning_effort="low"
+        )
         message = r.choices[0].message
         assert message.reasoning_content == "I need the weather." and message.content is None
-        assert [c.function.name for c in message.tool_calls] == ["get_weather"] and r.choices[0].finish_reason == "tool_calls"
-        chunks = list(client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, stream=True,
-                                                     reasoning_effort="low"))  # fmt: skip
+        assert [c.function.name for c in message.tool_calls] == ["get_weather"] and r.choices[
+            0
+        ].finish_reason == "tool_calls"
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, stream=True, reasoning_effort="low"
+            )
+        )
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I need the weather."
         assert not "".join(d.content or "" for d in deltas)
@@ -353,7 +430,9 @@ def test_answer_sent_back_with_its_reasoning(client, fake):  # noqa: F811
     fake.text = "6."
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=128, reasoning_effort="low")
     assert second.choices[0].message.content == "6."
-    assert fake.prompts[-1].endswith("<|turn>model\nThe answer is 4.<turn|>\n<|turn>user\nAnd 3+3?<turn|>\n<|turn>model\n")
+    assert fake.prompts[-1].endswith(
+        "<|turn>model\nThe answer is 4.<turn|>\n<|turn>user\nAnd 3+3?<turn|>\n<|turn>model\n"
+    )
     assert "That is 4" not in fake.prompts[-1]
 
 
@@ -371,7 +450,11 @@ PARSED = [
     ("plain answer, no channel", None, "plain answer, no channel"),
     (f"{CHANNEL}thought\ncut off here", "cut off here", ""),
     (f"Before {CHANNEL}thought\nA{CHANNEL_END}B{CHANNEL}thought\nC{CHANNEL_END} D", "AC", "Before BD"),
-    (f"{CHANNEL}thought\nneed a tool <|tool_call>call:f{{}}<tool_call|>", "need a tool", "<|tool_call>call:f{}<tool_call|>"),
+    (
+        f"{CHANNEL}thought\nneed a tool <|tool_call>call:f{{}}<tool_call|>",
+        "need a tool",
+        "<|tool_call>call:f{}<tool_call|>",
+    ),
     (f"stray {CHANNEL_END}close", None, "stray close"),
     (f"{CHANNEL}thoughtful\nx{CHANNEL_END}y", "thoughtful\nx", "y"),  # not the label: kept
     (f"{CHANNEL}{CHANNEL_END}answer", "", "answer"),
@@ -389,7 +472,10 @@ def test_parser_streaming_matches_whole(text, reasoning, content):
             pieces += parser.feed(text[i : i + n])
             i += n
         pieces += parser.feed("", final=True)
-        got = "".join(p.text for p in pieces if isinstance(p, Thought)), "".join(p for p in pieces if isinstance(p, str))
+        got = (
+            "".join(p.text for p in pieces if isinstance(p, Thought)),
+            "".join(p for p in pieces if isinstance(p, str)),
+        )
         assert got == (reasoning or "", content)
         assert not any(CHANNEL in (p.text if isinstance(p, Thought) else p) for p in pieces)
 

@@ -24,7 +24,9 @@ def stats(server):
 
 
 def solo(model, ids, max_tokens, seed, eos=False):
-    out = model.generate([ids], max_new_tokens=max_tokens, seed=seed, max_denoising_steps=4, eos_token_ids=None if eos else [])
+    out = model.generate(
+        [ids], max_new_tokens=max_tokens, seed=seed, max_denoising_steps=4, eos_token_ids=None if eos else []
+    )
     return model.tokenizer.decode(out.sequences[0])
 
 
@@ -62,8 +64,10 @@ def test_scheduler_holds_a_request_whose_prefix_is_being_computed(model):
     assert engine.stats.encoded_tokens - before[0] == 3 * 32 + len(prompts[0]) - 96 + len(prompts[1]) - 96
     model.configure_engine(prefix_cache=False)  # each alone, cold
     try:
-        alone = [model.generate([p], max_new_tokens=32, seed=s, max_denoising_steps=4, eos_token_ids=[]).sequences[0]
-                 for p, s in zip(prompts, (1, 2))]  # fmt: skip
+        alone = [
+            model.generate([p], max_new_tokens=32, seed=s, max_denoising_steps=4, eos_token_ids=[]).sequences[0]
+            for p, s in zip(prompts, (1, 2))
+        ]
     finally:
         model.configure_engine(prefix_cache=True)
     assert out.sequences == alone
@@ -72,8 +76,16 @@ def test_scheduler_holds_a_request_whose_prefix_is_being_computed(model):
 @pytest.mark.slow
 def test_chat_stream_with_n_interleaves_choices(model, client):
     messages = [{"role": "user", "content": "three answers, please"}]
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, seed=9, n=3, stream=True,
-                                            stream_options={"include_usage": True}, extra_body=LENGTH)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=64,
+        seed=9,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=LENGTH,
+    )
     chunks = list(stream)
     content, finishes, roles = {0: "", 1: "", 2: ""}, {}, set()
     order = []
@@ -94,8 +106,14 @@ def test_chat_stream_with_n_interleaves_choices(model, client):
 
 @pytest.mark.slow
 def test_n_with_a_grammar_gives_each_choice_its_own_state(client):
-    r = client.completions.create(model=MODEL, prompt="n:", max_tokens=64, seed=3, n=3,
-                                  extra_body={"guided_regex": "[a-z]{2,6}( [0-9]{1,3}){1,2}", **FAST})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL,
+        prompt="n:",
+        max_tokens=64,
+        seed=3,
+        n=3,
+        extra_body={"guided_regex": "[a-z]{2,6}( [0-9]{1,3}){1,2}", **FAST},
+    )
     texts = [c.text for c in r.choices]
     assert all(re.fullmatch("[a-z]{2,6}( [0-9]{1,3}){1,2}", t) for t in texts), texts
     assert len(set(texts)) > 1
@@ -142,7 +160,9 @@ def check_entry(token, logprob, top, banned_can_change=False):
 @pytest.mark.slow
 def test_chat_logprobs_whole_and_streamed(model, client):
     messages = [{"role": "user", "content": "logprobs please"}]
-    args = dict(model=MODEL, messages=messages, max_tokens=64, seed=21, logprobs=True, top_logprobs=5, extra_body=LENGTH)
+    args = dict(
+        model=MODEL, messages=messages, max_tokens=64, seed=21, logprobs=True, top_logprobs=5, extra_body=LENGTH
+    )
     r = client.chat.completions.create(**args)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 64
@@ -170,12 +190,16 @@ def test_completion_logprobs_shape_and_stream(model, client):
         assert 3 <= len(top) <= 4 and top[token] == logprob  # the token itself is always there, as OpenAI does
         check_entry(token, logprob, sorted(top.items(), key=lambda kv: -kv[1]))
     chunks = list(client.completions.create(stream=True, **args))
-    merged = {k: [v for c in chunks if c.choices[0].logprobs for v in getattr(c.choices[0].logprobs, k)]
-              for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
+    merged = {
+        k: [v for c in chunks if c.choices[0].logprobs for v in getattr(c.choices[0].logprobs, k)]
+        for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
     assert merged == {k: getattr(lp, k) for k in merged}
     # logprobs=0: the token's own log probability only
     zero = client.completions.create(**{**args, "logprobs": 0}).choices[0].logprobs
-    assert zero.token_logprobs == lp.token_logprobs and all(list(t) == [tok] for t, tok in zip(zero.top_logprobs, zero.tokens))
+    assert zero.token_logprobs == lp.token_logprobs and all(
+        list(t) == [tok] for t, tok in zip(zero.top_logprobs, zero.tokens)
+    )
 
 
 def test_logprobs_with_n_and_seeds(client):
@@ -191,9 +215,15 @@ def test_logprobs_under_a_grammar_never_show_banned_tokens(model, client):
     """With a grammar the masks ban tokens: they never appear among the alternatives, and a
     forced token (one allowed) has probability 1."""
     regex = "[0-9]{3}-[0-9]{3}"
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "digits"}], max_tokens=32,
-                                       seed=4, logprobs=True, top_logprobs=20,
-                                       extra_body={"guided_regex": regex, **FAST})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "digits"}],
+        max_tokens=32,
+        seed=4,
+        logprobs=True,
+        top_logprobs=20,
+        extra_body={"guided_regex": regex, **FAST},
+    )
     content = r.choices[0].logprobs.content
     assert r.choices[0].message.content == "".join(e.token for e in content if e.token not in ("<eos>",))
     for k, e in enumerate(content[:7]):

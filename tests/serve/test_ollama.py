@@ -15,23 +15,27 @@ from datetime import datetime
 import httpx
 import ollama
 import pytest
+from tool_fakes import TOOLS, WEATHER, FakeEngine
 
 import dgemma
-from dgemma.serve.http.access import Access
-from dgemma.serve.app import create_app
 from dgemma.engine.events import Block
+from dgemma.serve.app import create_app
 from dgemma.serve.engine_thread import EngineFailure, Job
+from dgemma.serve.http.access import Access
 from dgemma.serve.http.listener import ServerThread
 from dgemma.serve.reasoning import CHANNEL, CHANNEL_END
 from dgemma.serve.tools.syntax import QUOTE as Q
 from media_samples import PNG, data_url, image_part
 from servers import MODEL, VISION_FAST, VISION_MODEL, serve_vision  # conftest.py serves `model` as MODEL: `server`
-from tool_fakes import TOOLS, WEATHER, FakeEngine
 
 FAST = {"max_denoising_steps": 2}
 USER = [{"role": "user", "content": "Say something short."}]
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-          "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
 CALL_TEXT = f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:2}}<tool_call|>"
 THOUGHT = f"{CHANNEL}thought\nThe user asks 2+2. That is 4.\n{CHANNEL_END}\nThe answer is 4."
 
@@ -69,8 +73,9 @@ def options(**extra) -> dict:
 
 
 def openai_chat(client, messages=USER, max_tokens=16, seed=3, **extra):
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, seed=seed,
-                                          extra_body={**FAST, **extra})  # fmt: skip
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, seed=seed, extra_body={**FAST, **extra}
+    )
 
 
 def ndjson(response: httpx.Response) -> list[dict]:
@@ -127,8 +132,18 @@ def test_chat_streams_ndjson_by_default(server, api):
     raw = httpx.post(server.url + "/api/chat", json=body, timeout=60)
     lines = ndjson(raw)
     assert lines[-1]["done"] is True and all(line["done"] is False for line in lines[:-1])
-    assert set(lines[-1]) >= {"done_reason", "total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
-                              "eval_count", "eval_duration", "created_at", "model", "message"}  # fmt: skip
+    assert set(lines[-1]) >= {
+        "done_reason",
+        "total_duration",
+        "load_duration",
+        "prompt_eval_count",
+        "prompt_eval_duration",
+        "eval_count",
+        "eval_duration",
+        "created_at",
+        "model",
+        "message",
+    }
 
 
 def test_generate_equals_the_openai_endpoints(api, client):
@@ -138,8 +153,9 @@ def test_generate_equals_the_openai_endpoints(api, client):
     chat = openai_chat(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert system.response == chat.choices[0].message.content
     raw = api.generate(model=MODEL, prompt="Once upon a time", raw=True, options=options(), stream=False)
-    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, seed=3,
-                                           extra_body=FAST)  # fmt: skip
+    completion = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=16, seed=3, extra_body=FAST
+    )
     assert raw.response == completion.choices[0].text and raw.eval_count == completion.usage.completion_tokens
     streamed = list(api.generate(model=MODEL, prompt="Once upon a time", raw=True, options=options(), stream=True))
     assert "".join(c.response for c in streamed) == raw.response and streamed[-1].done and not streamed[0].done
@@ -155,8 +171,9 @@ def test_generate_with_suffix_is_insert_mode(api, client):
     assert "".join(c.response for c in chunks) == r.response and chunks[-1].done
     # stop strings cut the span (the OpenAI route refuses them in insert mode)
     if r.response:
-        cut = api.generate(model=MODEL, **body, options={"seed": 4, "num_predict": 8, "stop": [r.response[-1]], **FAST},
-                           stream=False)  # fmt: skip
+        cut = api.generate(
+            model=MODEL, **body, options={"seed": 4, "num_predict": 8, "stop": [r.response[-1]], **FAST}, stream=False
+        )
         assert cut.response == r.response[: r.response.index(r.response[-1])]
 
 
@@ -165,8 +182,16 @@ def test_load_requests_and_ignored_options(api):
     assert api.generate(model=MODEL, keep_alive=0).done_reason == "unload"
     # ollama's options dgemma cannot honour are ignored, unknown ones too; their types are checked
     plain = api.chat(model=MODEL, messages=USER, options=options(), stream=False)
-    extra = options(temperature=0.7, top_k=40, top_p=0.9, repeat_penalty=1.1, num_ctx=2048, mirostat=0, num_thread=2,
-                    made_up_option="x")  # fmt: skip
+    extra = options(
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        repeat_penalty=1.1,
+        num_ctx=2048,
+        mirostat=0,
+        num_thread=2,
+        made_up_option="x",
+    )
     assert api.chat(model=MODEL, messages=USER, options=extra, stream=False).message.content == plain.message.content
 
 
@@ -174,12 +199,22 @@ def test_load_requests_and_ignored_options(api):
 def test_format_json_schema_is_enforced(api):
     import jsonschema
 
-    r = api.chat(model=MODEL, messages=[{"role": "user", "content": "json"}], format=SCHEMA, stream=False,
-                 options={"seed": 0, "num_predict": 200, "max_denoising_steps": 4})  # fmt: skip
+    r = api.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": "json"}],
+        format=SCHEMA,
+        stream=False,
+        options={"seed": 0, "num_predict": 200, "max_denoising_steps": 4},
+    )
     assert r.done_reason == "stop"
     jsonschema.validate(json.loads(r.message.content), SCHEMA)
-    g = api.generate(model=MODEL, prompt="json", format=SCHEMA, stream=False, options={"seed": 2, "num_predict": 200,
-                                                                                       "max_denoising_steps": 4})  # fmt: skip
+    g = api.generate(
+        model=MODEL,
+        prompt="json",
+        format=SCHEMA,
+        stream=False,
+        options={"seed": 2, "num_predict": 200, "max_denoising_steps": 4},
+    )
     jsonschema.validate(json.loads(g.response), SCHEMA)
 
 
@@ -200,14 +235,23 @@ def test_tool_calls_have_object_arguments(server, api, fake):
 
 def test_tool_round_trip_renders_as_on_the_openai_route(api, client, fake):
     fake.text = "Sunny."
-    history = [*USER, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
-                                                                                          "arguments": {"city": "Paris"}}}]},
-               {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}]  # fmt: skip
+    history = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"},
+    ]
     assert api.chat(model=MODEL, messages=history, tools=TOOLS, stream=False).message.content == "Sunny."
     prompt = fake.prompts[-1]
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    openai_history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
-                      {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}]  # fmt: skip
+    openai_history = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+    ]
     client.chat.completions.create(model=MODEL, messages=openai_history, tools=TOOLS, max_tokens=64)
     assert fake.prompts[-1] == prompt and "<|tool_response>" in prompt
     with pytest.raises(ollama.ResponseError) as e:  # a result answering no call
@@ -244,25 +288,43 @@ def test_bad_requests_get_ollama_errors(server, api):
     _refused(lambda: api.chat(model="llama3", messages=USER), 404, "model 'llama3' not found")
     _refused(lambda: api.generate(model="tiny:7b", prompt="x"), 404, "model 'tiny:7b' not found")
     _refused(lambda: api.show("other"), 404, "model 'other' not found")
-    _refused(lambda: api.chat(model=MODEL, messages=USER, options={"temperature": "hot"}), 400,
-             'option "temperature" must be of type float')  # fmt: skip
-    for bad, words in [({"num_predict": "ten"}, ('"num_predict"', "integer")), ({"seed": 1.5}, ('"seed"', "integer")),
-                       ({"ignore_eos": 1}, ('"ignore_eos"', "boolean")), ({"stop": "x"}, ('"stop"', "array")),
-                       ({"stop": ["a", "b", "c", "d", "e"]}, ("options.stop",))]:  # fmt: skip
+    _refused(
+        lambda: api.chat(model=MODEL, messages=USER, options={"temperature": "hot"}),
+        400,
+        'option "temperature" must be of type float',
+    )
+    for bad, words in [
+        ({"num_predict": "ten"}, ('"num_predict"', "integer")),
+        ({"seed": 1.5}, ('"seed"', "integer")),
+        ({"ignore_eos": 1}, ('"ignore_eos"', "boolean")),
+        ({"stop": "x"}, ('"stop"', "array")),
+        ({"stop": ["a", "b", "c", "d", "e"]}, ("options.stop",)),
+    ]:
         _refused(lambda bad=bad: api.chat(model=MODEL, messages=USER, options=bad), 400, *words)
     _refused(lambda: api.chat(model=MODEL, messages=USER, options={"num_predict": 10**7}), 400, "options.num_predict")
-    _refused(lambda: api.chat(model=MODEL, messages=USER, options={"max_denoising_steps": 10**5}), 400,
-             "options.max_denoising_steps")  # fmt: skip
+    _refused(
+        lambda: api.chat(model=MODEL, messages=USER, options={"max_denoising_steps": 10**5}),
+        400,
+        "options.max_denoising_steps",
+    )
     _refused(lambda: api.chat(model=MODEL, messages=USER, format={"type": "foo"}), 400, "format")
     _refused(lambda: api.chat(model=MODEL, messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role")
     _refused(lambda: api.generate(model=MODEL, prompt="x", template="{{ .Prompt }}"), 400, "template")
     _refused(lambda: api.generate(model=MODEL, prompt="x", raw=True, think=True), 400, "think")
     # images: not base64, not an image, and images on a checkpoint without a vision tower
-    _refused(lambda: api.chat(model=MODEL, messages=[{**USER[0], "images": ["Zm9v!!!!"]}]), 400, "messages[0].images[0]",
-             "base64")  # fmt: skip
+    _refused(
+        lambda: api.chat(model=MODEL, messages=[{**USER[0], "images": ["Zm9v!!!!"]}]),
+        400,
+        "messages[0].images[0]",
+        "base64",
+    )
     _refused(lambda: api.generate(model=MODEL, prompt="x", images=["Zm9vYmFy"]), 400, "images[0]", "not a PNG")
-    _refused(lambda: api.chat(model=MODEL, messages=[{**USER[0], "images": [PNG]}]), 400, "messages[0].images[0]",
-             "vision tower")  # fmt: skip
+    _refused(
+        lambda: api.chat(model=MODEL, messages=[{**USER[0], "images": [PNG]}]),
+        400,
+        "messages[0].images[0]",
+        "vision tower",
+    )
     for body, status, words in [
         (b"{not json", 400, "not valid JSON"),
         (b"[1, 2]", 400, "JSON object"),
@@ -311,8 +373,13 @@ def test_key_host_and_origin_rules_cover_the_ollama_api(model):
         assert httpx.head(s.url + "/").status_code == 200  # ollama's probe stays open
         assert httpx.get(s.url + "/").status_code == 404  # no playground (--no-ui): GET / is no route, as before
         _refused(lambda: ollama.Client(host=s.url).list(), 401, "API key")
-        _refused(lambda: ollama.Client(host=s.url, headers={"Authorization": "Bearer nope"}).chat(model=MODEL, messages=USER),
-                 401, "API key")  # fmt: skip
+        _refused(
+            lambda: ollama.Client(host=s.url, headers={"Authorization": "Bearer nope"}).chat(
+                model=MODEL, messages=USER
+            ),
+            401,
+            "API key",
+        )
         keyed = ollama.Client(host=s.url, headers={"Authorization": "Bearer s3cret"}, timeout=60)
         assert keyed.list().models[0].model == f"{MODEL}:latest"
         assert keyed.chat(model=MODEL, messages=USER, options=options(num_predict=8), stream=False).done
@@ -337,16 +404,24 @@ def vision(vision_checkpoint):
 def test_chat_with_an_image_on_a_vision_checkpoint(vision):
     assert "vision" in vision.api.show(VISION_MODEL).capabilities
     knobs = {**VISION_FAST, "seed": 1, "num_predict": 8}
-    r = vision.api.chat(model=VISION_MODEL, messages=[{"role": "user", "content": "what is this?", "images": [PNG]}],
-                        options=knobs, stream=False)  # fmt: skip
+    r = vision.api.chat(
+        model=VISION_MODEL,
+        messages=[{"role": "user", "content": "what is this?", "images": [PNG]}],
+        options=knobs,
+        stream=False,
+    )
     expected = vision.client.chat.completions.create(
-        model=VISION_MODEL, max_tokens=8, seed=1, extra_body=VISION_FAST,
+        model=VISION_MODEL,
+        max_tokens=8,
+        seed=1,
+        extra_body=VISION_FAST,
         messages=[{"role": "user", "content": [image_part(data_url(PNG)), {"type": "text", "text": "what is this?"}]}],
-    )  # fmt: skip
+    )
     assert r.message.content == expected.choices[0].message.content and r.eval_count == 8
     assert r.prompt_eval_count == expected.usage.prompt_tokens
-    g = vision.api.generate(model=VISION_MODEL, prompt="what is this?", images=[base64.b64encode(PNG).decode()],
-                            options=knobs, stream=False)  # fmt: skip
+    g = vision.api.generate(
+        model=VISION_MODEL, prompt="what is this?", images=[base64.b64encode(PNG).decode()], options=knobs, stream=False
+    )
     assert g.response == r.message.content
 
 
@@ -374,7 +449,10 @@ def test_either_api_takes_either_name(server, api, client):
     for name in (MODEL, f"{MODEL}:latest"):
         chat = client.chat.completions.create(model=name, messages=USER, max_tokens=16, seed=3, extra_body=FAST)
         assert chat.choices[0].message.content == want
-        assert client.completions.create(model=name, prompt="x", max_tokens=4, seed=3, extra_body=FAST).choices[0].text is not None
+        assert (
+            client.completions.create(model=name, prompt="x", max_tokens=4, seed=3, extra_body=FAST).choices[0].text
+            is not None
+        )
         assert httpx.get(f"{server.url}/v1/models/{name}").status_code == 200
         assert api.chat(model=name, messages=USER, options=options(), stream=False).message.content == want
     for other in (f"{MODEL}:7b", "llama3:latest"):

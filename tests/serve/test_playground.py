@@ -13,15 +13,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import browser as browser_tools
 import httpx
 import pytest
 
-import browser as browser_tools
 import dgemma
-from dgemma.serve.http.access import Access
-from dgemma.serve.playground import STATIC
 from dgemma.serve.app import create_app
+from dgemma.serve.http.access import Access
 from dgemma.serve.http.listener import ServerThread
+from dgemma.serve.playground import STATIC
 
 ARTIFACTS = Path(os.environ.get("DGEMMA_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
 PROMPT = "Write a function that adds two numbers."
@@ -51,7 +51,11 @@ def test_page_and_assets_are_served_with_an_offline_policy(server):
         assert response.text == (STATIC / asset.removeprefix("/ui/")).read_text()
     assert httpx.get(server.url + "/ui/nothing.js").status_code == 404
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
-    assert card["canvas_length"] == 32 and card["vision"] is False and card["sampler_defaults"]["max_denoising_steps"] == 48
+    assert (
+        card["canvas_length"] == 32
+        and card["vision"] is False
+        and card["sampler_defaults"]["max_denoising_steps"] == 48
+    )
 
 
 def test_the_files_name_no_other_host():
@@ -133,7 +137,9 @@ def test_chat_draws_changing_draft_frames_and_ends_in_the_api_text(browser, serv
     wait_for(browser, lambda: "dgemma-tiny" in browser.find_element(By.ID, "model").text, "the model name")
     fill(browser, KNOBS)
     send(browser, PROMPT)
-    wait_for(browser, lambda: int(browser.find_element(By.ID, "canvas").get_attribute("data-frames")) >= 2, "two frames")
+    wait_for(
+        browser, lambda: int(browser.find_element(By.ID, "canvas").get_attribute("data-frames")) >= 2, "two frames"
+    )
     answer = wait_for(browser, lambda: finished(browser, 1), "the answer")
     browser.save_screenshot(str(ARTIFACTS / "playground.png"))
 
@@ -144,8 +150,11 @@ def test_chat_draws_changing_draft_frames_and_ends_in_the_api_text(browser, serv
     cells = browser.find_elements(By.CSS_SELECTOR, "#canvas .tok")
     assert len(cells) == 32 and {c.get_attribute("class") for c in cells} <= {"tok accepted", "tok noised"}
 
-    expected = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-        "model": "dgemma-tiny", "messages": [{"role": "user", "content": PROMPT}], **KNOBS}).json()  # fmt: skip
+    expected = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": "dgemma-tiny", "messages": [{"role": "user", "content": PROMPT}], **KNOBS},
+    ).json()
     text = expected["choices"][0]["message"]["content"]
     shown = browser.execute_script("return arguments[0].querySelector('.content').textContent", answer)
     assert shown == text and text
@@ -186,8 +195,8 @@ def test_a_refused_request_puts_the_message_back(browser, server):
 
 @pytest.mark.slow
 def test_an_image_goes_up_to_a_vision_model(browser, tmp_path):
-    from selenium.webdriver.common.by import By
     from PIL import Image
+    from selenium.webdriver.common.by import By
 
     from vision_checkpoint import write_vision_checkpoint
 
@@ -229,5 +238,7 @@ def test_the_page_asks_for_the_api_key_and_keeps_it_in_memory(browser, tiny):
         answer = wait_for(browser, lambda: finished(browser, 1), "the answer")
         assert not answer.find_element(By.CLASS_NAME, "error").text
         # the key lives in the page's memory only: no storage, no cookie, not in the URL
-        stored = browser.execute_script("return [localStorage.length, sessionStorage.length, document.cookie, location.href]")
+        stored = browser.execute_script(
+            "return [localStorage.length, sessionStorage.length, document.cookie, location.href]"
+        )
         assert stored[:3] == [0, 0, ""] and "s3cret" not in stored[3]

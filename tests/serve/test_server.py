@@ -14,9 +14,8 @@ import openai
 import pytest
 
 from dgemma.serve.app import create_app
-from dgemma.serve.http.listener import ServerThread
 from dgemma.serve.engine_thread import TextStream
-
+from dgemma.serve.http.listener import ServerThread
 from servers import MODEL  # conftest.py's session fixtures: `model` (tiny, random), its `server` and `client`
 
 FAST = {"max_denoising_steps": 6, "ignore_eos": True}  # few steps; no EOS, so lengths are exact
@@ -38,8 +37,14 @@ def test_models_health_and_metrics(server, client):
     assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     text = httpx.get(server.url + "/metrics").text
-    for name in ("dgemma_requests_total", "dgemma_generation_tokens_total", "dgemma_tokens_per_forward",
-                 "dgemma_step_seconds", "dgemma_queue_depth", "dgemma_active_canvases"):  # fmt: skip
+    for name in (
+        "dgemma_requests_total",
+        "dgemma_generation_tokens_total",
+        "dgemma_tokens_per_forward",
+        "dgemma_step_seconds",
+        "dgemma_queue_depth",
+        "dgemma_active_canvases",
+    ):
         assert f"# TYPE {name} " in text
 
 
@@ -66,7 +71,10 @@ def test_chat_uses_chat_template(model, client):
     assert r.choices[0].message.content == model.tokenizer.decode(expected_tokens(model, ids, 40, 5))
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 40
     # content given as text parts renders the same prompt
-    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}]
+    parts = [
+        messages[0],
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]},
+    ]
     r2 = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=40, seed=5, extra_body=FAST)
     assert r2.choices[0].message.content == r.choices[0].message.content
 
@@ -96,7 +104,11 @@ def test_prefix_cache_in_usage_and_metrics(model, server, client):
 
 def test_seed_reproducibility(client):
     def run(seed):
-        return client.completions.create(model=MODEL, prompt="x = ", max_tokens=32, seed=seed, extra_body=FAST).choices[0].text
+        return (
+            client.completions.create(model=MODEL, prompt="x = ", max_tokens=32, seed=seed, extra_body=FAST)
+            .choices[0]
+            .text
+        )
 
     a, b, c = run(11), run(11), run(12)
     assert a == b
@@ -112,7 +124,9 @@ def test_eos_ends_request_with_stop(model, client):
             break
     else:
         pytest.skip("no seed gives an EOS")
-    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=96, seed=seed, extra_body={"max_denoising_steps": 6})
+    r = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=96, seed=seed, extra_body={"max_denoising_steps": 6}
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == model.tokenizer.decode(out) and r.usage.completion_tokens == len(out)
 
@@ -122,9 +136,13 @@ def test_streaming_sends_each_block_before_the_end(model, server, client):
     engine_thread = server.app.state.service.engine_thread
     blocks = 8  # canvases of 32 tokens
     stream = client.completions.create(
-        model=MODEL, prompt="import os", max_tokens=32 * blocks, seed=7, stream=True,
+        model=MODEL,
+        prompt="import os",
+        max_tokens=32 * blocks,
+        seed=7,
+        stream=True,
         extra_body={"max_denoising_steps": 16, "ignore_eos": True},
-    )  # fmt: skip
+    )
     texts, in_flight_at_first = [], None
     for chunk in stream:
         if chunk.choices[0].finish_reason is None:
@@ -143,9 +161,14 @@ def test_streaming_sends_each_block_before_the_end(model, server, client):
 def test_chat_stream_with_drafts_and_usage(model, client):
     messages = [{"role": "user", "content": "write a poem"}]
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=64, seed=2, stream=True, stream_options={"include_usage": True},
+        model=MODEL,
+        messages=messages,
+        max_tokens=64,
+        seed=2,
+        stream=True,
+        stream_options={"include_usage": True},
         extra_body={**FAST, "stream_drafts": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     drafts = [c.choices[0].model_extra["draft"] for c in chunks if c.choices and "draft" in c.choices[0].model_extra]
@@ -153,8 +176,11 @@ def test_chat_stream_with_drafts_and_usage(model, client):
     assert all(1 <= d["step"] <= 6 and isinstance(d["text"], str) for d in drafts)
     # each frame is the library's draft of that step, position by position, with its token texts
     ids = model.tokenizer.apply_chat_template(messages)
-    library = {(d.block, d.step): d for d in model.stream(ids, drafts=True, seed=2, max_new_tokens=64,
-                                                          max_denoising_steps=6, eos_token_ids=[]) if hasattr(d, "step")}  # fmt: skip
+    library = {
+        (d.block, d.step): d
+        for d in model.stream(ids, drafts=True, seed=2, max_new_tokens=64, max_denoising_steps=6, eos_token_ids=[])
+        if hasattr(d, "step")
+    }
     c = model.config.canvas_length
     for d in drafts:
         mine = library[(d["block"], d["step"])]
@@ -171,7 +197,11 @@ def test_chat_stream_with_drafts_and_usage(model, client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 64
     assert chunks[-2].choices[0].finish_reason == "length"
     # without the extension, no draft frames
-    plain = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, seed=2, stream=True, extra_body=FAST))
+    plain = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=64, seed=2, stream=True, extra_body=FAST
+        )
+    )
     assert not any("draft" in c.choices[0].model_extra for c in plain)
 
 
@@ -212,7 +242,10 @@ def test_stop_string_spanning_blocks(model, client, stream):
 @pytest.mark.slow
 def test_sixteen_concurrent_streams_match_solo(model, server):
     prompts = [f"request {i}: " + "abc" * i for i in range(16)]
-    expected = [model.tokenizer.decode(expected_tokens(model, model.tokenizer.encode(p), 64, 100 + i)) for i, p in enumerate(prompts)]
+    expected = [
+        model.tokenizer.decode(expected_tokens(model, model.tokenizer.encode(p), 64, 100 + i))
+        for i, p in enumerate(prompts)
+    ]
     before = httpx.get(server.url + "/metrics").text
     batched_before = _steps_above(before, 8)
 
@@ -223,7 +256,9 @@ def test_sixteen_concurrent_streams_match_solo(model, server):
         return "".join([c.choices[0].text async for c in stream])
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120
+        ) as client:
             return await asyncio.gather(*(one(client, i) for i in range(16)))
 
     texts = asyncio.run(main())
@@ -255,13 +290,19 @@ def test_cancelled_stream_frees_its_slot_and_full_queue_gets_429(model):
         deadline = time.monotonic() + 20
         while engine_thread.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine_thread.in_flight == 0 and not engine_thread.engine.scheduler.running and not engine_thread.engine.scheduler.waiting
+        assert (
+            engine_thread.in_flight == 0
+            and not engine_thread.engine.scheduler.running
+            and not engine_thread.engine.scheduler.waiting
+        )
         assert metric(server, 'dgemma_requests_total{finish_reason="cancelled"}') == 2
         r = client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body=FAST)
         assert r.usage.completion_tokens == 8
         # a non-streaming request whose client gives up is cancelled too
         with pytest.raises(openai.APITimeoutError):
-            client.with_options(timeout=1.0).completions.create(model=MODEL, prompt="x", max_tokens=3000, extra_body={"ignore_eos": True})
+            client.with_options(timeout=1.0).completions.create(
+                model=MODEL, prompt="x", max_tokens=3000, extra_body={"ignore_eos": True}
+            )
         deadline = time.monotonic() + 20
         while engine_thread.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -275,7 +316,19 @@ def test_serve_cli_and_load_script(model, capsys):
     """`python -m dgemma.cli.loadtest --model` starts `dgemma serve` in a subprocess and drives it."""
     from dgemma.cli import loadtest
 
-    argv = ["--model", str(model.path), "--concurrency", "1", "2", "--requests", "1", "--max-tokens", "32", "--steps", "2"]
+    argv = [
+        "--model",
+        str(model.path),
+        "--concurrency",
+        "1",
+        "2",
+        "--requests",
+        "1",
+        "--max-tokens",
+        "32",
+        "--steps",
+        "2",
+    ]
     assert loadtest.main(argv) == 0
     out = capsys.readouterr().out
     assert "| 1 | 1 | 32 |" in out and "| 2 | 2 | 64 |" in out
@@ -330,8 +383,10 @@ def test_serve_cli_errors_are_one_line(model, tmp_path, capsys):
 
 def test_openapi_declares_the_request_bodies(server, model):
     spec = httpx.get(server.url + "/openapi.json").json()
-    for path, name, field in (("/v1/completions", "CompletionRequest", "prompt"),
-                              ("/v1/chat/completions", "ChatCompletionRequest", "messages")):  # fmt: skip
+    for path, name, field in (
+        ("/v1/completions", "CompletionRequest", "prompt"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "messages"),
+    ):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{name}"}
         schema = spec["components"]["schemas"][name]

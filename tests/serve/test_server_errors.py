@@ -54,7 +54,14 @@ BAD = [
     ("token id outside vocab", "POST", C, completion(prompt=[5, 99999]), 400, "99999"),
     ("negative token id", "POST", C, completion(prompt=[-1]), 400, "-1"),
     ("several prompts", "POST", C, completion(prompt=["a", "b"]), 400, "one prompt"),
-    ("lone surrogate in prompt", "POST", C, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 4}', 400, "tokenized"),
+    (
+        "lone surrogate in prompt",
+        "POST",
+        C,
+        b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 4}',
+        400,
+        "tokenized",
+    ),
     ("prompt longer than context", "POST", C, completion(prompt=[7] * 600), 400, "too long"),
     ("negative max_tokens", "POST", C, completion(max_tokens=-5), 400, "max_tokens"),
     ("zero max_tokens", "POST", C, completion(max_tokens=0), 400, "max_tokens"),
@@ -93,9 +100,30 @@ BAD = [
     ("chat: message not an object", "POST", CH, chat(messages=["hi"]), 400, "messages[0]"),
     ("chat: unknown role", "POST", CH, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),
     ("chat: content a number", "POST", CH, chat(messages=[{"role": "user", "content": 5}]), 400, "content"),
-    ("chat: image part", "POST", CH, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "text parts"),
-    ("chat: unknown message key", "POST", CH, chat(messages=[{"role": "user", "content": "hi", "mood": "sad"}]), 400, "mood"),
-    ("chat: tools with a bad function name", "POST", CH, chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), 400, "tool"),
+    (
+        "chat: image part",
+        "POST",
+        CH,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "text parts",
+    ),
+    (
+        "chat: unknown message key",
+        "POST",
+        CH,
+        chat(messages=[{"role": "user", "content": "hi", "mood": "sad"}]),
+        400,
+        "mood",
+    ),
+    (
+        "chat: tools with a bad function name",
+        "POST",
+        CH,
+        chat(tools=[{"type": "function", "function": {"name": "get weather"}}]),
+        400,
+        "tool",
+    ),
     ("chat: max_completion_tokens negative", "POST", CH, chat(max_completion_tokens=-1), 400, "max_completion_tokens"),
     ("GET on a POST route", "GET", C, None, 405, "not allowed"),
     ("unknown route", "POST", "/v1/embeddings", completion(), 404, "no route"),
@@ -106,7 +134,9 @@ BAD = [
 def send(server, method, path, body):
     if isinstance(body, dict):
         body = json.dumps(body).encode()
-    return httpx.request(method, server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.request(
+        method, server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60
+    )
 
 
 @pytest.mark.parametrize("name,method,path,body,status,words", BAD, ids=[b[0] for b in BAD])
@@ -127,7 +157,9 @@ def test_server_survives_the_bad_requests(server):
     assert 'code="5' not in metrics
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    r = client.completions.create(model=MODEL, prompt="still here?", max_tokens=8, extra_body={"max_denoising_steps": 4})
+    r = client.completions.create(
+        model=MODEL, prompt="still here?", max_tokens=8, extra_body={"max_denoising_steps": 4}
+    )
     assert r.choices[0].finish_reason in ("stop", "length")
     r = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, extra_body={"max_denoising_steps": 4}
@@ -142,7 +174,9 @@ def test_openai_client_sees_typed_errors(server):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
     with pytest.raises(openai.BadRequestError, match="t_max must be greater than t_min"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"t_min": 2.0, "t_max": 1.0})
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"t_min": 2.0, "t_max": 1.0}
+        )
 
 
 def test_seed_range_is_the_engines(server):

@@ -21,7 +21,9 @@ import pytest
 import dgemma
 from dgemma.serve.media.policy import MediaPolicy
 from media_samples import PNG, data_url, image_part, mp4_bytes, png_bytes, user
-from servers import VISION_FAST as FAST, VISION_MODEL as MODEL, serve_vision as serve
+from servers import VISION_FAST as FAST
+from servers import VISION_MODEL as MODEL
+from servers import serve_vision as serve
 
 CONTEXT = 1024  # a 1120-token image does not fit; a 70-token one does
 MAX_BYTES = 200_000
@@ -35,7 +37,9 @@ def bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+    )
 
 
 # ------------------------------------------------------------------------------------ a local media host
@@ -131,8 +135,14 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model, dirs):
     # the local media host is on loopback, which remote fetches refuse unless the operator names it
-    policy = MediaPolicy(allowed_dir=dirs[0], allow_remote=True, allowed_domains=("127.0.0.1",), max_bytes=MAX_BYTES,
-                         timeout=0.5, max_items=3)  # fmt: skip
+    policy = MediaPolicy(
+        allowed_dir=dirs[0],
+        allow_remote=True,
+        allowed_domains=("127.0.0.1",),
+        max_bytes=MAX_BYTES,
+        timeout=0.5,
+        max_items=3,
+    )
     with serve(model, max_context=CONTEXT, media_policy=policy) as s:
         yield s
 
@@ -209,14 +219,22 @@ def test_the_same_image_runs_the_vision_tower_once(server):
     ]
     again = chat(server, turns)
     assert vision_counts(server)[0] == encodes + 1
-    assert again.usage.prompt_tokens_details.model_dump()["image_tokens"] == first.usage.prompt_tokens_details.model_dump()["image_tokens"]
+    assert (
+        again.usage.prompt_tokens_details.model_dump()["image_tokens"]
+        == first.usage.prompt_tokens_details.model_dump()["image_tokens"]
+    )
 
 
 def test_streamed_chat_with_an_image(server):
     stream = server.client.chat.completions.create(
-        model=MODEL, messages=user(image_part(data_url(PNG))), max_tokens=8, seed=1, stream=True,
-        stream_options={"include_usage": True}, extra_body=FAST,
-    )  # fmt: skip
+        model=MODEL,
+        messages=user(image_part(data_url(PNG))),
+        max_tokens=8,
+        seed=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=FAST,
+    )
     chunks = list(stream)
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].usage.prompt_tokens_details.model_dump()["image_tokens"] > 0
@@ -285,12 +303,40 @@ BAD = [
     ("over the byte limit", "server", one(data_url(b"\0" * (MAX_BYTES + 10))), {}, "limit of", C0),
     ("not a video", "server", video(data_url(b"not a video at all" * 8, "video/mp4")), {}, "cannot decode video", C0),
     ("more images than allowed", "server", parts(*[image_part(data_url(PNG))] * 4), {}, "at most 3", "messages"),
-    ("file outside the allowed dir", "server", one(lambda c: (c.outside / "secret.png").as_uri()), {}, "outside the allowed", C0),
-    ("symlink out of the allowed dir", "server", one(lambda c: (c.allowed / "link.png").as_uri()), {}, "outside the allowed", C0),
-    ("'..' out of the allowed dir", "server", one(lambda c: f"file://{c.allowed}/../outside/secret.png"), {}, "outside the allowed", C0),
+    (
+        "file outside the allowed dir",
+        "server",
+        one(lambda c: (c.outside / "secret.png").as_uri()),
+        {},
+        "outside the allowed",
+        C0,
+    ),
+    (
+        "symlink out of the allowed dir",
+        "server",
+        one(lambda c: (c.allowed / "link.png").as_uri()),
+        {},
+        "outside the allowed",
+        C0,
+    ),
+    (
+        "'..' out of the allowed dir",
+        "server",
+        one(lambda c: f"file://{c.allowed}/../outside/secret.png"),
+        {},
+        "outside the allowed",
+        C0,
+    ),
     ("relative file URL", "server", one("file:cat.png"), {}, "absolute path", C0),
     ("missing file", "server", one(lambda c: (c.allowed / "nope.png").as_uri()), {}, "does not exist", C0),
-    ("file:// with no allowed dir", "default_server", one(lambda c: (c.allowed / "cat.png").as_uri()), {}, "file:// URLs are off", C0),
+    (
+        "file:// with no allowed dir",
+        "default_server",
+        one(lambda c: (c.allowed / "cat.png").as_uri()),
+        {},
+        "file:// URLs are off",
+        C0,
+    ),
     ("remote with remote media off", "default_server", one(lambda c: c.host + "/img.png"), {}, "remote media", C0),
     ("remote over the size limit", "server", one(lambda c: c.host + "/big"), {}, "limit of", C0),
     ("remote declaring too many bytes", "server", one(lambda c: c.host + "/big-declared"), {}, "limit of", C0),
@@ -298,13 +344,41 @@ BAD = [
     ("remote body past the deadline", "server", one(lambda c: c.host + "/drip"), {}, "timed out", C0),
     ("remote redirect to file://", "server", one(lambda c: c.host + "/to-file"), {}, "could not fetch", C0),
     ("remote 404", "server", one(lambda c: c.host + "/missing.png"), {}, "not an HTTP 200 answer", C0),
-    ("more soft tokens than the context", "server", one(data_url(PNG)), {"max_soft_tokens": 1120}, "image tokens", "messages"),
+    (
+        "more soft tokens than the context",
+        "server",
+        one(data_url(PNG)),
+        {"max_soft_tokens": 1120},
+        "image tokens",
+        "messages",
+    ),
     ("bad max_soft_tokens", "server", one(data_url(PNG)), {"max_soft_tokens": 100}, "70, 140, 280", "max_soft_tokens"),
-    ("bad video_max_soft_tokens", "server", one(data_url(PNG)), {"video_max_soft_tokens": 0}, "70, 140, 280", "video_max_soft_tokens"),
+    (
+        "bad video_max_soft_tokens",
+        "server",
+        one(data_url(PNG)),
+        {"video_max_soft_tokens": 0},
+        "70, 140, 280",
+        "video_max_soft_tokens",
+    ),
     ("image to the text-only model", "text_server", one(data_url(PNG)), {}, "no vision tower", C0),
-    ("unknown part type", "server", parts({"type": "audio_url", "audio_url": {"url": "x"}}), {}, "unsupported content part", C0),
+    (
+        "unknown part type",
+        "server",
+        parts({"type": "audio_url", "audio_url": {"url": "x"}}),
+        {},
+        "unsupported content part",
+        C0,
+    ),
     ("image_url without a url", "server", parts({"type": "image_url", "image_url": {}}), {}, "image_url", C0),
-    ("placeholder typed in the text", "server", parts(image_part(data_url(PNG)), text="<|image|> twice"), {}, "placeholder", "messages"),
+    (
+        "placeholder typed in the text",
+        "server",
+        parts(image_part(data_url(PNG)), text="<|image|> twice"),
+        {},
+        "placeholder",
+        "messages",
+    ),
 ]
 
 
@@ -318,7 +392,9 @@ def ctx(dirs, media_host):
 def test_bad_media_gets_a_400_naming_the_problem(request, ctx, fixture, messages, body, words, param):
     srv = request.getfixturevalue(fixture)
     with pytest.raises(openai.BadRequestError) as e:
-        srv.client.chat.completions.create(model=MODEL, messages=messages(ctx), max_tokens=8, extra_body={**FAST, **body})
+        srv.client.chat.completions.create(
+            model=MODEL, messages=messages(ctx), max_tokens=8, extra_body={**FAST, **body}
+        )
     error = e.value.body
     assert words in error["message"], error
     assert error["param"] == param, error
@@ -328,7 +404,9 @@ def test_bad_media_gets_a_400_naming_the_problem(request, ctx, fixture, messages
 @pytest.mark.parametrize("fixture", ["server", "default_server", "text_server"])
 def test_servers_answer_after_bad_media(request, fixture):
     srv = request.getfixturevalue(fixture)
-    r = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, extra_body=FAST)
+    r = srv.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, extra_body=FAST
+    )
     assert r.choices[0].finish_reason == "length"
     text = httpx.get(srv.url + "/metrics").text
     assert not re.search(r'^dgemma_http_responses_total\{code="5\d\d"\}', text, re.M)

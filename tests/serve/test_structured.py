@@ -15,10 +15,16 @@ import torch
 
 import dgemma
 from dgemma.engine.constraints import grammar
-from dgemma.engine.constraints.grammar import GrammarError, best_allowed, best_allowed_candidate, single_token, top_candidates
+from dgemma.engine.constraints.grammar import (
+    GrammarError,
+    best_allowed,
+    best_allowed_candidate,
+    single_token,
+    top_candidates,
+)
 from dgemma.engine.sampler import pack_token_mask
-from dgemma.serve.structured.limits import LarkStats
 from dgemma.serve.structured.formats import OutputFormat, StructuredError, guided_format
+from dgemma.serve.structured.limits import LarkStats
 from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
 
 FAST = {"max_denoising_steps": 4}
@@ -54,7 +60,9 @@ def texts(model, out):
 @pytest.mark.slow
 def test_fifty_seeded_schema_answers_parse_and_validate(model):
     grammar = model.compile_grammar("json_schema", SCHEMA)
-    out = model.generate(["Describe a pet:"] * 50, max_new_tokens=256, seed=list(range(50)), grammar=grammar, **ONE_PASS)
+    out = model.generate(
+        ["Describe a pet:"] * 50, max_new_tokens=256, seed=list(range(50)), grammar=grammar, **ONE_PASS
+    )
     for text in texts(model, out):
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len(set(texts(model, out))) > 40  # seeds differ: enforcement, not one canned answer
@@ -107,7 +115,9 @@ def test_max_tokens_cut_is_a_valid_prefix(model):
 @pytest.mark.slow
 def test_batched_equals_alone(model):
     grammar = model.compile_grammar("json_schema", SCHEMA)
-    alone = [model.generate(["a pet"], max_new_tokens=128, seed=s, grammar=grammar, **FAST).sequences[0] for s in (3, 4)]
+    alone = [
+        model.generate(["a pet"], max_new_tokens=128, seed=s, grammar=grammar, **FAST).sequences[0] for s in (3, 4)
+    ]
     batched = model.generate(["a pet", "a pet"], max_new_tokens=128, seed=[3, 4], grammar=grammar, **FAST).sequences
     assert batched == alone
 
@@ -156,7 +166,7 @@ def test_the_candidates_pick_what_the_whole_row_picks():
             weights[torch.rand(vocab, generator=g) < 0.8] = 0.0
         allowed = torch.rand(vocab, generator=g) < (0.02 if trial % 2 else 0.5)
         mask = pack_token_mask(allowed)
-        (values, ids), = top_candidates(weights[None])
+        ((values, ids),) = top_candidates(weights[None])
         got = best_allowed_candidate(mask, values, ids)
         if got is not False:
             decided += 1
@@ -196,31 +206,66 @@ def test_bad_grammars_name_the_problem(model, kind, spec, words):
 def test_response_format_json_schema(client):
     rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
     for seed in range(3):
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a pet"}], max_tokens=256,
-                                           seed=seed, response_format=rf, extra_body=FAST)  # fmt: skip
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a pet"}],
+            max_tokens=256,
+            seed=seed,
+            response_format=rf,
+            extra_body=FAST,
+        )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
 def test_response_format_json_object_and_guided_fields(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json"}], max_tokens=400, seed=1,
-                                       response_format={"type": "json_object"}, extra_body=FAST)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "json"}],
+        max_tokens=400,
+        seed=1,
+        response_format={"type": "json_object"},
+        extra_body=FAST,
+    )
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = client.completions.create(model=MODEL, prompt="n:", max_tokens=64, seed=2, extra_body={"guided_regex": REGEX, **FAST})
+    r = client.completions.create(
+        model=MODEL, prompt="n:", max_tokens=64, seed=2, extra_body={"guided_regex": REGEX, **FAST}
+    )
     assert re.fullmatch(REGEX, r.choices[0].text)
-    r = client.completions.create(model=MODEL, prompt="c:", max_tokens=16, seed=2, extra_body={"guided_choice": ["yes", "no"], **FAST})
+    r = client.completions.create(
+        model=MODEL, prompt="c:", max_tokens=16, seed=2, extra_body={"guided_choice": ["yes", "no"], **FAST}
+    )
     assert r.choices[0].text in ("yes", "no")
-    r = client.completions.create(model=MODEL, prompt="j:", max_tokens=200, seed=2,
-                                  extra_body={"guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}},
-                                                              "required": ["ok"], "additionalProperties": False}, **FAST})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL,
+        prompt="j:",
+        max_tokens=200,
+        seed=2,
+        extra_body={
+            "guided_json": {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            },
+            **FAST,
+        },
+    )
     assert json.loads(r.choices[0].text) in ({"ok": True}, {"ok": False})
 
 
 def test_streaming_with_a_schema(client):
     rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a pet"}], max_tokens=256,
-                                            seed=7, response_format=rf, stream=True, extra_body=FAST)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a pet"}],
+        max_tokens=256,
+        seed=7,
+        response_format=rf,
+        stream=True,
+        extra_body=FAST,
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # it streamed, block by block
@@ -229,7 +274,9 @@ def test_streaming_with_a_schema(client):
 
 
 def test_length_finish_is_a_valid_prefix(client):
-    r = client.completions.create(model=MODEL, prompt="n:", max_tokens=3, seed=5, extra_body={"guided_regex": "[a-z]{20,30}", **FAST})
+    r = client.completions.create(
+        model=MODEL, prompt="n:", max_tokens=3, seed=5, extra_body={"guided_regex": "[a-z]{20,30}", **FAST}
+    )
     assert r.choices[0].finish_reason == "length" and re.fullmatch("[a-z]*", r.choices[0].text)
 
 
@@ -238,12 +285,27 @@ BAD = [
     ({"response_format": "json"}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=a)"}}}},
-     "response_format.json_schema.schema"),  # look-around: unsupported
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}, "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}}, "response_format.json_schema.strict"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=a)"}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),  # look-around: unsupported
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+        "response_format.json_schema.strict",
+    ),
     ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"guided_regex": ""}, "guided_regex"),
@@ -259,22 +321,29 @@ BAD = [
 @pytest.mark.parametrize("extra, param", BAD)
 def test_bad_structured_output_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, extra_body=extra)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, extra_body=extra
+        )
     assert e.value.body["param"] == param, e.value.body
     assert e.value.body["message"]
 
 
 def test_server_stays_up_after_bad_grammars(client):
-    r = client.completions.create(model=MODEL, prompt="n:", max_tokens=32, seed=1, extra_body={"guided_regex": "[0-9]{3}", **FAST})
+    r = client.completions.create(
+        model=MODEL, prompt="n:", max_tokens=32, seed=1, extra_body={"guided_regex": "[0-9]{3}", **FAST}
+    )
     assert re.fullmatch("[0-9]{3}", r.choices[0].text)
 
 
 def test_structured_output_with_tools_is_refused(client):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     with pytest.raises(openai.BadRequestError, match="structured output and tools"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools,
-                                       response_format={"type": "json_object"})  # fmt: skip
-
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=tools,
+            response_format={"type": "json_object"},
+        )
 
 
 # ------------------------------------------------------------------------------------ dgemma run
@@ -346,8 +415,10 @@ def test_longest_chain_collapses_cycles():
 def test_ref_depth_follows_pointers():
     from dgemma.serve.structured.limits import check_schema, ref_depth, schema_stats
 
-    chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(100)} | {"d100": {"type": "string"}},
-             "$ref": "#/$defs/d0"}  # fmt: skip
+    chain = {
+        "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(100)} | {"d100": {"type": "string"}},
+        "$ref": "#/$defs/d0",
+    }
     assert ref_depth(chain, schema_stats(chain, "s").refs) == 101
     loop = {"$defs": {"a": {"type": "object", "properties": {"next": {"$ref": "#/$defs/a"}}}}, "$ref": "#/$defs/a"}
     assert check_schema(loop, "s").refs and ref_depth(loop, schema_stats(loop, "s").refs) == 1
@@ -363,11 +434,22 @@ def _deep(n: int) -> dict:
 
 
 LIMITED = [
-    (OutputFormat("lark", "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(5000)) + 'r5000: "b"\n', "guided_grammar"),
-     ["guided_grammar: 5002 levels of rule references; at most 5000 are allowed"]),
-    (OutputFormat("lark", 'start: "a"\n' + "".join(f'r{i}:"a"\n' for i in range(9000)), "guided_grammar"),
-     ["9001 rules; at most 8192 are allowed"]),
-    (OutputFormat("lark", "start: " + "(" * 100 + '"a"' + ")" * 100, "guided_grammar"), ["100 levels of nested groups", "at most 64"]),
+    (
+        OutputFormat(
+            "lark",
+            "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(5000)) + 'r5000: "b"\n',
+            "guided_grammar",
+        ),
+        ["guided_grammar: 5002 levels of rule references; at most 5000 are allowed"],
+    ),
+    (
+        OutputFormat("lark", 'start: "a"\n' + "".join(f'r{i}:"a"\n' for i in range(9000)), "guided_grammar"),
+        ["9001 rules; at most 8192 are allowed"],
+    ),
+    (
+        OutputFormat("lark", "start: " + "(" * 100 + '"a"' + ")" * 100, "guided_grammar"),
+        ["100 levels of nested groups", "at most 64"],
+    ),
     (OutputFormat("lark", 'start: "' + "a" * 140000 + '"', "guided_grammar"), ["140009 bytes", "at most 131072"]),
     (OutputFormat("lark", 'start: "\ud800"', "guided_grammar"), ["guided_grammar: holds a lone surrogate (U+D800)"]),
     (OutputFormat("regex", "(" * 65 + ")" * 65, "guided_regex"), ["65 levels of nested groups"]),
@@ -375,13 +457,25 @@ LIMITED = [
     (OutputFormat("json_schema", _deep(40), "guided_json"), ["levels of nesting", "at most 64"]),
     (OutputFormat("json_schema", json.dumps(_deep(40)), "guided_json"), ["levels of nesting", "at most 64"]),
     (OutputFormat("json_schema", '{"a":' * 5000 + "1" + "}" * 5000, "guided_json"), ["nested too deeply"]),
-    (OutputFormat("json_schema", {"properties": {f"p{i}": {} for i in range(5000)}}, "guided_json"), ["5000 properties (or more); at most 2048 are allowed"]),
+    (
+        OutputFormat("json_schema", {"properties": {f"p{i}": {} for i in range(5000)}}, "guided_json"),
+        ["5000 properties (or more); at most 2048 are allowed"],
+    ),
     (OutputFormat("json_schema", {"enum": list(range(20000))}, "guided_json"), ["schema values", "at most 16384"]),
     (OutputFormat("json_schema", {"description": "x" * 300000}, "guided_json"), ["bytes", "at most 262144"]),
-    (OutputFormat("json_schema", {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}, "$ref": "#/$defs/d0"},
-                  "guided_json"), ["5001 levels of $ref; at most 4096 are allowed"]),
-    (OutputFormat("json_schema", {"properties": {"\udfff": {}}}, "guided_json"), ["the text at properties.\\udfff holds a lone surrogate"]),
-]  # fmt: skip
+    (
+        OutputFormat(
+            "json_schema",
+            {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}, "$ref": "#/$defs/d0"},
+            "guided_json",
+        ),
+        ["5001 levels of $ref; at most 4096 are allowed"],
+    ),
+    (
+        OutputFormat("json_schema", {"properties": {"\udfff": {}}}, "guided_json"),
+        ["the text at properties.\\udfff holds a lone surrogate"],
+    ),
+]
 
 
 @pytest.mark.parametrize("fmt, words", LIMITED, ids=range(len(LIMITED)))

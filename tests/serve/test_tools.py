@@ -9,15 +9,15 @@ import random
 
 import openai
 import pytest
+from tool_fakes import TOOLS, WEATHER, FakeEngine  # the tools on offer; the engine's stand-in
 
+from dgemma.inputs.tokenizer import Tokenizer
 from dgemma.model.checkpoint import byte_tokenizer
 from dgemma.serve.tools.calls import ToolCallParser, keeping_decoder, parse_tool_calls
-from dgemma.serve.tools.syntax import QUOTE, format_call
 from dgemma.serve.tools.render import render_chat
 from dgemma.serve.tools.specs import ToolSpec, check_messages, tool_spec
-from dgemma.inputs.tokenizer import Tokenizer
+from dgemma.serve.tools.syntax import QUOTE, format_call
 from servers import MODEL  # conftest.py serves the tiny random `model` once a session: `server`, `client`
-from tool_fakes import TOOLS, WEATHER, FakeEngine  # the tools on offer; the engine's stand-in
 
 Q = QUOTE
 NAMES = {"get_weather", "get_time"}
@@ -45,14 +45,17 @@ def test_parse_two_parallel_calls_with_content():
     content, calls = parse_tool_calls(TWO_CALLS, NAMES)
     assert content == "I'll check both."  # whitespace next to the calls is dropped
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris", "days": 2}, {"tz": "Europe/Paris"}]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Paris", "days": 2},
+        {"tz": "Europe/Paris"},
+    ]
     assert len({c["id"] for c in calls}) == 2
 
 
 @pytest.mark.parametrize(
     "text",
     [
-        f"<|tool_call>call:get_weather{{city:Paris}}<tool_call|>",  # a bare word is no value
+        "<|tool_call>call:get_weather{city:Paris}<tool_call|>",  # a bare word is no value
         f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},}}<tool_call|>",  # trailing comma
         f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}",  # never closed
         f"<|tool_call>call:get_weather{{city:{Q}Paris}}<tool_call|>",  # unterminated string
@@ -71,7 +74,7 @@ def test_unknown_function_stays_content():
     text = f"<|tool_call>call:delete_everything{{path:{Q}/{Q}}}<tool_call|>"
     assert parse_tool_calls(text, NAMES) == (text, [])
     # ... while a known call next to it is still a call
-    content, calls = parse_tool_calls(text + f"<|tool_call>call:get_time{{}}<tool_call|>", NAMES)
+    content, calls = parse_tool_calls(text + "<|tool_call>call:get_time{}<tool_call|>", NAMES)
     assert content == text and [c["function"]["name"] for c in calls] == ["get_time"]
 
 
@@ -87,7 +90,7 @@ ARGS = [
 def test_arguments_json_round_trip(args):
     """What the server renders for an assistant's call (format_call) parses back to the same JSON."""
     text = format_call("get_weather", args)
-    assert text.startswith(f"<|tool_call>call:get_weather{{") and text.endswith("}<tool_call|>")
+    assert text.startswith("<|tool_call>call:get_weather{") and text.endswith("}<tool_call|>")
     content, calls = parse_tool_calls(text, NAMES)
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == args
 
@@ -103,7 +106,7 @@ def test_streaming_parser_matches_whole_text(seed):
     """Fed in any pieces, the parser gives the same content and calls as for the whole text, and
     never sends call syntax as content."""
     rng = random.Random(seed)
-    text = TWO_CALLS + f" and then <|tool_call>call:nope{{}}<tool_call|> trailing <|tool_ca"
+    text = TWO_CALLS + " and then <|tool_call>call:nope{}<tool_call|> trailing <|tool_ca"
     whole_content, whole_calls = parse_tool_calls(text, NAMES)
     parser = ToolCallParser(NAMES)
     items, i = [], 0
@@ -189,12 +192,16 @@ def test_fallback_rendering_is_gemma4_format(model):  # noqa: F811
     assert _render(tok, HISTORY, spec).endswith(f"<|turn>user\nWeather in Paris?<turn|>\n<|turn>model\n{call}{result}")
     # the answer after the results goes on in the same turn; the next user message opens a new one
     later = HISTORY + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}]
-    assert _render(tok, later, spec).endswith(f"<|turn>model\n{call}{result}Sunny.<turn|>\n<|turn>user\nThanks<turn|>\n<|turn>model\n")
+    assert _render(tok, later, spec).endswith(
+        f"<|turn>model\n{call}{result}Sunny.<turn|>\n<|turn>user\nThanks<turn|>\n<|turn>model\n"
+    )
     # no system message: one is added for the declarations; tool_choice "none": none declared
     assert _render(tok, HISTORY[1:2], spec).startswith(f"<bos><|turn>system\n{WEATHER_DECL}<turn|>\n<|turn>user\n")
     assert "<|tool>" not in _render(tok, HISTORY, tool_spec([WEATHER], "none"))
     # without tools at all the prompt is what it always was
-    assert _render(tok, HISTORY[:2], ToolSpec()) == tok.render_chat([{"role": m["role"], "content": m["content"]} for m in HISTORY[:2]])
+    assert _render(tok, HISTORY[:2], ToolSpec()) == tok.render_chat(
+        [{"role": m["role"], "content": m["content"]} for m in HISTORY[:2]]
+    )
 
 
 # A compact Gemma-4-style template that handles tools itself (written for this test): declarations
@@ -239,9 +246,9 @@ def test_native_template_gets_tools_and_results(model, monkeypatch):  # noqa: F8
         f"<|tool_response>response:get_weather{{value:{Q}sunny, 21 C{Q}}}<tool_response|>"
     )
     # tool_choice naming a function: the answer is made to start with that call's opening
-    assert _render(tok, HISTORY[:2], tool_spec([WEATHER], {"type": "function", "function": {"name": "get_weather"}})).endswith(
-        "<|turn>model\n<|tool_call>call:get_weather{"
-    )
+    assert _render(
+        tok, HISTORY[:2], tool_spec([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    ).endswith("<|turn>model\n<|tool_call>call:get_weather{")
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -263,39 +270,126 @@ BAD = [
     ("tools not a list", bad(tools={"type": "function"}), "tools", "tools must be a list"),
     ("unknown tool type", bad(tools=[{"type": "code_interpreter"}]), "tools[0].type", "must be 'function'"),
     ("missing function", bad(tools=[{"type": "function"}]), "tools[0].function", "must be an object"),
-    ("missing name", bad(tools=[{"type": "function", "function": {"description": "x"}}]), "tools[0].function.name", "missing"),
-    ("bad name", bad(tools=[{"type": "function", "function": {"name": "get weather"}}]), "tools[0].function.name", "letters, digits"),
-    ("parameters not an object", bad(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]),
-     "tools[0].function.parameters", "JSON Schema object"),  # fmt: skip
-    ("parameters of type string", bad(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
-     "tools[0].function.parameters", "JSON Schema object"),  # fmt: skip
-    ("properties not schemas", bad(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-     "properties": {"a": 1}}}}]), "tools[0].function.parameters.properties", "schema object"),  # fmt: skip
+    (
+        "missing name",
+        bad(tools=[{"type": "function", "function": {"description": "x"}}]),
+        "tools[0].function.name",
+        "missing",
+    ),
+    (
+        "bad name",
+        bad(tools=[{"type": "function", "function": {"name": "get weather"}}]),
+        "tools[0].function.name",
+        "letters, digits",
+    ),
+    (
+        "parameters not an object",
+        bad(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]),
+        "tools[0].function.parameters",
+        "JSON Schema object",
+    ),
+    (
+        "parameters of type string",
+        bad(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+        "tools[0].function.parameters",
+        "JSON Schema object",
+    ),
+    (
+        "properties not schemas",
+        bad(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": 1}}},
+                }
+            ]
+        ),
+        "tools[0].function.parameters.properties",
+        "schema object",
+    ),
     ("duplicate names", bad(tools=[WEATHER, WEATHER]), "tools[1].function.name", "unique"),
     ("unknown tool field", bad(tools=[{**WEATHER, "strictness": 1}]), "tools[0].strictness", "unknown field"),
-    ("tool_choice unknown function", bad(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "send_email"}}),
-     "tool_choice.function.name", "not in tools"),  # fmt: skip
+    (
+        "tool_choice unknown function",
+        bad(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "send_email"}}),
+        "tool_choice.function.name",
+        "not in tools",
+    ),
     ("tool_choice bad string", bad(tools=TOOLS, tool_choice="always"), "tool_choice", "tool_choice must be"),
-    ("tool_choice bad object", bad(tools=TOOLS, tool_choice={"type": "function"}), "tool_choice.function", "tool_choice must be"),
+    (
+        "tool_choice bad object",
+        bad(tools=TOOLS, tool_choice={"type": "function"}),
+        "tool_choice.function",
+        "tool_choice must be",
+    ),
     ("tool_choice required without tools", bad(tool_choice="required"), "tool_choice", "needs tools"),
-    ("user message without content", {"messages": [{"role": "system", "content": "hi"}, {"role": "user"}]},
-     "messages[1].content", "messages[1] (role 'user') has no content"),  # fmt: skip
-    ("system message without content", {"messages": [{"role": "system", "content": None}, *USER]},
-     "messages[0].content", "messages[0] (role 'system') has no content"),  # fmt: skip
+    (
+        "user message without content",
+        {"messages": [{"role": "system", "content": "hi"}, {"role": "user"}]},
+        "messages[1].content",
+        "messages[1] (role 'user') has no content",
+    ),
+    (
+        "system message without content",
+        {"messages": [{"role": "system", "content": None}, *USER]},
+        "messages[0].content",
+        "messages[0] (role 'system') has no content",
+    ),
     ("empty content list", {"messages": [{"role": "user", "content": []}]}, "messages[0].content", "has no content"),
-    ("assistant without content or calls", {"messages": [*USER, {"role": "assistant"}, *USER]}, "messages[1].content", "neither"),
-    ("tool message without tool_call_id", {"messages": [*USER, {"role": "assistant", "tool_calls": [CALL]},
-     {"role": "tool", "content": "sunny"}]}, "messages[2].tool_call_id", "needs a tool_call_id"),  # fmt: skip
-    ("tool message after no call", {"messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
-     "messages[1]", "must follow an assistant message with tool_calls"),  # fmt: skip
-    ("tool_call_id of no call", {"messages": [*USER, {"role": "assistant", "tool_calls": [CALL]},
-     {"role": "tool", "tool_call_id": "call_9", "content": "x"}]}, "messages[2].tool_call_id", "is not the id"),  # fmt: skip
-    ("tool message without content", {"messages": [*USER, {"role": "assistant", "tool_calls": [CALL]},
-     {"role": "tool", "tool_call_id": "call_1"}]}, "messages[2].content", "needs content"),  # fmt: skip
-    ("malformed assistant call", {"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-     "function": {"name": "f"}}]}, *USER]}, "messages[1].tool_calls[0].function", "arguments"),  # fmt: skip
-    ("tool_calls on a user message", {"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]},
-     "messages[0].tool_calls", "only assistant messages"),  # fmt: skip
+    (
+        "assistant without content or calls",
+        {"messages": [*USER, {"role": "assistant"}, *USER]},
+        "messages[1].content",
+        "neither",
+    ),
+    (
+        "tool message without tool_call_id",
+        {"messages": [*USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "sunny"}]},
+        "messages[2].tool_call_id",
+        "needs a tool_call_id",
+    ),
+    (
+        "tool message after no call",
+        {"messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+        "messages[1]",
+        "must follow an assistant message with tool_calls",
+    ),
+    (
+        "tool_call_id of no call",
+        {
+            "messages": [
+                *USER,
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_9", "content": "x"},
+            ]
+        },
+        "messages[2].tool_call_id",
+        "is not the id",
+    ),
+    (
+        "tool message without content",
+        {"messages": [*USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_1"}]},
+        "messages[2].content",
+        "needs content",
+    ),
+    (
+        "malformed assistant call",
+        {
+            "messages": [
+                *USER,
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]},
+                *USER,
+            ]
+        },
+        "messages[1].tool_calls[0].function",
+        "arguments",
+    ),
+    (
+        "tool_calls on a user message",
+        {"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]},
+        "messages[0].tool_calls",
+        "only assistant messages",
+    ),
 ]
 
 
@@ -311,15 +405,19 @@ def test_server_lives_on_after_bad_tool_requests(client):  # noqa: F811
     for _, body, _, _ in BAD:
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=MODEL, max_tokens=8, **body)
-    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=32,
-                                       extra_body={"max_denoising_steps": 2})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, max_tokens=32, extra_body={"max_denoising_steps": 2}
+    )
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")  # the real (random) engine ran
 
 
 def test_prompt_holds_gemma4_declarations(client, fake):  # noqa: F811
     fake.text = "Hello."
     client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], max_tokens=64)
-    assert fake.prompts[-1] == f"<bos><|turn>system\n{WEATHER_DECL}<turn|>\n<|turn>user\n{USER[0]['content']}<turn|>\n<|turn>model\n"
+    assert (
+        fake.prompts[-1]
+        == f"<bos><|turn>system\n{WEATHER_DECL}<turn|>\n<|turn>user\n{USER[0]['content']}<turn|>\n<|turn>model\n"
+    )
     client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=64)
     assert "<|tool>" not in fake.prompts[-1]
     # tool_choice "required" / a named function: the answer is made to start with a call's opening
@@ -327,8 +425,13 @@ def test_prompt_holds_gemma4_declarations(client, fake):  # noqa: F811
     assert fake.prompts[-1].endswith("<|turn>model\n<|tool_call>call:")
     assert r.choices[0].message.content == "<|tool_call>call:Hello."  # the model did not go on with a call: content
     fake.text = f"tz:{Q}UTC{Q}}}<tool_call|>"
-    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=64,
-                                       tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        max_tokens=64,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     assert fake.prompts[-1].endswith("<|turn>model\n<|tool_call>call:get_time{")
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"tz": "UTC"}
@@ -350,13 +453,18 @@ def test_tool_calls_in_the_answer(client, fake):  # noqa: F811
         assert r.choices[0].message.content == TWO_CALLS and not r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "stop"
     # parallel_tool_calls false: the first call only
-    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, parallel_tool_calls=False)
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, parallel_tool_calls=False
+    )
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
     assert r.choices[0].finish_reason == "tool_calls"
 
 
 def test_malformed_or_unknown_call_from_the_model_is_content(client, fake):  # noqa: F811
-    for text in (f"<|tool_call>call:get_weather{{city:Paris}}<tool_call|>", f"<|tool_call>call:rm{{path:{Q}/{Q}}}<tool_call|>"):
+    for text in (
+        "<|tool_call>call:get_weather{city:Paris}<tool_call|>",
+        f"<|tool_call>call:rm{{path:{Q}/{Q}}}<tool_call|>",
+    ):
         fake.text = text
         r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256)
         assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
@@ -365,18 +473,28 @@ def test_malformed_or_unknown_call_from_the_model_is_content(client, fake):  # n
 
 def test_streamed_tool_call_deltas(client, fake):  # noqa: F811
     fake.text = TWO_CALLS  # 150-odd byte tokens: the calls straddle blocks of 32
-    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, stream=True,
-                                                 stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     content = "".join(d.content or "" for d in deltas)
     assert content == "I'll check both." and "<|tool_call>" not in content and "call:" not in content
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
-    assert [(tc.index, tc.type, tc.function.name) for tc in calls] == [(0, "function", "get_weather"), (1, "function", "get_time")]
+    assert [(tc.index, tc.type, tc.function.name) for tc in calls] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_time"),
+    ]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2} and calls[0].id.startswith("call_")
     # a call's delta comes once its block committed, before the stream ends
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens > 0
+    assert (
+        len(finish) == 1
+        and finish[0].choices[0].finish_reason == "tool_calls"
+        and chunks[-1].usage.completion_tokens > 0
+    )
     # both calls in one committed block: one delta each, indexed in order
     fake.block = 1024
     chunks = list(client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256, stream=True))
@@ -386,7 +504,10 @@ def test_streamed_tool_call_deltas(client, fake):  # noqa: F811
     with client.chat.completions.stream(model=MODEL, messages=USER, tools=TOOLS, max_tokens=256) as stream:
         final = stream.get_final_completion()
     message = final.choices[0].message
-    assert message.content == "I'll check both." and [c.function.name for c in message.tool_calls] == ["get_weather", "get_time"]
+    assert message.content == "I'll check both." and [c.function.name for c in message.tool_calls] == [
+        "get_weather",
+        "get_time",
+    ]
 
 
 def test_round_trip_with_tool_messages(client, fake):  # noqa: F811
@@ -407,7 +528,9 @@ def test_round_trip_with_tool_messages(client, fake):  # noqa: F811
     # the whole exchange, then a new question
     messages += [second.choices[0].message, {"role": "user", "content": "And tomorrow?"}]
     client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=256)
-    assert fake.prompts[-1].endswith("<tool_response|>Clear and 21 degrees.<turn|>\n<|turn>user\nAnd tomorrow?<turn|>\n<|turn>model\n")
+    assert fake.prompts[-1].endswith(
+        "<tool_response|>Clear and 21 degrees.<turn|>\n<|turn>user\nAnd tomorrow?<turn|>\n<|turn>model\n"
+    )
 
 
 # ------------------------------------------------------------------------------------ forced calls, enforced
@@ -432,8 +555,13 @@ FORECAST = {
 }
 ENFORCED = {"max_denoising_steps": 4}
 # a random model's unbounded strings run past max_tokens: the schemas bound them
-ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
-    "tz": {"type": "string", "maxLength": 8}}}}}  # fmt: skip
+ZONE = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}},
+    },
+}
 
 
 @pytest.mark.slow
@@ -442,10 +570,24 @@ def test_named_tool_choice_is_a_valid_call(client, seed):  # noqa: F811
     import jsonschema
 
     choice = {"type": "function", "function": {"name": "forecast"}}
-    r = client.chat.completions.create(model=MODEL, messages=USER, tools=[FORECAST, ZONE], tool_choice=choice,
-                                       max_tokens=256, seed=seed, extra_body=ENFORCED)  # fmt: skip
-    again = client.chat.completions.create(model=MODEL, messages=USER, tools=[FORECAST, ZONE], tool_choice=choice,
-                                           max_tokens=256, seed=seed, extra_body=ENFORCED)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=[FORECAST, ZONE],
+        tool_choice=choice,
+        max_tokens=256,
+        seed=seed,
+        extra_body=ENFORCED,
+    )
+    again = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=[FORECAST, ZONE],
+        tool_choice=choice,
+        max_tokens=256,
+        seed=seed,
+        extra_body=ENFORCED,
+    )
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "forecast"
     jsonschema.validate(json.loads(call.function.arguments), FORECAST["function"]["parameters"])
@@ -453,27 +595,60 @@ def test_named_tool_choice_is_a_valid_call(client, seed):  # noqa: F811
 
 
 def test_required_tool_choice_calls_one_of_the_tools(client):  # noqa: F811
-    r = client.chat.completions.create(model=MODEL, messages=USER, tools=[FORECAST, ZONE], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=256, seed=4, extra_body=ENFORCED)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=[FORECAST, ZONE],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=256,
+        seed=4,
+        extra_body=ENFORCED,
+    )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name in ("forecast", "get_time") and isinstance(json.loads(call.function.arguments), dict)
 
 
 def test_forced_call_streams_and_round_trips(client):  # noqa: F811
     choice = {"type": "function", "function": {"name": "forecast"}}
-    stream = client.chat.completions.create(model=MODEL, messages=USER, tools=[FORECAST], tool_choice=choice, max_tokens=256,
-                                            seed=5, stream=True, extra_body=ENFORCED)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=[FORECAST],
+        tool_choice=choice,
+        max_tokens=256,
+        seed=5,
+        stream=True,
+        extra_body=ENFORCED,
+    )
     chunks = [c for c in stream if c.choices]
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(deltas) == 1 and deltas[0].function.name == "forecast" and chunks[-1].choices[0].finish_reason == "tool_calls"
-    call = {"id": deltas[0].id, "type": "function", "function": {"name": "forecast", "arguments": deltas[0].function.arguments}}
-    messages = [*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": call["id"], "content": "rain"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[FORECAST], max_tokens=32, seed=5, extra_body=ENFORCED)
+    assert (
+        len(deltas) == 1
+        and deltas[0].function.name == "forecast"
+        and chunks[-1].choices[0].finish_reason == "tool_calls"
+    )
+    call = {
+        "id": deltas[0].id,
+        "type": "function",
+        "function": {"name": "forecast", "arguments": deltas[0].function.arguments},
+    }
+    messages = [
+        *USER,
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "rain"},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[FORECAST], max_tokens=32, seed=5, extra_body=ENFORCED
+    )
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_forced_call_with_an_unsupported_schema_is_a_400(client):  # noqa: F811
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}},
+    }
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=USER, tools=[tool], tool_choice="required")
     assert e.value.body["param"] == "tool_choice" and "'$ref'" in e.value.body["message"]
@@ -485,7 +660,9 @@ def _accepts(spec, text):
     from dgemma.serve.tools.grammar import lark_string, tool_call_grammar
 
     tok = llguidance.LLTokenizer(byte_tokenizer().to_str(), n_vocab=384, eos_token=[1])
-    matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(spec, lark_string)), log_level=0)
+    matcher = llguidance.LLMatcher(
+        tok, llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(spec, lark_string)), log_level=0
+    )
     ids = tok.tokenize_str(text)
     return matcher.validate_tokens(ids) == len(ids) and (matcher.consume_tokens(ids) and matcher.is_accepting())
 
@@ -499,8 +676,16 @@ CALL_TEXTS = [
     (NAMED, f"city:{Q}Oslo{Q},days:3,unit:{Q}kelvin{Q}}}<tool_call|>", False),  # not in the enum
     (NAMED, f"city:{Q}Oslo{Q},days:3,unit:{Q}celsius{Q},hours:[1,2,3,4]}}<tool_call|>", False),  # maxItems
     (NAMED, f"city:{Q}Oslo{Q},days:3,unit:{Q}celsius{Q},alerts:{{}}}}<tool_call|>", False),  # required wind
-    (tool_spec([FORECAST, ZONE], "required"), f"get_time{{}}<tool_call|>\n<|tool_call>call:get_time{{tz:{Q}UTC{Q}}}<tool_call|>", True),
-    (tool_spec([FORECAST, ZONE], "required", False), f"get_time{{}}<tool_call|><|tool_call>call:get_time{{}}<tool_call|>", False),
+    (
+        tool_spec([FORECAST, ZONE], "required"),
+        f"get_time{{}}<tool_call|>\n<|tool_call>call:get_time{{tz:{Q}UTC{Q}}}<tool_call|>",
+        True,
+    ),
+    (
+        tool_spec([FORECAST, ZONE], "required", False),
+        "get_time{}<tool_call|><|tool_call>call:get_time{}<tool_call|>",
+        False,
+    ),
     (tool_spec([FORECAST, ZONE], "required"), "send_email{}<tool_call|>", False),  # not a tool
 ]
 
@@ -517,8 +702,10 @@ def _members(names) -> str:
 
 
 def _forced(properties: dict, required: list[str]):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": properties,
-                                                                           "required": required}}}  # fmt: skip
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": properties, "required": required}},
+    }
     return tool_spec([tool], {"type": "function", "function": {"name": "f"}})
 
 

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.api import default_model_dir
 from dgemma.cli import build_parser, main
+from dgemma.loading import default_model_dir
 from dgemma.serve.app import create_app
 from dgemma.serve.http.listener import ServerThread
-
 from servers import MODEL  # conftest.py's session fixtures: `model` (tiny, random) and its `server`
 
 FAST = {"max_denoising_steps": 6, "ignore_eos": True}
@@ -73,35 +72,75 @@ def test_serve_turbo_is_the_default_and_a_request_turns_it_off(model, turbo_serv
     off = completion(turbo_server.url, "turbo plumbing: default", turbo=False)
     assert default["decoder_positions"] < default["decoder_passes"] * c
     assert off["decoder_positions"] == off["decoder_passes"] * c
-    chat = post(turbo_server.url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 32, "seed": 3, **FAST,
-                                                           "messages": [{"role": "user", "content": "turbo chat"}]})
+    chat = post(
+        turbo_server.url,
+        "/v1/chat/completions",
+        {"model": MODEL, "max_tokens": 32, "seed": 3, **FAST, "messages": [{"role": "user", "content": "turbo chat"}]},
+    )
     usage = chat.json()["usage"]
     assert chat.status_code == 200 and usage["decoder_positions"] < usage["decoder_passes"] * c
 
 
 def test_turbo_goes_with_insert_mode_logprobs_and_structured_output(model, server):
     c = model.config.canvas_length
-    body = {"model": MODEL, "prompt": "def turbo(", "suffix": ")\n", "span_length": 5, "max_tokens": 8, "seed": 3,
-            "max_denoising_steps": 6, "turbo": True, **FREEZE}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "def turbo(",
+        "suffix": ")\n",
+        "span_length": 5,
+        "max_tokens": 8,
+        "seed": 3,
+        "max_denoising_steps": 6,
+        "turbo": True,
+        **FREEZE,
+    }
     r = post(server.url, "/v1/completions", body)
     usage = r.json()["usage"]
     assert r.status_code == 200 and usage["span_length"] == 5, r.text
     assert 0 < usage["decoder_positions"] < usage["decoder_passes"] * c
-    r = post(server.url, "/v1/completions", {"model": MODEL, "prompt": "turbo plumbing: logprobs", "max_tokens": 32,
-                                             "seed": 3, "logprobs": 2, "turbo": True, **FAST, **FREEZE})  # fmt: skip
+    r = post(
+        server.url,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "turbo plumbing: logprobs",
+            "max_tokens": 32,
+            "seed": 3,
+            "logprobs": 2,
+            "turbo": True,
+            **FAST,
+            **FREEZE,
+        },
+    )
     assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 32, r.text
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "turbo json"}], "max_tokens": 32, "seed": 3,
-            "max_denoising_steps": 6, "response_format": {"type": "json_object"}, "turbo": True, **FREEZE}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "turbo json"}],
+        "max_tokens": 32,
+        "seed": 3,
+        "max_denoising_steps": 6,
+        "response_format": {"type": "json_object"},
+        "turbo": True,
+        **FREEZE,
+    }
     r = post(server.url, "/v1/chat/completions", body)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].lstrip().startswith("{"), r.text
 
 
 BAD_FIELDS = [
-    ("turbo", "yes"), ("turbo", 1), ("turbo_freeze_passes", 0), ("turbo_freeze_passes", 1.5),
-    ("turbo_freeze_passes", True), ("turbo_freeze_entropy", -0.5), ("turbo_freeze_entropy", "low"),
-    ("turbo_refresh_every", -1), ("turbo_refresh_every", 5000), ("turbo_dormant_entropy", -0.5),
-    ("turbo_dormant_entropy", "high"), ("turbo_dormant_entropy", 1e7),
-]  # fmt: skip
+    ("turbo", "yes"),
+    ("turbo", 1),
+    ("turbo_freeze_passes", 0),
+    ("turbo_freeze_passes", 1.5),
+    ("turbo_freeze_passes", True),
+    ("turbo_freeze_entropy", -0.5),
+    ("turbo_freeze_entropy", "low"),
+    ("turbo_refresh_every", -1),
+    ("turbo_refresh_every", 5000),
+    ("turbo_dormant_entropy", -0.5),
+    ("turbo_dormant_entropy", "high"),
+    ("turbo_dormant_entropy", 1e7),
+]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -116,20 +155,35 @@ def test_bad_turbo_fields_are_400s_naming_the_field(server, chat):
 
 
 def test_ollama_options_take_turbo(server):
-    body = {"model": MODEL, "prompt": "turbo plumbing: ollama", "raw": True, "stream": False,
-            "options": {"num_predict": 8, "max_denoising_steps": 2, "turbo": True, "turbo_freeze_passes": 1}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "turbo plumbing: ollama",
+        "raw": True,
+        "stream": False,
+        "options": {"num_predict": 8, "max_denoising_steps": 2, "turbo": True, "turbo_freeze_passes": 1},
+    }
     r = post(server.url, "/api/generate", body)
     assert r.status_code == 200 and r.json()["done"] is True, r.text
-    for option, value, words in (("turbo", "yes", 'option "turbo" must be of type boolean'),
-                                 ("turbo_freeze_passes", 0, "options.turbo_freeze_passes"),
-                                 ("turbo_dormant_entropy", -1.0, "options.turbo_dormant_entropy")):  # fmt: skip
+    for option, value, words in (
+        ("turbo", "yes", 'option "turbo" must be of type boolean'),
+        ("turbo_freeze_passes", 0, "options.turbo_freeze_passes"),
+        ("turbo_dormant_entropy", -1.0, "options.turbo_dormant_entropy"),
+    ):
         r = post(server.url, "/api/generate", {**body, "options": {option: value}})
         assert r.status_code == 400 and words in r.json()["error"], r.text
 
 
 def draft_frames(url: str, prompt: str, **fields) -> list[dict]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 32, "seed": 4, "stream": True, "stream_drafts": True,
-            **FAST, **fields}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 32,
+        "seed": 4,
+        "stream": True,
+        "stream_drafts": True,
+        **FAST,
+        **fields,
+    }
     frames = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
@@ -160,15 +214,34 @@ def test_the_turbo_flags_parse_on_run_chat_serve_and_bench():
     parser = build_parser()
     for argv in (["run", "x"], ["chat"], ["serve"]):
         assert parser.parse_args(argv).turbo is None  # absent: the checkpoint's default
-        args = parser.parse_args([*argv, "--turbo", "--turbo-freeze-passes", "3", "--turbo-freeze-entropy", "0.1",
-                                  "--turbo-refresh-every", "4", "--turbo-dormant-entropy", "2.5"])  # fmt: skip
-        assert (args.turbo, args.turbo_freeze_passes, args.turbo_freeze_entropy, args.turbo_refresh_every,
-                args.turbo_dormant_entropy) == (True, 3, 0.1, 4, 2.5)  # fmt: skip
+        args = parser.parse_args(
+            [
+                *argv,
+                "--turbo",
+                "--turbo-freeze-passes",
+                "3",
+                "--turbo-freeze-entropy",
+                "0.1",
+                "--turbo-refresh-every",
+                "4",
+                "--turbo-dormant-entropy",
+                "2.5",
+            ]
+        )
+        assert (
+            args.turbo,
+            args.turbo_freeze_passes,
+            args.turbo_freeze_entropy,
+            args.turbo_refresh_every,
+            args.turbo_dormant_entropy,
+        ) == (True, 3, 0.1, 4, 2.5)
     from dgemma.cli.bench import resolve_settings
     from dgemma.cli.common import fit_request
 
     for argv, turbo in ((["serve"], False), (["serve", "--turbo"], True), (["bench", "--turbo"], True)):
-        assert fit_request(parser.parse_args(argv), torch.device("cpu")).turbo is turbo  # the memory plan counts its K/V buffers
+        assert (
+            fit_request(parser.parse_args(argv), torch.device("cpu")).turbo is turbo
+        )  # the memory plan counts its K/V buffers
 
     args = parser.parse_args(["bench", "--quick", "--turbo"])
     resolve_settings(args, 32)
@@ -231,7 +304,9 @@ def test_bench_turbo_row_reports_positions_per_token():
     exact = run_dgemma(tiny, prompts, 2 * c, 16, False, "diffusion")
     turbo = run_dgemma(tiny, prompts, 2 * c, 16, False, "diffusion", turbo={})
     assert (exact.peer, turbo.peer) == ("dgemma", "dgemma-turbo")
-    assert exact.decoder_positions == exact.decoder_passes * c * len(prompts) and exact.positions_per_token == 16  # 16 passes of c per c tokens
+    assert (
+        exact.decoder_positions == exact.decoder_passes * c * len(prompts) and exact.positions_per_token == 16
+    )  # 16 passes of c per c tokens
     assert turbo.decoder_positions < exact.decoder_positions
     rows = {r["peer"]: r for r in summarize([exact, turbo])}
     assert rows["dgemma-turbo"]["positions_per_token"] < rows["dgemma"]["positions_per_token"]

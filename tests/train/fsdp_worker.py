@@ -25,8 +25,11 @@ if __name__ == "__main__":
     prints = [None] * dist.get_world_size()
     dist.all_gather_object(prints, fingerprint)
     if dist.get_rank() == 0:
-        out = {"fingerprints": prints, "sharded": any(hasattr(p, "full_tensor") for p in trainer.module.parameters()),
-               "loss": result.last_losses.get("loss")}
+        out = {
+            "fingerprints": prints,
+            "sharded": any(hasattr(p, "full_tensor") for p in trainer.module.parameters()),
+            "loss": result.last_losses.get("loss"),
+        }
         (trainer.out / "fsdp_check.json").write_text(json.dumps(out))
     # both ranks here before the group is torn down: a rank that destroys it while its peer is still
     # in a collective's teardown can abort in gloo ("terminate called without an active exception")

@@ -15,13 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 import dgemma
-from dgemma.train import lora
 from dgemma.api import Model
-from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model
 from dgemma.cli import main
 from dgemma.config import GenerationConfig
-from dgemma.train.data import ExampleOrder, chat_example, document_examples, load_examples, prompt_completion_example
 from dgemma.dense.kv_cache import DenseKVCache
+from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model
+from dgemma.model.presets import PRESETS
+from dgemma.train import lora
+from dgemma.train.data import ExampleOrder, chat_example, document_examples, load_examples, prompt_completion_example
 from dgemma.train.objective import (
     Example,
     choose_block,
@@ -32,7 +33,6 @@ from dgemma.train.objective import (
     training_losses,
 )
 from dgemma.train.tokenizer_train import as_tokenizer, train_bpe
-from dgemma.model.presets import PRESETS
 from dgemma.train.trainer import TrainArgs, Trainer, lr_at, train
 
 CODE = '''def add(a, b):
@@ -72,9 +72,21 @@ def workdir(tmp_path_factory):
 
 def small_args(workdir: Path, out: Path, **kw) -> TrainArgs:
     base = dict(
-        out=str(out), data=[str(workdir / "text")], config="test", tokenizer=str(workdir / "tokenizer.json"),
-        steps=6, batch_size=2, seq_len=48, lr=3e-3, warmup=2, save_every=2, eval_every=100, eval_batches=1,
-        eval_fraction=0.0, log_every=100, threads=1,
+        out=str(out),
+        data=[str(workdir / "text")],
+        config="test",
+        tokenizer=str(workdir / "tokenizer.json"),
+        steps=6,
+        batch_size=2,
+        seq_len=48,
+        lr=3e-3,
+        warmup=2,
+        save_every=2,
+        eval_every=100,
+        eval_batches=1,
+        eval_fraction=0.0,
+        log_every=100,
+        threads=1,
     )
     base.update(kw)
     return TrainArgs(**base)
@@ -184,9 +196,17 @@ def test_data_formats_and_loss_masks(workdir):
     assert tok.decode([t for t, m in zip(ex.ids, ex.mask) if m], skip_special_tokens=False) == " 42<eos>"
     assert ex.ids[0] == bos and ex.complete
 
-    chat = chat_example(tok, [{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"},
-                              {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
-                              {"role": "assistant", "content": "ciao"}], 256)
+    chat = chat_example(
+        tok,
+        [
+            {"role": "system", "content": "terse"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"},
+            {"role": "assistant", "content": "ciao"},
+        ],
+        256,
+    )
     supervised = tok.decode([t for t, m in zip(chat.ids, chat.mask) if m], skip_special_tokens=False)
     assert supervised == "hello<turn|>\nciao<turn|>\n"
     assert tok.decode(chat.ids, skip_special_tokens=False).startswith("<bos><|turn>system\nterse<turn|>")
@@ -244,8 +264,16 @@ def test_lr_schedule():
 
 @pytest.mark.slow
 def test_a_few_steps_lower_the_loss(workdir, tmp_path):
-    args = small_args(workdir, tmp_path / "run", steps=40, batch_size=4, eval_every=40, eval_batches=2,
-                      eval_data=[str(workdir / "text")], save_every=40)
+    args = small_args(
+        workdir,
+        tmp_path / "run",
+        steps=40,
+        batch_size=4,
+        eval_every=40,
+        eval_batches=2,
+        eval_data=[str(workdir / "text")],
+        save_every=40,
+    )
     trainer = Trainer(args)
     before = trainer.evaluate()
     result = trainer.run()
@@ -293,8 +321,10 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(workdir, tmp
         got = _weights(tmp_path / run)
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want), run
-    assert not torch.equal(want["model.decoder.embed_tokens.weight"],
-                           _weights(tmp_path / "full" / "checkpoints" / "step-000004")["model.decoder.embed_tokens.weight"])
+    assert not torch.equal(
+        want["model.decoder.embed_tokens.weight"],
+        _weights(tmp_path / "full" / "checkpoints" / "step-000004")["model.decoder.embed_tokens.weight"],
+    )
 
 
 # ---------------------------------------------------------------- LoRA
@@ -332,13 +362,59 @@ def test_lora_save_load_merge_round_trip(tmp_path):
 @pytest.mark.slow
 def test_finetune_lora_cli_freezes_router_and_merges(workdir, tmp_path, capsys):
     base_dir = tmp_path / "base"
-    assert main(["train", "--config", "test", "--data", str(workdir / "text"), "--out", str(base_dir),
-                 "--tokenizer", str(workdir / "tokenizer.json"), "--steps", "2", "--batch-size", "2",
-                 "--seq-len", "32", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                "test",
+                "--data",
+                str(workdir / "text"),
+                "--out",
+                str(base_dir),
+                "--tokenizer",
+                str(workdir / "tokenizer.json"),
+                "--steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "ft"
-    assert main(["finetune", "--model", str(base_dir), "--data", str(workdir / "sft.jsonl"), "--out", str(out),
-                 "--lora-rank", "4", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2",
-                 "--warmup", "0", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "finetune",
+                "--model",
+                str(base_dir),
+                "--data",
+                str(workdir / "sft.jsonl"),
+                "--out",
+                str(out),
+                "--lora-rank",
+                "4",
+                "--steps",
+                "4",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--lr",
+                "1e-2",
+                "--warmup",
+                "0",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     adapter = load_file(str(out / "adapter_model.safetensors"))
     assert adapter and all(".self_attn." in k or ".mlp." in k for k in adapter)
     base_w, merged_w = _weights(base_dir), _weights(out)
@@ -356,12 +432,38 @@ def test_finetune_lora_cli_freezes_router_and_merges(workdir, tmp_path, capsys):
 def test_cli_errors_are_one_line(workdir, tmp_path, capsys):
     assert main(["train", "--config", "nope", "--data", "stdlib", "--out", str(tmp_path / "x")]) == 2
     assert "neither a preset" in capsys.readouterr().err
-    assert main(["finetune", "--model", str(tmp_path / "missing"), "--data", str(workdir / "text"),
-                 "--out", str(tmp_path / "y")]) == 2
+    assert (
+        main(
+            [
+                "finetune",
+                "--model",
+                str(tmp_path / "missing"),
+                "--data",
+                str(workdir / "text"),
+                "--out",
+                str(tmp_path / "y"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("dgemma: error:") and err.count("\n") == 1
-    assert main(["train", "--config", "test", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "z"),
-                 "--tokenizer", str(workdir / "tokenizer.json")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                "test",
+                "--data",
+                str(tmp_path / "none"),
+                "--out",
+                str(tmp_path / "z"),
+                "--tokenizer",
+                str(workdir / "tokenizer.json"),
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -376,10 +478,35 @@ def test_train_cli_checkpoint_loads_and_generates_in_transformers(workdir, tmp_p
     out = tmp_path / "ckpt"
     cfg = tmp_path / "model.json"
     cfg.write_text(json.dumps({**PRESETS["test"], "canvas_length": 16}))
-    assert main(["train", "--config", str(cfg), "--data", str(workdir / "text"), "--out", str(out),
-                 "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--threads", "1"]) == 0
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(cfg),
+                "--data",
+                str(workdir / "text"),
+                "--out",
+                str(out),
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (out / name).exists(), name
     assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
 
@@ -407,14 +534,35 @@ def test_train_cli_checkpoint_loads_and_generates_in_transformers(workdir, tmp_p
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_fsdp2_two_gloo_processes_stay_in_sync(workdir, tmp_path):
-    common = dict(data=[str(workdir / "text")], config="test", tokenizer=str(workdir / "tokenizer.json"),
-                  steps=3, batch_size=2, seq_len=32, lr=1e-2, warmup=0, save_every=2, eval_every=3,
-                  eval_batches=1, eval_fraction=0.0, log_every=1, threads=1)
+    common = dict(
+        data=[str(workdir / "text")],
+        config="test",
+        tokenizer=str(workdir / "tokenizer.json"),
+        steps=3,
+        batch_size=2,
+        seq_len=32,
+        lr=1e-2,
+        warmup=0,
+        save_every=2,
+        eval_every=3,
+        eval_batches=1,
+        eval_fraction=0.0,
+        log_every=1,
+        threads=1,
+    )
     dist_out = tmp_path / "fsdp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     worker = Path(__file__).parent / "fsdp_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(worker), json.dumps({**common, "out": str(dist_out)})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(worker),
+        json.dumps({**common, "out": str(dist_out)}),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check = json.loads((dist_out / "fsdp_check.json").read_text())
@@ -440,9 +588,32 @@ def test_bf16_autocast_trains(workdir, tmp_path):
 def test_a_warmup_longer_than_the_run_is_said_and_weights_are_0644(workdir, tmp_path, capsys):
     old = os.umask(0o022)
     try:
-        assert main(["train", "--config", "test", "--data", str(workdir / "text"), "--out", str(tmp_path / "w"),
-                     "--tokenizer", str(workdir / "tokenizer.json"), "--steps", "2", "--warmup", "5", "--batch-size", "2",
-                     "--seq-len", "32", "--threads", "1"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "train",
+                    "--config",
+                    "test",
+                    "--data",
+                    str(workdir / "text"),
+                    "--out",
+                    str(tmp_path / "w"),
+                    "--tokenizer",
+                    str(workdir / "tokenizer.json"),
+                    "--steps",
+                    "2",
+                    "--warmup",
+                    "5",
+                    "--batch-size",
+                    "2",
+                    "--seq-len",
+                    "32",
+                    "--threads",
+                    "1",
+                ]
+            )
+            == 0
+        )
         adapted = random_model(make_config(**PRESETS["test"]), seed=2)
         lora.apply_lora(adapted, rank=2, alpha=4)
         lora.save_adapters(adapted, tmp_path / "adapter")

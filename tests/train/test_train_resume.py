@@ -30,8 +30,13 @@ def run_args(root: Path, out: str) -> TrainArgs:
     for name in ("data.txt", "sizes.json"):
         shutil.copy(FIXTURE / name, root / name)
     shutil.copy(OLD_CHECKPOINT / "tokenizer.json", root / "tokenizer.json")
-    return TrainArgs(out=str(root / out), data=[str(root / "data.txt")], config=str(root / "sizes.json"),
-                     tokenizer=str(root / "tokenizer.json"), **json.loads((FIXTURE / "args.json").read_text()))  # fmt: skip
+    return TrainArgs(
+        out=str(root / out),
+        data=[str(root / "data.txt")],
+        config=str(root / "sizes.json"),
+        tokenizer=str(root / "tokenizer.json"),
+        **json.loads((FIXTURE / "args.json").read_text()),
+    )
 
 
 def same(a, b) -> bool:
@@ -77,8 +82,9 @@ def test_a_checkpoint_from_before_layout_v3_resumes(tmp_path):
     assert result.step == 4 and not result.interrupted
     assert all(math.isfinite(result.last_losses[k]) for k in ("loss", "diffusion", "ar"))
     final = load_file(str(tmp_path / "run" / "model.safetensors"))
-    assert final.keys() == stored.keys() and not torch.equal(final["model.decoder.embed_tokens.weight"],
-                                                              stored["model.decoder.embed_tokens.weight"])  # fmt: skip
+    assert final.keys() == stored.keys() and not torch.equal(
+        final["model.decoder.embed_tokens.weight"], stored["model.decoder.embed_tokens.weight"]
+    )
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000004"]
 
 

@@ -16,8 +16,9 @@ The one API that seeded canvases (infill, editing) and grammars (structured outp
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ class CanvasConstraints:
         fixed: Mapping[int, int] | None = None,
         allowed: torch.Tensor | Mapping[int, Iterable[int]] | None = None,
         initial: Mapping[int, int] | None = None,
-    ) -> "CanvasConstraints":
+    ) -> CanvasConstraints:
         """Validated constraints from friendly forms.
 
         `fixed`, `initial`: {position: token}. `allowed`: a bool tensor [canvas_length, vocab_size],
@@ -49,8 +50,10 @@ class CanvasConstraints:
         if allowed is not None:
             if isinstance(allowed, torch.Tensor):
                 if allowed.shape != (canvas_length, vocab_size) or allowed.dtype != torch.bool:
-                    raise ValueError(f"allowed must be a bool tensor [{canvas_length}, {vocab_size}], got "
-                                     f"{allowed.dtype} {tuple(allowed.shape)}")  # fmt: skip
+                    raise ValueError(
+                        f"allowed must be a bool tensor [{canvas_length}, {vocab_size}], got "
+                        f"{allowed.dtype} {tuple(allowed.shape)}"
+                    )
                 dense = allowed.cpu()
             else:
                 dense = torch.ones(canvas_length, vocab_size, dtype=torch.bool)
@@ -104,7 +107,9 @@ class CanvasError(ValueError):
         self.param = param
 
 
-def canvas_row(row: Any, canvas_length: int, vocab_size: int, what: str = "canvas", nulls: bool = False) -> list[int | None]:
+def canvas_row(
+    row: Any, canvas_length: int, vocab_size: int, what: str = "canvas", nulls: bool = False
+) -> list[int | None]:
     """One canvas given by a caller (the API's warm start, the server's fixed `canvas` field), checked
     the one way: `canvas_length` token ids in [0, vocab_size) (or, with `nulls`, None for a free
     position). A tensor row is taken as its list."""
@@ -113,13 +118,18 @@ def canvas_row(row: Any, canvas_length: int, vocab_size: int, what: str = "canva
     entries = "a token id, or null" if nulls else "token ids"
     if not isinstance(row, (list, tuple)) or len(row) != canvas_length:
         size = f"of length {len(row)}" if isinstance(row, (list, tuple)) else ""
-        raise CanvasError(what, f"{what} must be a list of {canvas_length} entries ({entries}); got {type(row).__name__} {size}".rstrip())
+        raise CanvasError(
+            what,
+            f"{what} must be a list of {canvas_length} entries ({entries}); got {type(row).__name__} {size}".rstrip(),
+        )
     for i, t in enumerate(row):
         if t is None and nulls:
             continue
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             either = " or null" if nulls else ""
-            raise CanvasError(f"{what}[{i}]", f"{what}[{i}] must be a token id in [0, {vocab_size}){either} (got {t!r})")
+            raise CanvasError(
+                f"{what}[{i}]", f"{what}[{i}] must be a token id in [0, {vocab_size}){either} (got {t!r})"
+            )
     return list(row)
 
 

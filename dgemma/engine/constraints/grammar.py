@@ -35,13 +35,14 @@ without a grammar (docs/server.md, "Structured output").
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from . import CanvasConstraints
 from ..sampler import pack_token_mask, unpack_token_mask
+from . import CanvasConstraints
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 # what llguidance raises for input it cannot take (a lone surrogate: UnicodeEncodeError, a ValueError;
@@ -99,7 +100,9 @@ def grammar_text(kind: str, spec: Any, lenient: bool = False) -> str:
             raise GrammarError(f"invalid JSON schema: {_why(e)}") from None
     if not isinstance(spec, str) or not spec:
         raise GrammarError(f"a {kind} must be a non-empty string (got {type(spec).__name__})")
-    convert = {"regex": llguidance.LLMatcher.grammar_from_regex, "lark": llguidance.LLMatcher.grammar_from_lark}.get(kind)
+    convert = {"regex": llguidance.LLMatcher.grammar_from_regex, "lark": llguidance.LLMatcher.grammar_from_lark}.get(
+        kind
+    )
     if convert is not None:
         try:
             return convert(spec)
@@ -150,7 +153,7 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {what}: {_first_line(matcher.get_error())}")
         return Grammar(kind, text, matcher)
 
-    def canvas(self, grammar: Grammar, canvas_length: int) -> "CanvasGrammar":
+    def canvas(self, grammar: Grammar, canvas_length: int) -> CanvasGrammar:
         """A fresh grammar state for one request."""
         return CanvasGrammar(self, grammar, canvas_length)
 
@@ -183,7 +186,7 @@ class CanvasGrammar:
             return self._walked[1]
         return self._walk(request.argmax.tolist())[1]
 
-    def refine(self, argmax: torch.Tensor, weights: "torch.Tensor | PassRows") -> torch.Tensor:
+    def refine(self, argmax: torch.Tensor, weights: torch.Tensor | PassRows) -> torch.Tensor:
         """The pass's argmax canvas made valid left to right: each token the grammar rejects
         (given the refined tokens before it) becomes the most likely allowed token under this
         pass's `weights` [C, V] (or what a walk reads of them: `PassRows`, for weights cut across
@@ -194,7 +197,9 @@ class CanvasGrammar:
         self._walked = (tokens, constraints)
         return torch.tensor(tokens, dtype=argmax.dtype)
 
-    def _walk(self, tokens: list[int], weights: "torch.Tensor | PassRows | None" = None) -> tuple[list[int], CanvasConstraints]:
+    def _walk(
+        self, tokens: list[int], weights: torch.Tensor | PassRows | None = None
+    ) -> tuple[list[int], CanvasConstraints]:
         """Walk `tokens` from the committed state: the mask at each position whose left
         neighbours are accepted, forced tokens fixed (and written into `tokens`). At the first
         rejected token: without `weights` the walk stops (that position masked, the rest free);
@@ -280,7 +285,7 @@ class PassRows:
     best_allowed: Callable[[int, torch.Tensor], int | None]
 
 
-def pass_rows(weights: "torch.Tensor | PassRows") -> PassRows:
+def pass_rows(weights: torch.Tensor | PassRows) -> PassRows:
     """A walk's reads of whole rows [C, V] (`top_candidates`, `best_allowed`), or `weights` itself
     when it already is one."""
     if isinstance(weights, PassRows):
@@ -365,5 +370,5 @@ def _first_line(message: str) -> str:
     lines = [ln for ln in message.strip().splitlines() if ln.strip()]
     if len(lines) > 3 and lines[0].endswith("regex parse error:") and lines[3].startswith("error: "):
         pattern, caret = lines[1][4:], lines[2].find("^") - 3  # (the crate indents both by 4)
-        return f"regex parse error: {lines[3][len('error: '):]} at character {caret} of {json.dumps(pattern)}"
+        return f"regex parse error: {lines[3][len('error: ') :]} at character {caret} of {json.dumps(pattern)}"
     return " ".join(" ".join(lines[:3]).split()) if lines else "rejected by llguidance"

@@ -24,8 +24,8 @@ suffix token is seen); spans of an edit must fit in one canvas from the first sp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from . import CanvasConstraints
 
@@ -60,16 +60,27 @@ class EditResult:
     replacements: list[str]  # what each snapped span became
 
 
-def candidate_lengths(canvas_length: int, span_length: int | None = None, lengths: Sequence[int] = DEFAULT_LENGTHS,
-                      max_tokens: int | None = None, max_candidates: int | None = None) -> list[int]:  # fmt: skip
+def candidate_lengths(
+    canvas_length: int,
+    span_length: int | None = None,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    max_tokens: int | None = None,
+    max_candidates: int | None = None,
+) -> list[int]:
     """The span lengths an infill tries, for the API, the CLI and the server alike: `span_length`
     (checked), or those of `lengths` that fit (1 to canvas_length - 1, at most `max_tokens`),
     thinned evenly to at most `max_candidates` (each is an engine request of its own)."""
     limit = canvas_length - 1 if max_tokens is None else min(canvas_length - 1, max_tokens)
     if span_length is not None:
-        if isinstance(span_length, bool) or not isinstance(span_length, int) or not 1 <= span_length <= canvas_length - 1:
-            raise ValueError(f"span_length must be 1 to {canvas_length - 1} (the canvas holds {canvas_length} tokens and "
-                             f"the span must leave one for the suffix); got {span_length!r}")  # fmt: skip
+        if (
+            isinstance(span_length, bool)
+            or not isinstance(span_length, int)
+            or not 1 <= span_length <= canvas_length - 1
+        ):
+            raise ValueError(
+                f"span_length must be 1 to {canvas_length - 1} (the canvas holds {canvas_length} tokens and "
+                f"the span must leave one for the suffix); got {span_length!r}"
+            )
         if span_length > limit:
             raise ValueError(f"span_length={span_length} is more than max_tokens={max_tokens}")
         return [span_length]
@@ -91,7 +102,9 @@ def most_likely_span(lengths: list[int], blocks: list) -> tuple[int, dict[int, f
     return max(lengths, key=lambda n: scores[n]), scores
 
 
-def infill_plan(prefix: list[int], suffix: list[int], span_length: int, canvas_length: int, eos: int, pad: int) -> CanvasPlan:
+def infill_plan(
+    prefix: list[int], suffix: list[int], span_length: int, canvas_length: int, eos: int, pad: int
+) -> CanvasPlan:
     """The canvas of an infill: `span_length` free positions, then the suffix (fixed), then EOS
     and pad where the suffix ends inside the canvas."""
     candidate_lengths(canvas_length, span_length)  # checked as every caller's
@@ -108,11 +121,17 @@ def snap_spans(spans: list[tuple[int, int]], offsets: list[tuple[int, int]], tex
     non-empty, not overlapping as given)."""
     checked = []
     for k, span in enumerate(spans):
-        if not (isinstance(span, (tuple, list)) and len(span) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
+        if not (
+            isinstance(span, (tuple, list))
+            and len(span) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in span)
+        ):
             raise ValueError(f"span {k} must be a pair of character offsets (start, end), got {span!r}")
         a, b = span
         if not 0 <= a < b <= text_length:
-            raise ValueError(f"span {k} = ({a}, {b}) must satisfy 0 <= start < end <= {text_length} (the text's length)")
+            raise ValueError(
+                f"span {k} = ({a}, {b}) must satisfy 0 <= start < end <= {text_length} (the text's length)"
+            )
         checked.append((a, b))
     ordered = sorted(checked)
     for (a1, b1), (a2, b2) in zip(ordered, ordered[1:]):
@@ -136,8 +155,10 @@ def edit_plan(
     EOS and pad past the text's end."""
     start = token_spans[0][0]
     if token_spans[-1][1] - start > canvas_length:
-        raise ValueError(f"the spans cover tokens {start} to {token_spans[-1][1]}: more than one canvas of "
-                         f"{canvas_length} tokens; edit them in separate calls")  # fmt: skip
+        raise ValueError(
+            f"the spans cover tokens {start} to {token_spans[-1][1]}: more than one canvas of "
+            f"{canvas_length} tokens; edit them in separate calls"
+        )
     window = ids[start : start + canvas_length]
     if len(window) < canvas_length:
         window = window + [eos] + [pad] * (canvas_length - len(window) - 1)

@@ -24,16 +24,16 @@ Philox stream (dense/ar.py draws from a torch generator), so a row does not depe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from ...kernels import triton_ar, triton_step
 from ..events import Block, GenerationOutput
-from .graphs import cuda_capture, eager_capture
 from ..kv.paged_cache import KINDS, PagedKVCache, SequenceBlocks
 from ..prefill import prefill
+from .graphs import cuda_capture, eager_capture
 
 READ_EVERY = 16  # tokens a row decodes between two reads of the device
 
@@ -77,14 +77,24 @@ class ARState:
     temperature: torch.Tensor  # [n] float32
 
     @classmethod
-    def empty(cls, n: int, width: int, read_every: int, device: torch.device) -> "ARState":
+    def empty(cls, n: int, width: int, read_every: int, device: torch.device) -> ARState:
         def zeros(*shape, dtype=torch.int32):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        return cls(zeros(n, dtype=torch.long), zeros(n), [zeros(n, width) - 1 for _ in KINDS], [zeros(n) for _ in KINDS],
-                   [zeros(n) for _ in KINDS], [zeros(n, dtype=torch.long) for _ in KINDS], zeros(n, read_every, dtype=torch.long),
-                   zeros(1), zeros(n, dtype=torch.bool), zeros(1, dtype=torch.long), zeros(n, dtype=torch.long),
-                   zeros(n, dtype=torch.float32))  # fmt: skip
+        return cls(
+            zeros(n, dtype=torch.long),
+            zeros(n),
+            [zeros(n, width) - 1 for _ in KINDS],
+            [zeros(n) for _ in KINDS],
+            [zeros(n) for _ in KINDS],
+            [zeros(n, dtype=torch.long) for _ in KINDS],
+            zeros(n, read_every, dtype=torch.long),
+            zeros(1),
+            zeros(n, dtype=torch.bool),
+            zeros(1, dtype=torch.long),
+            zeros(n, dtype=torch.long),
+            zeros(n, dtype=torch.float32),
+        )
 
     def token_pass(self, cache: PagedKVCache) -> TokenPass:
         tables = {kind: (self.tables[i], self.lo[i], self.start[i]) for i, kind in enumerate(KINDS)}
@@ -104,7 +114,9 @@ def choose(runner, raw: torch.Tensor, state: ARState, greedy: bool) -> torch.Ten
 def ar_step(runner, state: ARState, greedy: bool) -> None:
     """One token a row, all on the device (what a graph captures): see the module."""
     cache = runner.cache
-    triton_ar.token_slots(state.positions, state.tables, state.lo, state.start, state.slots, cache.block_size, cache.window)
+    triton_ar.token_slots(
+        state.positions, state.tables, state.lo, state.start, state.slots, cache.block_size, cache.window
+    )
     hidden = runner.net.encode(state.tokens[:, None], state.token_pass(cache)).view(state.tokens.shape[0], -1)
     chosen = choose(runner, runner.net.lm_head(hidden), state, greedy)
     triton_ar.ar_advance(chosen, state.tokens, state.positions, state.out, state.step, state.done, state.eos)
@@ -146,8 +158,11 @@ def device_ar_events(
                 raise RuntimeError(f"no room for a {len(p) + max_new_tokens}-token sequence in the KV cache")
             rows.append(kv)
             owners.append(owner)
-        return (yield from _generate(engine, rows, owners, prompts, max_new_tokens, temperature, seeds, eos_token_ids,
-                                     read_every, capture))  # fmt: skip
+        return (
+            yield from _generate(
+                engine, rows, owners, prompts, max_new_tokens, temperature, seeds, eos_token_ids, read_every, capture
+            )
+        )
     finally:
         for owner, kv in zip(owners, rows):
             blocks.free(owner, kv)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .step import DeviceStep, run_step, stack_state
 from .inputs import StepLayout, StepTensors, fill, host_buffer
+from .step import DeviceStep, run_step, stack_state
 
 if TYPE_CHECKING:
     from ..request import Request
@@ -75,7 +75,7 @@ class DecoderGraphs:
         """The bucket a group of `rows` requests replays in (None: larger than `largest`)."""
         return next((b for b in self.buckets if b >= rows), None)
 
-    def run(self, runner: "Runner", group: list["Request"], allowed: torch.Tensor | None = None):
+    def run(self, runner: Runner, group: list[Request], allowed: torch.Tensor | None = None):
         """`device_step.run_step` of the group by a graph replay: its outputs (views of the graph's
         output tensors, valid until the next replay), or None where the group must run eagerly
         (larger than `largest`, or the capture failed)."""
@@ -93,8 +93,10 @@ class DecoderGraphs:
                 reason = self.failures[key] = f"{type(e).__name__}: {e}"
                 log.warning(
                     "CUDA graph capture of the decoder step for %d rows%s failed; those run eagerly: %s",
-                    size, " with allowed-token masks" if key[1] else "", reason,
-                )  # fmt: skip
+                    size,
+                    " with allowed-token masks" if key[1] else "",
+                    reason,
+                )
                 return None
             self.steps[key] = entry
         return entry.replay(runner, group, allowed)
@@ -103,7 +105,7 @@ class DecoderGraphs:
 class _CapturedStep:
     """One bucket's captured device step: its static inputs and outputs."""
 
-    def __init__(self, runner: "Runner", size: int, graphs: DecoderGraphs, masked: bool = False):
+    def __init__(self, runner: Runner, size: int, graphs: DecoderGraphs, masked: bool = False):
         cfg, device = runner.config, runner.net.device
         c = cfg.canvas_length
         self.size, self.masked = size, masked
@@ -127,9 +129,11 @@ class _CapturedStep:
     def allowed(self) -> torch.Tensor | None:
         return self.static.allowed
 
-    def replay(self, runner: "Runner", group: list["Request"], allowed: torch.Tensor | None = None):
+    def replay(self, runner: Runner, group: list[Request], allowed: torch.Tensor | None = None):
         if (allowed is not None) != self.masked:
-            raise ValueError(f"a {'masked' if self.masked else 'mask-free'} graph needs {'' if self.masked else 'no '}allowed masks")
+            raise ValueError(
+                f"a {'masked' if self.masked else 'mask-free'} graph needs {'' if self.masked else 'no '}allowed masks"
+            )
         n, c = len(group), runner.config.canvas_length
         fill(self.layout, self.host, runner.cache, group)
         self.buffer.copy_(self.host, non_blocking=True)

@@ -44,8 +44,18 @@ class StepLayout:
         n, c, w = self.rows, self.canvas, self.width
         out = [(f"table.{k}", "int32", (n, w)) for k in KINDS] + [(f"lo.{k}", "int32", (n,)) for k in KINDS]
         out += [(f"start.{k}", "int32", (n,)) for k in KINDS]
-        out += [("seeds", "int64", (n,)), ("passes", "int64", (n,)), ("positions", "int32", (n, c)), ("temps", "float32", (n * c,))]
-        out += [("bounds", "float32", (n,)), ("confidence", "float32", (n,)), ("stability", "int32", (n,)), ("fixed", "int32", (n, c))]
+        out += [
+            ("seeds", "int64", (n,)),
+            ("passes", "int64", (n,)),
+            ("positions", "int32", (n, c)),
+            ("temps", "float32", (n * c,)),
+        ]
+        out += [
+            ("bounds", "float32", (n,)),
+            ("confidence", "float32", (n,)),
+            ("stability", "int32", (n,)),
+            ("fixed", "int32", (n, c)),
+        ]
         return out
 
     def offsets(self) -> dict[str, tuple[int, str, tuple[int, ...]]]:
@@ -100,9 +110,17 @@ def fill(layout: StepLayout, buffer: torch.Tensor, cache: PagedKVCache, group: l
         v[f"lo.{kind}"].copy_(lo)
         v[f"start.{kind}"].copy_(start)
     v["positions"].copy_(torch.tensor(starts, dtype=torch.int32)[:, None] + torch.arange(c, dtype=torch.int32))
-    temps = [float(sampler.temperature(r.config.max_denoising_steps - r.step, r.config.max_denoising_steps, r.config.t_min,
-                                       r.config.t_max)) for r in group]  # fmt: skip
-    v["temps"].view(n, c).copy_(torch.tensor(temps + [1.0] * (n - len(group)), dtype=torch.float32)[:, None].expand(n, c))
+    temps = [
+        float(
+            sampler.temperature(
+                r.config.max_denoising_steps - r.step, r.config.max_denoising_steps, r.config.t_min, r.config.t_max
+            )
+        )
+        for r in group
+    ]
+    v["temps"].view(n, c).copy_(
+        torch.tensor(temps + [1.0] * (n - len(group)), dtype=torch.float32)[:, None].expand(n, c)
+    )
     from ...kernels.triton_step import seed_bits
 
     pad = [0] * (n - len(group))
@@ -126,7 +144,7 @@ class StepTensors:
     plan: PagedPass
 
     @classmethod
-    def of(cls, layout: StepLayout, buffer: torch.Tensor, cache: PagedKVCache, group: list) -> "StepTensors":
+    def of(cls, layout: StepLayout, buffer: torch.Tensor, cache: PagedKVCache, group: list) -> StepTensors:
         v = layout.views(buffer)
         tables = {kind: (v[f"table.{kind}"], v[f"lo.{kind}"], v[f"start.{kind}"]) for kind in KINDS}
         rows = [r.kv for r in group]
@@ -135,4 +153,3 @@ class StepTensors:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.views[name]
-

@@ -49,7 +49,9 @@ class Runner(Protocol):
     def blank_state(self) -> dict[str, torch.Tensor]: ...
     def statistics(self, hidden: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple: ...
     def to_device(self, t: torch.Tensor) -> torch.Tensor: ...
-    def _logprobs(self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor, stops: list[bool]) -> list: ...
+    def _logprobs(
+        self, group: list[Request], argmax: torch.Tensor, weights: torch.Tensor, stops: list[bool]
+    ) -> list: ...
 
 
 @dataclass
@@ -65,12 +67,17 @@ class DeviceStep:
     allowed: torch.Tensor | None
 
 
-def decides_on_device(runner: "Runner", r: "Request") -> bool:
+def decides_on_device(runner: Runner, r: Request) -> bool:
     """Whether `r`'s decoder steps run whole on the device (see the module)."""
-    return runner.triton and r.turbo is None and not r.refines and r.config.stability_threshold <= triton_step.MAX_STABILITY
+    return (
+        runner.triton
+        and r.turbo is None
+        and not r.refines
+        and r.config.stability_threshold <= triton_step.MAX_STABILITY
+    )
 
 
-def run_step(runner: "Runner", step: DeviceStep) -> tuple[torch.Tensor, ...]:
+def run_step(runner: Runner, step: DeviceStep) -> tuple[torch.Tensor, ...]:
     """One decoder step of the step's rows, no host sync (what a graph captures): (canvas,
     argmax [n, C], history [n, S, C], stop [n], kept [n, C], shown [n, C], soft_next [n, C, H],
     probs [n C, V])."""
@@ -79,12 +86,23 @@ def run_step(runner: "Runner", step: DeviceStep) -> tuple[torch.Tensor, ...]:
     hidden = runner.net.decode(step.canvas, v.plan, step.soft)
     argmax, entropy, probs, _, soft_next = runner.statistics(hidden, v["temps"], step.allowed)
     sampled = triton_step.sample_drawn(probs, v["seeds"], v["passes"], c)
-    decided = triton_step.decide(entropy, argmax, sampled.view(n, c), v["seeds"], v["passes"], v["fixed"], v["bounds"],
-                                 v["confidence"], v["stability"], step.history, runner.config.vocab_size)  # fmt: skip
+    decided = triton_step.decide(
+        entropy,
+        argmax,
+        sampled.view(n, c),
+        v["seeds"],
+        v["passes"],
+        v["fixed"],
+        v["bounds"],
+        v["confidence"],
+        v["stability"],
+        step.history,
+        runner.config.vocab_size,
+    )
     return (*decided, soft_next, probs)
 
 
-def stack_state(runner: "Runner", group: list["Request"], rows: int, out: DeviceStep | None = None):
+def stack_state(runner: Runner, group: list[Request], rows: int, out: DeviceStep | None = None):
     """The group's canvases, self-conditioning inputs and histories stacked into [rows, ...]
     (rows past the group: token 0, no self-conditioning, no history), one launch each; into
     `out`'s tensors when given (a graph's static inputs). Returns (canvas, soft, history)."""
@@ -94,7 +112,11 @@ def stack_state(runner: "Runner", group: list["Request"], rows: int, out: Device
     history = [r.history if r.history is not None else blank["history"] for r in group] + [blank["history"]] * pad
     softs = [r.soft for r in group]
     if out is None:
-        soft = None if all(s is None for s in softs) else torch.stack([s if s is not None else blank["soft"] for s in softs] + [blank["soft"]] * pad)
+        soft = (
+            None
+            if all(s is None for s in softs)
+            else torch.stack([s if s is not None else blank["soft"] for s in softs] + [blank["soft"]] * pad)
+        )
         return torch.stack(canvas), soft, torch.stack(history)
     torch.stack(canvas, out=out.canvas)
     torch.stack(history, out=out.history)
@@ -102,7 +124,7 @@ def stack_state(runner: "Runner", group: list["Request"], rows: int, out: Device
     return out.canvas, out.soft, out.history
 
 
-def eager_step(runner: "Runner", group: list["Request"], allowed: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def eager_step(runner: Runner, group: list[Request], allowed: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """`run_step` for a group outside any graph: its inputs copied up and stacked, then the step."""
     c = runner.config.canvas_length
     width = max([1] + [len(r.kv.tables[kind]) for r in group for kind in r.kv.tables])
@@ -114,7 +136,7 @@ def eager_step(runner: "Runner", group: list["Request"], allowed: torch.Tensor |
     return run_step(runner, DeviceStep(inputs, canvas, soft, history, allowed))
 
 
-def device_group(runner: "Runner", group: list["Request"], copy_out: bool) -> list[DecodeResult]:
+def device_group(runner: Runner, group: list[Request], copy_out: bool) -> list[DecodeResult]:
     """One decoder step of `group` on the device (a graph replay where one is captured), then the
     step's one read (the stop flags) and the log probabilities asked for. `copy_out`: the outputs
     are copied out of the graph's tensors (another group replays the same graph this step)."""
@@ -129,6 +151,8 @@ def device_group(runner: "Runner", group: list["Request"], copy_out: bool) -> li
     stops = stop[:n].tolist()
     logprobs = runner._logprobs(group, argmax, probs[: n * c], stops)
     return [
-        DecodeResult(r, canvas[i], argmax[i], soft_next[i], history[i], stops[i], logprobs[i], kept[i], shown[i], positions=c)
+        DecodeResult(
+            r, canvas[i], argmax[i], soft_next[i], history[i], stops[i], logprobs[i], kept[i], shown[i], positions=c
+        )
         for i, r in enumerate(group)
     ]

@@ -118,7 +118,9 @@ class Reservation:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: dict[str, int], block_size: int, window: int, max_span: int, prefix_cache: bool = True):
+    def __init__(
+        self, num_blocks: dict[str, int], block_size: int, window: int, max_span: int, prefix_cache: bool = True
+    ):
         self.pools = {kind: BlockPool(num_blocks[kind]) for kind in KINDS}
         self.block_size = block_size
         self.window = window
@@ -178,7 +180,12 @@ class BlockManager:
 
     # ---------------------------------------------------------------- per request
     def admit(
-        self, request_id: int, kv: SequenceBlocks, keys: list[bytes], max_length: int, split_ends: set[int] = frozenset()
+        self,
+        request_id: int,
+        kv: SequenceBlocks,
+        keys: list[bytes],
+        max_length: int,
+        split_ends: set[int] = frozenset(),
     ) -> int | None:
         """Attach the cached prefix and reserve the rest; returns the cached token count, or None
         if the pools cannot take the request now (nothing is changed then)."""

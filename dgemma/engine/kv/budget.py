@@ -39,7 +39,9 @@ def default_kv_memory(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     return int(min(enough, free * share)) if free else enough
 
 
-def plan_blocks(config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int, max_span: int, max_active: int | None) -> dict[str, int]:
+def plan_blocks(
+    config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int, max_span: int, max_active: int | None
+) -> dict[str, int]:
     """Blocks per pool for a KV `budget` in bytes (resolved EngineOptions give the other arguments).
 
     Global blocks grow with a sequence, sliding ones are bounded by the window; so the sliding

@@ -55,7 +55,7 @@ class KeyRange:
 class PagedPass:
     """One forward pass over rows of the paged cache (the model calls `attend` per layer)."""
 
-    cache: "PagedKVCache"
+    cache: PagedKVCache
     rows: list[SequenceBlocks]
     counts: list[int]  # new tokens per row (the canvas length for a decoder pass)
     positions: torch.Tensor  # [n, T] RoPE position of each token
@@ -84,7 +84,11 @@ class PagedPass:
         """Let each image's tokens in this encoder pass attend to each other (attention.within_images)."""
         for kind in KINDS:
             offsets = [r.start - r.lo for r in self.ranges[kind]]
-            keys = max(o + c for o, c in zip(offsets, self.counts)) if self.masks[kind] is None else self.masks[kind].shape[-1]
+            keys = (
+                max(o + c for o, c in zip(offsets, self.counts))
+                if self.masks[kind] is None
+                else self.masks[kind].shape[-1]
+            )
             self.masks[kind] = within_images(self.masks[kind], self.causal[kind], groups, offsets, keys)
             self.causal[kind] = False
 
@@ -176,7 +180,9 @@ class PagedKVCache:
                 allowed = allowed & (k > q - window)
         return allowed, False
 
-    def plan_encoder(self, num_tokens: int, rows: list[SequenceBlocks], new_counts: list[int] | None = None) -> PagedPass:
+    def plan_encoder(
+        self, num_tokens: int, rows: list[SequenceBlocks], new_counts: list[int] | None = None
+    ) -> PagedPass:
         """A causal pass appending new_counts[i] (default num_tokens) tokens to each row; the rows'
         block tables must already cover the new positions."""
         counts = list(new_counts) if new_counts is not None else [num_tokens] * len(rows)
@@ -206,7 +212,9 @@ class PagedKVCache:
         tables = {kind: self.canvas_tables(kind, rows, starts, width) for kind in KINDS}
         if out is None:
             moved = {kind: tuple(self._to_device(t) for t in parts) for kind, parts in tables.items()}
-            return PagedPass(self, list(rows), [canvas_length] * n, self._to_device(positions), False, {}, {}, {}, moved)
+            return PagedPass(
+                self, list(rows), [canvas_length] * n, self._to_device(positions), False, {}, {}, {}, moved
+            )
         for kind in KINDS:
             for dest, src in zip(out.tables[kind], tables[kind]):
                 dest.copy_(src, non_blocking=True)
@@ -235,11 +243,13 @@ class PagedKVCache:
         static inputs a captured decoder step reads (fill them with `plan_canvas(..., out=)`)."""
         empty = [SequenceBlocks() for _ in range(rows)]
         tables = {
-            kind: (torch.full((rows, width), -1, dtype=torch.int32, device=self.device),
-                   torch.zeros(rows, dtype=torch.int32, device=self.device),
-                   torch.zeros(rows, dtype=torch.int32, device=self.device))
+            kind: (
+                torch.full((rows, width), -1, dtype=torch.int32, device=self.device),
+                torch.zeros(rows, dtype=torch.int32, device=self.device),
+                torch.zeros(rows, dtype=torch.int32, device=self.device),
+            )
             for kind in KINDS
-        }  # fmt: skip
+        }
         positions = torch.arange(canvas_length, device=self.device).repeat(rows, 1)
         return PagedPass(self, empty, [canvas_length] * rows, positions, False, {}, {}, {}, tables)
 
@@ -277,7 +287,12 @@ class PagedKVCache:
         rows_k = [self._row_keys(keys, r, k_rows[i, :c]) for i, (r, c) in enumerate(zip(ranges, counts))]
         rows_v = [self._row_keys(values, r, v_rows[i, :c]) for i, (r, c) in enumerate(zip(ranges, counts))]
         if len(rows_k) == 1:
-            return rows_k[0].transpose(0, 1)[None], rows_v[0].transpose(0, 1)[None], cache_pass.masks[kind], cache_pass.causal[kind]
+            return (
+                rows_k[0].transpose(0, 1)[None],
+                rows_v[0].transpose(0, 1)[None],
+                cache_pass.masks[kind],
+                cache_pass.causal[kind],
+            )
         span = max(x.shape[0] for x in rows_k)
         all_k = k_rows.new_zeros(len(rows_k), span, *k_rows.shape[2:])
         all_v = v_rows.new_zeros(len(rows_v), span, *v_rows.shape[2:])

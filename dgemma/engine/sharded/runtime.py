@@ -38,11 +38,13 @@ class ShardedSampler:
         self.group, self.vocab_size, self.start, self.end = group, vocab_size, start, end
 
     @classmethod
-    def of(cls, net) -> "ShardedSampler":
+    def of(cls, net) -> ShardedSampler:
         start, end = net.shard_plan.ranks[net.shards.rank].vocab
         return cls(net.shards, net.config.vocab_size, start, end)
 
-    def statistics(self, logits: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None) -> sampler.StepStatistics:
+    def statistics(
+        self, logits: torch.Tensor, temps: torch.Tensor, allowed: torch.Tensor | None
+    ) -> sampler.StepStatistics:
         """`sampler.step_statistics` of this rank's logits' columns [R, Vs]: global argmax, entropy
         and total; local weights."""
         return sampling.sharded_step_statistics(logits, temps, self.group, self.start, allowed, overwrite_logits=True)

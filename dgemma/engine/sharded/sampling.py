@@ -42,6 +42,7 @@ class Collectives(Protocol):
     def all_gather(self, t: torch.Tensor) -> torch.Tensor: ...
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
 
+
 class ShardMaskError(ValueError):
     """An allowed-token mask that cannot be sliced at a shard's bounds."""
 
@@ -57,7 +58,9 @@ def shard_mask(allowed: torch.Tensor, start: int, end: int) -> torch.Tensor:
         raise ShardMaskError(f"vocabulary shard starts at {start}, not at a 32-token word of the allowed-token mask")
     first, words = start // 32, -(-(end - start) // 32)
     if allowed.shape[-1] < first + words:
-        raise ShardMaskError(f"allowed-token mask has {allowed.shape[-1]} words, the shard [{start}, {end}) needs {first + words}")
+        raise ShardMaskError(
+            f"allowed-token mask has {allowed.shape[-1]} words, the shard [{start}, {end}) needs {first + words}"
+        )
     return allowed[..., first : first + words]
 
 
@@ -119,7 +122,9 @@ def sharded_step_statistics(
     return StepStatistics(argmax=argmax, entropy=entropy, weights=e, total=total)
 
 
-def sharded_sample(weights_local: torch.Tensor, uniforms: torch.Tensor, group: Collectives, vocab_start: int) -> torch.Tensor:
+def sharded_sample(
+    weights_local: torch.Tensor, uniforms: torch.Tensor, group: Collectives, vocab_start: int
+) -> torch.Tensor:
     """`sampler.sample_from_weights` over the full rows from this rank's weights [R, Vs]: one global
     token id per row [R], the same on every rank.
 
@@ -240,7 +245,12 @@ def sharded_best_allowed_at(
     id among equals, or None when every allowed token weighs 0. One all_gather of each shard's
     (best weight, global id, row); rows that differ across the ranks raise WalkDivergedError
     (their walks no longer pair up) instead of answering."""
-    mine = torch.cat([_best_allowed_local(weights_local, vocab_start, row, mask), weights_local.new_tensor([row], dtype=torch.float64)])
+    mine = torch.cat(
+        [
+            _best_allowed_local(weights_local, vocab_start, row, mask),
+            weights_local.new_tensor([row], dtype=torch.float64),
+        ]
+    )
     every = group.all_gather(mine)  # [size, 3]
     rows = every[:, 2].tolist()
     if any(r != row for r in rows):
@@ -249,7 +259,9 @@ def sharded_best_allowed_at(
     return int(token) if float(value) > 0 else None
 
 
-def sharded_pass_rows(weights_local: torch.Tensor, group: Collectives, vocab_start: int, k: int = CANDIDATES) -> PassRows:
+def sharded_pass_rows(
+    weights_local: torch.Tensor, group: Collectives, vocab_start: int, k: int = CANDIDATES
+) -> PassRows:
     """What a grammar's walk reads of a pass's full rows [C, V], from this rank's [C, Vs]: the
     candidates from each shard's top-k, gathered once (when the walk first rejects a token), and
     the whole-row fallback in one gather per unsettled position; never a [C, V] tensor. Every

@@ -52,8 +52,12 @@ class Access:
             raise ValueError("--api-key must be a non-empty string without surrounding whitespace")
         for origin in self.allowed_origins:
             if origin != "*" and _origin_key(origin) is None:
-                raise ValueError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], e.g. http://localhost:3000)")
-        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().rstrip(".") for h in self.allowed_hosts if h.strip()))
+                raise ValueError(
+                    f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], e.g. http://localhost:3000)"
+                )
+        object.__setattr__(
+            self, "allowed_hosts", tuple(h.strip().lower().rstrip(".") for h in self.allowed_hosts if h.strip())
+        )
 
     @property
     def cors(self) -> bool:
@@ -148,7 +152,9 @@ class AccessGuard:
         if scope["path"].startswith("/api/"):  # the ollama API's error shape (ollama/routes.py)
             body = json.dumps({"error": message})
         else:
-            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
+            body = json.dumps(
+                {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+            )
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
@@ -162,17 +168,33 @@ class AccessGuard:
         host = split_host(host_header)
         if host is None or not host_allowed(host, self.access):
             shown = host_header[:80]
-            return 403, (f"Host {shown!r} is not allowed: this server answers to local names only; start it with "
-                         f"--allowed-hosts {host or 'NAME'} to serve that name (e.g. behind a proxy)"), "host_not_allowed"  # fmt: skip
+            return (
+                403,
+                (
+                    f"Host {shown!r} is not allowed: this server answers to local names only; start it with "
+                    f"--allowed-hosts {host or 'NAME'} to serve that name (e.g. behind a proxy)"
+                ),
+                "host_not_allowed",
+            )
         origin = headers.get("origin")
         if origin is not None and not origin_allowed(origin, host_header, self.access):
-            return 403, (f"Origin {origin[:80]!r} is not allowed: pages on other sites may not call this server; "
-                         "start it with --allowed-origins ORIGIN to let one"), "origin_not_allowed"  # fmt: skip
+            return (
+                403,
+                (
+                    f"Origin {origin[:80]!r} is not allowed: pages on other sites may not call this server; "
+                    "start it with --allowed-origins ORIGIN to let one"
+                ),
+                "origin_not_allowed",
+            )
         preflight = scope["method"] == "OPTIONS" and "access-control-request-method" in headers
         if self.access.api_key is None or not key_required(scope["path"]) or (preflight and self.access.cors):
             return None
         if not key_matches(headers.get("authorization", ""), self.access.api_key):
-            return 401, "missing or wrong API key: send 'Authorization: Bearer KEY' (this server was started with --api-key)", "invalid_api_key"  # fmt: skip
+            return (
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer KEY' (this server was started with --api-key)",
+                "invalid_api_key",
+            )
         return None
 
 

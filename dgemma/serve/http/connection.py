@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -75,6 +76,10 @@ async def watch_disconnect(request: Request, on_disconnect: Callable[[], Any]) -
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            log.info("%s went away before its answer to %s was complete; cancelled its request", client_label(request), request.url.path)
+            log.info(
+                "%s went away before its answer to %s was complete; cancelled its request",
+                client_label(request),
+                request.url.path,
+            )
             on_disconnect()
             return

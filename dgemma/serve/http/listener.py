@@ -61,8 +61,11 @@ class TimedProtocol(H11Protocol):
         self._header_timer = None
         if not self.transport.is_closing():
             client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-            log.info("closed the connection of %s: no complete request headers within %g s (--read-timeout)",
-                     client, self.header_timeout)  # fmt: skip
+            log.info(
+                "closed the connection of %s: no complete request headers within %g s (--read-timeout)",
+                client,
+                self.header_timeout,
+            )
             self.transport.close()
 
     def handle_events(self) -> None:
@@ -88,8 +91,14 @@ def timed_protocol(header_timeout: float) -> type[TimedProtocol]:
 def uvicorn_config(app, limits: Limits, log_level: str = "warning", access_log: bool = False):
     import uvicorn
 
-    return uvicorn.Config(app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
-                          http=timed_protocol(limits.read_timeout), limit_concurrency=limits.limit_concurrency)  # fmt: skip
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=5,
+        http=timed_protocol(limits.read_timeout),
+        limit_concurrency=limits.limit_concurrency,
+    )
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -121,7 +130,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -39,9 +39,11 @@ class MediaPolicy:
     max_items: int = 8  # images plus videos per request (a video counts once, whatever its frames)
 
     def __post_init__(self) -> None:
-        checks = [("--max-media-bytes", self.max_bytes, self.max_bytes >= 1, "positive"),
-                  ("--media-timeout", self.timeout, self.timeout > 0, "positive"),
-                  ("--max-images-per-request", self.max_items, self.max_items >= 0, "0 or more")]  # fmt: skip
+        checks = [
+            ("--max-media-bytes", self.max_bytes, self.max_bytes >= 1, "positive"),
+            ("--media-timeout", self.timeout, self.timeout > 0, "positive"),
+            ("--max-images-per-request", self.max_items, self.max_items >= 0, "0 or more"),
+        ]
         for flag, value, ok, what in checks:
             if not ok:
                 raise ValueError(f"{flag} must be {what} (got {value})")
@@ -53,7 +55,9 @@ class MediaPolicy:
         domains = tuple(normal_host(d) for d in self.allowed_domains)
         for name in domains:
             if not (HOST_NAME.fullmatch(name) or ip_address(name)):
-                raise ValueError(f"--allowed-media-domains: {name!r} is not a host name (e.g. media.internal or *.example.com)")
+                raise ValueError(
+                    f"--allowed-media-domains: {name!r} is not a host name (e.g. media.internal or *.example.com)"
+                )
         if domains and not self.allow_remote:
             raise ValueError("--allowed-media-domains needs --allow-remote-media")
         object.__setattr__(self, "allowed_domains", domains)
@@ -90,7 +94,9 @@ def shown(url: str) -> str:
 def check_size(ref: MediaRef, size: int, policy: MediaPolicy, whole: bool = True) -> None:
     """Refuse more than --max-media-bytes; and, once `whole`, nothing at all."""
     if size > policy.max_bytes:
-        raise PartError(ref.param, f"{shown(ref.url)!r} holds more than the limit of {policy.max_bytes} bytes (--max-media-bytes)")
+        raise PartError(
+            ref.param, f"{shown(ref.url)!r} holds more than the limit of {policy.max_bytes} bytes (--max-media-bytes)"
+        )
     if whole and size == 0:
         raise PartError(ref.param, f"{shown(ref.url)!r} is empty")
 

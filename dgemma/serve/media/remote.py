@@ -27,8 +27,16 @@ NOT_GLOBAL = tuple(ipaddress.ip_network(n) for n in ("::/96", "64:ff9b:1::/48", 
 NAT64 = ipaddress.ip_network("64:ff9b::/96")  # the well-known prefix: its last 32 bits are an IPv4 address
 # What keeps a fetch from an answer: bad URLs, DNS, refused or disallowed connections, TLS, resets,
 # protocol errors, timeouts.
-FETCH_ERRORS = (httpx.InvalidURL, httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError,
-                httpcore.UnsupportedProtocol, httpcore.ConnectionNotAvailable, OSError, UnicodeError)  # fmt: skip
+FETCH_ERRORS = (
+    httpx.InvalidURL,
+    httpcore.NetworkError,
+    httpcore.TimeoutException,
+    httpcore.ProtocolError,
+    httpcore.UnsupportedProtocol,
+    httpcore.ConnectionNotAvailable,
+    OSError,
+    UnicodeError,
+)
 
 
 def host_allowed(host: str, domains: Sequence[str]) -> bool:
@@ -66,8 +74,14 @@ class GuardedBackend(httpcore.SyncBackend):
     def __init__(self, allowed_domains: Sequence[str] = (), deadline: float | None = None):
         self.allowed_domains, self.deadline = tuple(allowed_domains), deadline
 
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options: Any = None) -> httpcore.NetworkStream:  # fmt: skip
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.NetworkStream:
         trusted = host_allowed(host, self.allowed_domains)
         error: Exception = httpcore.ConnectError(f"{host} has no address this server may connect to")
         for address in self._addresses(host, port):
@@ -106,8 +120,10 @@ class GuardedBackend(httpcore.SyncBackend):
 
 def _unfetchable(ref: MediaRef) -> PartError:
     """The one message for every fetch that gets no 200 answer, whatever the cause."""
-    return PartError(ref.param, f"could not fetch {shown(ref.url)!r} "
-                                "(unreachable, not allowed on this server, or not an HTTP 200 answer)")  # fmt: skip
+    return PartError(
+        ref.param,
+        f"could not fetch {shown(ref.url)!r} (unreachable, not allowed on this server, or not an HTTP 200 answer)",
+    )
 
 
 def _timed_out(ref: MediaRef, policy: MediaPolicy) -> PartError:
@@ -138,8 +154,9 @@ def _get(ref: MediaRef, pool: httpcore.ConnectionPool, url: str, deadline: float
         request = httpx.Request("GET", url, headers=FETCH_HEADERS)
         if left <= 0 or request.url.scheme not in ("http", "https"):
             raise _unfetchable(ref)
-        target = httpcore.URL(scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port,
-                              target=request.url.raw_path)  # fmt: skip
+        target = httpcore.URL(
+            scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port, target=request.url.raw_path
+        )
         timeouts = dict.fromkeys(("connect", "read", "write", "pool"), left)
         with pool.stream("GET", target, headers=request.headers.raw, extensions={"timeout": timeouts}) as response:
             yield response

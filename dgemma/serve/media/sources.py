@@ -26,7 +26,11 @@ from .policy import MIME, MediaPolicy, MediaRef, PartError, check_size, shown
 from .remote import fetch
 
 # OpenAI part type -> (our kind, the key holding the URL or {"url": ...})
-MEDIA_PARTS = {"image_url": ("image", "image_url"), "input_image": ("image", "image_url"), "video_url": ("video", "video_url")}
+MEDIA_PARTS = {
+    "image_url": ("image", "image_url"),
+    "input_image": ("image", "image_url"),
+    "video_url": ("video", "video_url"),
+}
 TEXT_PARTS = ("text", "input_text")
 
 
@@ -35,7 +39,9 @@ def _part_url(part: dict, key: str, param: str) -> str:
     value = part.get(key)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise PartError(param, f"{part['type']} part needs '{key}': {{'url': '...'}} or a URL string (got {value!r:.60})")
+        raise PartError(
+            param, f"{part['type']} part needs '{key}': {{'url': '...'}} or a URL string (got {value!r:.60})"
+        )
     return url
 
 
@@ -81,7 +87,9 @@ class LoadedMedia:
         try:
             if self.ref.kind == "image":
                 return processor.image(self.raw, max_soft_tokens)
-            video = open_video(self.raw, processor.sample_indices, processor.max_pixels, processor.max_frames, self.mime)
+            video = open_video(
+                self.raw, processor.sample_indices, processor.max_pixels, processor.max_frames, self.mime
+            )
             return processor.video(video, max_soft_tokens)
         except MediaError as e:
             raise PartError(self.ref.param, str(e)) from None
@@ -115,9 +123,15 @@ def load(ref: MediaRef, policy: MediaPolicy) -> bytes:
         return file_bytes(ref, policy)
     if scheme in ("http", "https"):
         if not policy.allow_remote:
-            raise PartError(ref.param, "remote media (http/https URLs) is off on this server (--allow-remote-media); send a data: URL")
+            raise PartError(
+                ref.param,
+                "remote media (http/https URLs) is off on this server (--allow-remote-media); send a data: URL",
+            )
         return fetch(ref, policy)
-    raise PartError(ref.param, f"unsupported URL scheme {scheme or 'none'!r} in {shown(ref.url)!r}; use data:, file:// or http(s)://")
+    raise PartError(
+        ref.param,
+        f"unsupported URL scheme {scheme or 'none'!r} in {shown(ref.url)!r}; use data:, file:// or http(s)://",
+    )
 
 
 def data_url_bytes(ref: MediaRef, policy: MediaPolicy) -> bytes:
@@ -130,12 +144,16 @@ def data_url_bytes(ref: MediaRef, policy: MediaPolicy) -> bytes:
     if "base64" not in fields[1:]:
         raise PartError(ref.param, "data URL must be base64-encoded (data:<mime>;base64,<data>)")
     if mime not in MIME[ref.kind]:
-        raise PartError(ref.param, f"unsupported mime type {mime or 'none'!r}; {ref.kind}s may be {', '.join(MIME[ref.kind])}")
+        raise PartError(
+            ref.param, f"unsupported mime type {mime or 'none'!r}; {ref.kind}s may be {', '.join(MIME[ref.kind])}"
+        )
     packed = "".join(data.split())
     if not packed:
         raise PartError(ref.param, "data URL holds no data")
     if len(packed) // 4 * 3 > policy.max_bytes + 2:
-        raise PartError(ref.param, f"data URL holds more than the limit of {policy.max_bytes} bytes (--max-media-bytes)")
+        raise PartError(
+            ref.param, f"data URL holds more than the limit of {policy.max_bytes} bytes (--max-media-bytes)"
+        )
     try:
         raw = base64.b64decode(packed, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -163,8 +181,11 @@ def file_bytes(ref: MediaRef, policy: MediaPolicy) -> bytes:
     except ValueError:  # a lone surrogate
         raise PartError(ref.param, f"{shown(ref.url)!r} is not a valid file path") from None
     if not path.is_relative_to(policy.allowed_dir):
-        raise PartError(ref.param, f"{shown(ref.url)!r} is outside the allowed media directory (--allowed-media-dir); "
-                                   "only files below it are read, after resolving symlinks and '..'")  # fmt: skip
+        raise PartError(
+            ref.param,
+            f"{shown(ref.url)!r} is outside the allowed media directory (--allowed-media-dir); "
+            "only files below it are read, after resolving symlinks and '..'",
+        )
     try:
         info = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):

@@ -26,8 +26,12 @@ from ..errors import ApiError, excerpt, validation_error
 from ..openai.protocol import ChatParams, CompletionParams, RequestParams
 
 THINK_LEVELS = ("low", "medium", "high", "max")
-IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF87a": "image/gif",
-                    b"GIF89a": "image/gif"}  # fmt: skip
+IMAGE_SIGNATURES = {
+    b"\x89PNG\r\n\x1a\n": "image/png",
+    b"\xff\xd8\xff": "image/jpeg",
+    b"GIF87a": "image/gif",
+    b"GIF89a": "image/gif",
+}
 
 
 # ------------------------------------------------------------------------------------ request bodies
@@ -104,24 +108,81 @@ def parse_body(kind: type[_Body], body: dict) -> Any:
 INT, FLOAT, BOOL, STRINGS = "integer", "float", "boolean", "array of strings"
 # ollama's options and their JSON types (api/types.go: Options and Runner), then dgemma's sampler knobs
 OPTION_TYPES = {
-    **dict.fromkeys(("num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "mirostat", "num_ctx", "num_batch",
-                     "num_gpu", "main_gpu", "num_thread", "draft_num_predict", "num_gqa"), INT),
-    **dict.fromkeys(("top_p", "min_p", "typical_p", "temperature", "repeat_penalty", "presence_penalty",
-                     "frequency_penalty", "tfs_z", "mirostat_tau", "mirostat_eta", "rope_frequency_base",
-                     "rope_frequency_scale"), FLOAT),
-    **dict.fromkeys(("numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap", "use_mlock",
-                     "embedding_only", "penalize_newline"), BOOL),
+    **dict.fromkeys(
+        (
+            "num_keep",
+            "seed",
+            "num_predict",
+            "top_k",
+            "repeat_last_n",
+            "mirostat",
+            "num_ctx",
+            "num_batch",
+            "num_gpu",
+            "main_gpu",
+            "num_thread",
+            "draft_num_predict",
+            "num_gqa",
+        ),
+        INT,
+    ),
+    **dict.fromkeys(
+        (
+            "top_p",
+            "min_p",
+            "typical_p",
+            "temperature",
+            "repeat_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "tfs_z",
+            "mirostat_tau",
+            "mirostat_eta",
+            "rope_frequency_base",
+            "rope_frequency_scale",
+        ),
+        FLOAT,
+    ),
+    **dict.fromkeys(
+        (
+            "numa",
+            "low_vram",
+            "f16_kv",
+            "logits_all",
+            "vocab_only",
+            "use_mmap",
+            "use_mlock",
+            "embedding_only",
+            "penalize_newline",
+        ),
+        BOOL,
+    ),
     "stop": STRINGS,
     # dgemma's own (docs/server.md, "Request fields"), by their OpenAI-route names
-    **dict.fromkeys(("max_denoising_steps", "stability_threshold", "max_soft_tokens", "turbo_freeze_passes",
-                     "turbo_refresh_every"), INT),
-    **dict.fromkeys(("entropy_bound", "t_min", "t_max", "confidence_threshold", "turbo_freeze_entropy",
-                     "turbo_dormant_entropy"), FLOAT),
+    **dict.fromkeys(
+        ("max_denoising_steps", "stability_threshold", "max_soft_tokens", "turbo_freeze_passes", "turbo_refresh_every"),
+        INT,
+    ),
+    **dict.fromkeys(
+        ("entropy_bound", "t_min", "t_max", "confidence_threshold", "turbo_freeze_entropy", "turbo_dormant_entropy"),
+        FLOAT,
+    ),
     **dict.fromkeys(("ignore_eos", "turbo"), BOOL),
-}  # fmt: skip
-KNOBS = ("max_denoising_steps", "stability_threshold", "entropy_bound", "t_min", "t_max", "confidence_threshold",
-         "ignore_eos", "turbo", "turbo_freeze_passes", "turbo_freeze_entropy", "turbo_refresh_every",
-         "turbo_dormant_entropy")
+}
+KNOBS = (
+    "max_denoising_steps",
+    "stability_threshold",
+    "entropy_bound",
+    "t_min",
+    "t_max",
+    "confidence_threshold",
+    "ignore_eos",
+    "turbo",
+    "turbo_freeze_passes",
+    "turbo_freeze_entropy",
+    "turbo_refresh_every",
+    "turbo_dormant_entropy",
+)
 
 
 def _typed(name: str, value: Any, kind: str) -> Any:
@@ -172,11 +233,13 @@ class OllamaNames:
     rules: list[tuple[str, str]] = field(default_factory=list)
 
     COMMON = [
-        (r"max_(?:completion_)?tokens", "options.num_predict"), (r"seed", "options.seed"), (r"stop", "options.stop"),
+        (r"max_(?:completion_)?tokens", "options.num_predict"),
+        (r"seed", "options.seed"),
+        (r"stop", "options.stop"),
         *((k, f"options.{k}") for k in (*KNOBS, "max_soft_tokens")),
         (r"response_format(?:\.json_schema\.schema)?|guided_json", "format"),
         (r"reasoning_effort|chat_template_kwargs\.enable_thinking", "think"),
-    ]  # fmt: skip
+    ]
 
     def add(self, pattern: str, name: str) -> None:
         self.rules.append((pattern, name))
@@ -219,8 +282,13 @@ def _image_url(data: str, param: str) -> str:
     if mime is None and head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         mime = "image/webp"
     if mime is None:
-        raise ApiError(400, f"{param}: not a PNG, JPEG, WebP or GIF image (got {len(packed)} base64 characters "
-                            f"starting {excerpt(packed[:12])})", param, "invalid_media")  # fmt: skip
+        raise ApiError(
+            400,
+            f"{param}: not a PNG, JPEG, WebP or GIF image (got {len(packed)} base64 characters "
+            f"starting {excerpt(packed[:12])})",
+            param,
+            "invalid_media",
+        )
     return f"data:{mime};base64,{packed}"
 
 
@@ -245,8 +313,16 @@ def _calls(i: int, calls: list[ToolCall]) -> list[dict]:
     out = []
     for j, call in enumerate(calls):
         args = call.function.arguments
-        out.append({"id": call.id or f"call_{i}_{j}", "type": "function",
-                    "function": {"name": call.function.name, "arguments": args if isinstance(args, str) else json.dumps(args)}})  # fmt: skip
+        out.append(
+            {
+                "id": call.id or f"call_{i}_{j}",
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
     return out
 
 
@@ -283,8 +359,13 @@ def _answered_call(i: int, m: Message, open_calls: list[dict]) -> str:
     match = [c for c in open_calls if m.tool_name in (None, c["function"]["name"])]
     if not match:
         why = f"no call of '{m.tool_name}' is" if m.tool_name and open_calls else "no tool call is"
-        raise ApiError(400, f"messages[{i}] (role 'tool'): {why} waiting for a result; a tool message follows the "
-                            "assistant message with the tool_calls it answers", f"messages[{i}]", "invalid_value")  # fmt: skip
+        raise ApiError(
+            400,
+            f"messages[{i}] (role 'tool'): {why} waiting for a result; a tool message follows the "
+            "assistant message with the tool_calls it answers",
+            f"messages[{i}]",
+            "invalid_value",
+        )
     open_calls.remove(match[0])
     return match[0]["id"]
 
@@ -304,7 +385,7 @@ def _format(fmt: Any) -> dict[str, Any]:
         return {"response_format": {"type": "json_object"}}
     if isinstance(fmt, dict):
         return {"guided_json": fmt}
-    message = f"format must be \"json\" or a JSON schema object (got {excerpt(fmt)})"
+    message = f'format must be "json" or a JSON schema object (got {excerpt(fmt)})'
     raise ApiError(400, message, "format", "invalid_value")
 
 
@@ -342,8 +423,13 @@ class Translated:
 
 def chat_params(req: ChatRequest, served: str, names: OllamaNames) -> Translated:
     """An /api/chat body as the OpenAI chat request it asks for (`served`: the served name)."""
-    fields = {**_common(req, served, True), "messages": chat_messages(req.messages or [], names), "tools": _tools(req.tools),
-              **_think(req.think), **_logprobs(req, True)}  # fmt: skip
+    fields = {
+        **_common(req, served, True),
+        "messages": chat_messages(req.messages or [], names),
+        "tools": _tools(req.tools),
+        **_think(req.think),
+        **_logprobs(req, True),
+    }
     return Translated(_checked(ChatParams, fields), chat=True)
 
 
@@ -353,8 +439,13 @@ def generate_params(req: GenerateRequest, served: str, names: OllamaNames) -> Tr
     with `raw`, a completion of the prompt as it is; else a chat of one user turn (with `system`
     before it), as ollama's template would render it."""
     if req.context:
-        raise ApiError(400, "context: not supported (dgemma keeps no conversation state); send the conversation with "
-                            "/api/chat, or the whole prompt", "context", "unsupported_parameter")  # fmt: skip
+        raise ApiError(
+            400,
+            "context: not supported (dgemma keeps no conversation state); send the conversation with "
+            "/api/chat, or the whole prompt",
+            "context",
+            "unsupported_parameter",
+        )
     completion = bool(req.suffix or req.raw)
     fields = _common(req, served, chat=not completion)
     if completion:
@@ -368,8 +459,13 @@ def generate_params(req: GenerateRequest, served: str, names: OllamaNames) -> Tr
         params = _checked(CompletionParams, {**fields, "suffix": req.suffix})
         return Translated(params, chat=False, insert_stops=stops)
     if req.template:
-        raise ApiError(400, "template: ollama's Go templates are not supported; the checkpoint's chat template renders "
-                            "the prompt (or send raw: true with a prompt you formatted)", "template", "unsupported_parameter")  # fmt: skip
+        raise ApiError(
+            400,
+            "template: ollama's Go templates are not supported; the checkpoint's chat template renders "
+            "the prompt (or send raw: true with a prompt you formatted)",
+            "template",
+            "unsupported_parameter",
+        )
     messages = [{"role": "system", "content": req.system}] if req.system else []
     user = f"messages[{len(messages)}]"
     messages.append({"role": "user", "content": _content(req.prompt, req.images, "", names, user)})

@@ -14,20 +14,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
-from ..http.connection import watch_disconnect
 from ..engine_thread import EngineFailure
 from ..errors import ApiError, json_response
+from ..http.connection import watch_disconnect
 from ..openai.logprobs import chat_logprobs
-from ..pipeline import Prepared
 from ..openai.protocol import request_top_logprobs
-from ..reasoning import Thought
 from ..openai.responses import Choice
+from ..pipeline import Prepared
+from ..reasoning import Thought
 from ..service import Service, insertion_reason
 
 NDJSON = "application/x-ndjson"
@@ -101,10 +102,16 @@ class OllamaResponder:
         """The last object: done, its reason, and the counts and durations (docs/server.md)."""
         gen, end = self.choice.gen, time.perf_counter()
         first = gen.first_block_at if gen.first_block_at is not None else end
-        body.update(done=True, done_reason=DONE_REASONS.get(reason, reason), total_duration=ns(end - self.started),
-                    load_duration=0, prompt_eval_count=len(self.run.prompt.input_ids),
-                    prompt_eval_duration=ns(first - gen.job.submitted), eval_count=gen.completion_tokens,
-                    eval_duration=ns(end - gen.job.submitted))  # fmt: skip
+        body.update(
+            done=True,
+            done_reason=DONE_REASONS.get(reason, reason),
+            total_duration=ns(end - self.started),
+            load_duration=0,
+            prompt_eval_count=len(self.run.prompt.input_ids),
+            prompt_eval_duration=ns(first - gen.job.submitted),
+            eval_count=gen.completion_tokens,
+            eval_duration=ns(end - gen.job.submitted),
+        )
         return body
 
     # ---------------------------------------------------------------- answers
@@ -164,8 +171,9 @@ class OllamaResponder:
                 choice.record(self.service, "cancelled")
 
 
-def insertion_answer(service: Service, run: Prepared, model: str, started: float, stream: bool,
-                     stops: list[str]) -> Response:
+def insertion_answer(
+    service: Service, run: Prepared, model: str, started: float, stream: bool, stops: list[str]
+) -> Response:
     """An /api/generate insertion (suffix): the span whole, or streamed as one piece and the last
     object; cut before the first of `stops` (the request's stop strings, applied to the span).
     204 when its client has gone (nobody reads it)."""
@@ -177,9 +185,19 @@ def insertion_answer(service: Service, run: Prepared, model: str, started: float
     if cut is not None:
         text, reason = text[:cut], "stop"
     now = time.perf_counter()
-    final = {"model": model, "created_at": created_at(), "response": "", "done": True, "done_reason": reason,
-             "total_duration": ns(now - started), "load_duration": 0, "prompt_eval_count": len(run.prompt.input_ids),
-             "prompt_eval_duration": 0, "eval_count": found.span_length, "eval_duration": ns(now - started)}  # fmt: skip
+    final = {
+        "model": model,
+        "created_at": created_at(),
+        "response": "",
+        "done": True,
+        "done_reason": reason,
+        "total_duration": ns(now - started),
+        "load_duration": 0,
+        "prompt_eval_count": len(run.prompt.input_ids),
+        "prompt_eval_duration": 0,
+        "eval_count": found.span_length,
+        "eval_duration": ns(now - started),
+    }
     if not stream:
         return json_response({**final, "response": text})
     piece = {"model": model, "created_at": final["created_at"], "response": text, "done": False}

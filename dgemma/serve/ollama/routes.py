@@ -26,8 +26,11 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
-from ..http.connection import read_json
 from ..errors import ApiError, excerpt, json_response
+from ..http.connection import read_json
+from ..pipeline import prepare
+from ..reasoning import THINK, template_thinks
+from ..service import Service, listed_name
 from .protocol import (
     ChatRequest,
     GenerateRequest,
@@ -40,9 +43,6 @@ from .protocol import (
     unloads,
 )
 from .responses import OllamaResponder, created_at, insertion_answer
-from ..pipeline import prepare
-from ..reasoning import THINK, template_thinks
-from ..service import Service, listed_name
 
 OLLAMA_VERSION = "0.12.0"  # the ollama API whose fields these routes answer (tools, structured outputs, thinking)
 PREFIX = "/api/"
@@ -89,9 +89,14 @@ class ModelCard:
         self.modified_at = _rfc3339(config_file.stat().st_mtime if has_config else service.created)
         self.family = str(config.raw.get("model_type", "diffusion_gemma"))
         quant = getattr(model.net, "quantization", None)
-        self.details = {"parent_model": "", "format": "safetensors", "family": self.family, "families": [self.family],
-                        "parameter_size": _parameter_size(config.num_parameters()),
-                        "quantization_level": quant[0].upper() if quant else DTYPE_LEVELS.get(model.dtype, str(model.dtype))}  # fmt: skip
+        self.details = {
+            "parent_model": "",
+            "format": "safetensors",
+            "family": self.family,
+            "families": [self.family],
+            "parameter_size": _parameter_size(config.num_parameters()),
+            "quantization_level": quant[0].upper() if quant else DTYPE_LEVELS.get(model.dtype, str(model.dtype)),
+        }
 
     def check(self, name: Any) -> None:
         """Refuse a model name this server does not serve (ollama's 404)."""
@@ -101,14 +106,24 @@ class ModelCard:
 
     def entry(self) -> dict:
         """The model as /api/tags lists it."""
-        return {"name": self.listed, "model": self.listed, "modified_at": self.modified_at, "size": self.size,
-                "digest": self.digest, "details": self.details}  # fmt: skip
+        return {
+            "name": self.listed,
+            "model": self.listed,
+            "modified_at": self.modified_at,
+            "size": self.size,
+            "digest": self.digest,
+            "details": self.details,
+        }
 
     def running(self) -> dict:
         """The model as /api/ps lists it: loaded for as long as the server runs."""
         on_gpu = self.model.device.type == "cuda"
-        return {**self.entry(), "expires_at": NEVER, "size_vram": self.size if on_gpu else 0,
-                "context_length": self.service.context}  # fmt: skip
+        return {
+            **self.entry(),
+            "expires_at": NEVER,
+            "size_vram": self.size if on_gpu else 0,
+            "context_length": self.service.context,
+        }
 
     def capabilities(self) -> list[str]:
         tokenizer = self.service.tokenizer
@@ -123,20 +138,39 @@ class ModelCard:
         """/api/show: details, model_info (ollama's keys; `<family>.context_length` is --max-context),
         capabilities, the sampler defaults as `parameters`, and the chat template (Jinja)."""
         config, arch, gen = self.model.config, self.family, self.service.defaults  # the server's: --turbo included
-        info = {"general.architecture": arch, "general.basename": self.service.name,
-                "general.parameter_count": config.num_parameters(), f"{arch}.context_length": self.service.context,
-                f"{arch}.embedding_length": config.hidden_size, f"{arch}.block_count": config.num_layers,
-                f"{arch}.attention.head_count": config.num_heads, f"{arch}.vocab_size": config.vocab_size,
-                f"{arch}.expert_count": config.num_experts, f"{arch}.expert_used_count": config.top_k_experts,
-                f"{arch}.canvas_length": config.canvas_length}  # fmt: skip
-        knobs = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
-                 "confidence_threshold", "turbo")
+        info = {
+            "general.architecture": arch,
+            "general.basename": self.service.name,
+            "general.parameter_count": config.num_parameters(),
+            f"{arch}.context_length": self.service.context,
+            f"{arch}.embedding_length": config.hidden_size,
+            f"{arch}.block_count": config.num_layers,
+            f"{arch}.attention.head_count": config.num_heads,
+            f"{arch}.vocab_size": config.vocab_size,
+            f"{arch}.expert_count": config.num_experts,
+            f"{arch}.expert_used_count": config.top_k_experts,
+            f"{arch}.canvas_length": config.canvas_length,
+        }
+        knobs = (
+            "max_denoising_steps",
+            "entropy_bound",
+            "t_min",
+            "t_max",
+            "stability_threshold",
+            "confidence_threshold",
+            "turbo",
+        )
         parameters = "\n".join(f"{k:<30} {getattr(gen, k)}" for k in knobs if getattr(gen, k, None) is not None)
         source = self.model.path or "the model"
-        return {"modelfile": f"# served by dgemma {__version__} from {source}; dgemma reads no Modelfile\n",
-                "parameters": parameters, "template": self.service.tokenizer.chat_template or "",
-                "details": self.details, "model_info": info, "capabilities": self.capabilities(),
-                "modified_at": self.modified_at}  # fmt: skip
+        return {
+            "modelfile": f"# served by dgemma {__version__} from {source}; dgemma reads no Modelfile\n",
+            "parameters": parameters,
+            "template": self.service.tokenizer.chat_template or "",
+            "details": self.details,
+            "model_info": info,
+            "capabilities": self.capabilities(),
+            "modified_at": self.modified_at,
+        }
 
 
 def _load_answer(req: ChatRequest | GenerateRequest, chat: bool) -> Response:
@@ -210,6 +244,9 @@ def add_ollama_routes(app: FastAPI, service: Service, read_timeout: float, ui: b
 
     @app.api_route("/api/{rest:path}", methods=methods, include_in_schema=False)
     async def elsewhere(request: Request, rest: str) -> Response:  # after the routes above: what they do not answer
-        raise ApiError(404, f"no route {request.method} {request.url.path}: dgemma's ollama-compatible API answers "
-                            f"{routes} "
-                            "(models are fetched with `dgemma pull`, not over the API)")  # fmt: skip
+        raise ApiError(
+            404,
+            f"no route {request.method} {request.url.path}: dgemma's ollama-compatible API answers "
+            f"{routes} "
+            "(models are fetched with `dgemma pull`, not over the API)",
+        )

@@ -58,8 +58,18 @@ def fixed_canvas(canvas: Any, canvas_length: int, vocab_size: int) -> FirstCanva
     return FirstCanvas(CanvasConstraints.build(canvas_length, vocab_size, fixed=fixed))
 
 
-async def insert(engine_thread, prompt: list[int], suffix: list[int], lengths: list[int], config, seed: int,
-                 canvas_length: int, vocab_size: int, end_tokens: tuple[int, int], deadline: float | None = None) -> Insertion:  # fmt: skip
+async def insert(
+    engine_thread,
+    prompt: list[int],
+    suffix: list[int],
+    lengths: list[int],
+    config,
+    seed: int,
+    canvas_length: int,
+    vocab_size: int,
+    end_tokens: tuple[int, int],
+    deadline: float | None = None,
+) -> Insertion:
     """Denoise one infill canvas per candidate length (side by side in the engine) and keep the
     most likely; `config` is the request's GenerationConfig for one canvas without EOS. The
     candidates that pass `deadline` drop out (Insertion.timed_out); cancelling this coroutine
@@ -69,8 +79,11 @@ async def insert(engine_thread, prompt: list[int], suffix: list[int], lengths: l
         for n in lengths:
             plan = infill_plan(prompt, suffix, n, canvas_length, *end_tokens)
             constraints = FirstCanvas(plan.constraints(vocab_size))
-            jobs.append(engine_thread.submit(plan.prompt, config, seed, constraints=constraints, top_logprobs=0,
-                                             deadline=deadline))  # fmt: skip
+            jobs.append(
+                engine_thread.submit(
+                    plan.prompt, config, seed, constraints=constraints, top_logprobs=0, deadline=deadline
+                )
+            )
         results = await asyncio.gather(*(_block_of(job) for job in jobs))
     except BaseException:
         for job in jobs:

@@ -7,7 +7,7 @@ texts and bytes and the layout each endpoint uses.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ...engine.events import TokenLogprob
 

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.request import SEED_MAX
 from ...inputs.model_inputs import MediaError
-from ..media.policy import check_soft_tokens
 from ..errors import ApiError, excerpt
+from ..media.policy import check_soft_tokens
 from ..structured.formats import GUIDED_FIELDS, OutputFormat, StructuredError, request_format
 from ..tools.specs import ToolError, ToolSpec, tool_spec
 
@@ -40,7 +40,9 @@ class Budgets:
         if self.max_denoising_steps < 1:
             raise ValueError(f"--max-denoising-steps must be at least 1 (got {self.max_denoising_steps})")
         if self.request_timeout is not None and not 0 < self.request_timeout < math.inf:
-            raise ValueError(f"--request-timeout must be a positive number of seconds, or 0 for none (got {self.request_timeout})")
+            raise ValueError(
+                f"--request-timeout must be a positive number of seconds, or 0 for none (got {self.request_timeout})"
+            )
 
     def deadline(self) -> float | None:
         """The time.monotonic() value a request arriving now must end by."""
@@ -188,11 +190,18 @@ def refuse_unsupported(params: RequestParams) -> None:
         ("presence_penalty", bool(params.presence_penalty), "token penalties are not supported; omit it or send 0"),
         ("frequency_penalty", bool(params.frequency_penalty), "token penalties are not supported; omit it or send 0"),
         ("logit_bias", bool(params.logit_bias), "logit_bias is not supported"),
-        ("top_logprobs", getattr(params, "top_logprobs", None) is not None and not getattr(params, "logprobs", None),
-         "top_logprobs needs logprobs: true"),
+        (
+            "top_logprobs",
+            getattr(params, "top_logprobs", None) is not None and not getattr(params, "logprobs", None),
+            "top_logprobs needs logprobs: true",
+        ),
         ("echo", bool(getattr(params, "echo", None)), "echo is not supported"),
         ("best_of", getattr(params, "best_of", None) not in (None, 1), "best_of is not supported"),
-        ("stream_options", params.stream_options is not None and not params.stream, "stream_options needs stream: true"),
+        (
+            "stream_options",
+            params.stream_options is not None and not params.stream,
+            "stream_options needs stream: true",
+        ),
         ("stream_drafts", params.stream_drafts and not params.stream, "stream_drafts needs stream: true"),
     ]
     checks += _client_checks(params)
@@ -224,27 +233,48 @@ def _client_checks(params: RequestParams) -> list[tuple[str, bool, str]]:
     """The fields other clients send (vLLM's sampling extras, the openai SDK's newer fields) that
     ask for what dgemma cannot do: (field, refused, why), for `refuse_unsupported`."""
     checks = [
-        ("top_k", params.top_k not in (None, -1, 0), "top-k truncation is not supported; omit it or send -1 (all tokens)"),
+        (
+            "top_k",
+            params.top_k not in (None, -1, 0),
+            "top-k truncation is not supported; omit it or send -1 (all tokens)",
+        ),
         ("min_p", bool(params.min_p), "min-p truncation is not supported; omit it or send 0"),
-        ("repetition_penalty", params.repetition_penalty not in (None, 1), "repetition penalties are not supported; omit it or send 1"),
+        (
+            "repetition_penalty",
+            params.repetition_penalty not in (None, 1),
+            "repetition penalties are not supported; omit it or send 1",
+        ),
     ]
     if not isinstance(params, ChatParams):
         return checks
     checks += [(name, getattr(params, name) is not None, why) for name, why in REFUSED_FIELDS.items()]
     long = next(((k, v) for k, v in (params.metadata or {}).items() if len(k) > 64 or len(v) > 512), None)
     checks += [
-        ("modalities", any(m != "text" for m in params.modalities or []),
-         f"only text output is supported: send ['text'] (got {excerpt(params.modalities)})"),
+        (
+            "modalities",
+            any(m != "text" for m in params.modalities or []),
+            f"only text output is supported: send ['text'] (got {excerpt(params.modalities)})",
+        ),
         ("metadata", long is not None, f"keys are at most 64 characters and values at most 512 (got {excerpt(long)})"),
-    ]  # fmt: skip
+    ]
     for i, m in enumerate(params.messages):
         p = f"messages[{i}]"
         checks += [
-            (f"{p}.function_call", m.function_call is not None, f"function_call is {DEPRECATED}; send tool_calls instead"),
+            (
+                f"{p}.function_call",
+                m.function_call is not None,
+                f"function_call is {DEPRECATED}; send tool_calls instead",
+            ),
             (f"{p}.audio", m.audio is not None, "audio is not supported"),
         ]
         for name in ("reasoning_content", "reasoning", "refusal"):
-            checks += [(f"{p}.{name}", getattr(m, name) is not None and m.role != "assistant", "only assistant messages carry it")]
+            checks += [
+                (
+                    f"{p}.{name}",
+                    getattr(m, name) is not None and m.role != "assistant",
+                    "only assistant messages carry it",
+                )
+            ]
     return checks
 
 
@@ -253,9 +283,13 @@ def parse_stop(stop: Any) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise ApiError(400, f"stop must be a string or a list of strings (got {excerpt(stop)})", "stop", "invalid_value")
+        raise ApiError(
+            400, f"stop must be a string or a list of strings (got {excerpt(stop)})", "stop", "invalid_value"
+        )
     if len(stops) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop", "invalid_value")
+        raise ApiError(
+            400, f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop", "invalid_value"
+        )
     if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
         raise ApiError(400, f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long", "stop", "invalid_value")
     return stops
@@ -289,21 +323,42 @@ def output_format(params: RequestParams, spec: ToolSpec | None) -> OutputFormat 
     except StructuredError as e:
         raise ApiError(400, str(e), e.param, "invalid_value") from None
     if fmt is not None and spec is not None and spec.active:
-        raise ApiError(400, f"{fmt.param}: structured output and tools in one request are not supported; send "
-                            "tool_choice 'none' or no tools (a forced tool call is enforced by its own grammar)",
-                       fmt.param, "unsupported_parameter")  # fmt: skip
+        raise ApiError(
+            400,
+            f"{fmt.param}: structured output and tools in one request are not supported; send "
+            "tool_choice 'none' or no tools (a forced tool call is enforced by its own grammar)",
+            fmt.param,
+            "unsupported_parameter",
+        )
     if fmt is not None and params.ignore_eos:
-        raise ApiError(400, f"{fmt.param}: structured output ends with EOS; ignore_eos cannot be used with it",
-                       "ignore_eos", "unsupported_parameter")  # fmt: skip
+        raise ApiError(
+            400,
+            f"{fmt.param}: structured output ends with EOS; ignore_eos cannot be used with it",
+            "ignore_eos",
+            "unsupported_parameter",
+        )
     return fmt
 
 
 # template variables the server sets itself (or the processor, or jinja's globals)
 RESERVED_TEMPLATE_KWARGS = {
-    "messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message", "chat_template", "bos_token",
-    "eos_token", "image_token", "video_token", "boi_token", "eoi_token", "max_soft_tokens", "video_max_soft_tokens",
-    "raise_exception", "strftime_now",
-}  # fmt: skip
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "tokenize",
+    "continue_final_message",
+    "chat_template",
+    "bos_token",
+    "eos_token",
+    "image_token",
+    "video_token",
+    "boi_token",
+    "eoi_token",
+    "max_soft_tokens",
+    "video_max_soft_tokens",
+    "raise_exception",
+    "strftime_now",
+}
 
 
 def request_template_kwargs(params: ChatParams) -> dict:
@@ -316,13 +371,20 @@ def request_template_kwargs(params: ChatParams) -> dict:
             raise ApiError(400, f"chat_template_kwargs.{key} {why}", f"chat_template_kwargs.{key}", "invalid_value")
     enable, effort = kwargs.get("enable_thinking"), params.reasoning_effort
     if enable is not None and not isinstance(enable, bool):
-        raise ApiError(400, f"chat_template_kwargs.enable_thinking must be a boolean (got {excerpt(enable)})",
-                       "chat_template_kwargs.enable_thinking", "invalid_value")  # fmt: skip
+        raise ApiError(
+            400,
+            f"chat_template_kwargs.enable_thinking must be a boolean (got {excerpt(enable)})",
+            "chat_template_kwargs.enable_thinking",
+            "invalid_value",
+        )
     if effort is None:
         return kwargs
     if enable is not None and enable != (effort != "none"):
-        raise ApiError(400, f"reasoning_effort {effort!r} contradicts chat_template_kwargs.enable_thinking={enable}; "
-                            "send one of them", "reasoning_effort", "invalid_value")  # fmt: skip
+        raise ApiError(
+            400,
+            f"reasoning_effort {effort!r} contradicts chat_template_kwargs.enable_thinking={enable}; send one of them",
+            "reasoning_effort",
+            "invalid_value",
+        )
     kwargs["enable_thinking"] = effort != "none"
     return kwargs
-

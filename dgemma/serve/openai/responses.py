@@ -12,29 +12,31 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
 from ...engine.events import TokenLogprob
 from ...inputs.model_inputs import ModelInputs
-from ..http.connection import watch_disconnect
 from ..engine_thread import EngineFailure, Generation, Update
 from ..errors import ApiError, error_body, json_response
-from .insert import Insertion
-from .logprobs import TextOffsets, chat_logprobs, completion_logprobs
-from .protocol import CompletionParams, RequestParams, request_top_logprobs
+from ..http.connection import watch_disconnect
 from ..reasoning import ReasoningParser, Thought
 from ..service import Service, insertion_reason
 from ..tools.calls import ToolCallParser
 from ..tools.specs import ToolSpec
+from .insert import Insertion
+from .logprobs import TextOffsets, chat_logprobs, completion_logprobs
+from .protocol import CompletionParams, RequestParams, request_top_logprobs
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _cancel_all(gens: list[Generation]) -> Callable[[], None]:
     """What cancels every choice of a request whose client has gone."""
+
     def cancel() -> None:
         for gen in gens:
             gen.cancel()
@@ -53,7 +55,9 @@ class Choice:
 
     def __init__(self, index: int, gen: Generation, spec: ToolSpec | None, thinking: bool, offsets: TextOffsets | None):
         self.index, self.gen = index, gen
-        self.parser = ToolCallParser(spec.names, spec.parallel, spec.prefill) if spec is not None and spec.active else None
+        self.parser = (
+            ToolCallParser(spec.names, spec.parallel, spec.prefill) if spec is not None and spec.active else None
+        )
         self.reasoning = ReasoningParser() if thinking else None
         self.offsets = offsets  # completions with logprobs: text_offset
         self.sent = 0  # tokens whose log probabilities were sent
@@ -112,8 +116,16 @@ class Responder:
     the choices' chunks interleave as they come, each with its choice's index; with logprobs, a
     chunk carries those of the tokens committed since the choice's last chunk."""
 
-    def __init__(self, service: Service, chat: bool, prompt: ModelInputs, gens: list[Generation], params: RequestParams,
-                 spec: ToolSpec | None = None, thinking: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        service: Service,
+        chat: bool,
+        prompt: ModelInputs,
+        gens: list[Generation],
+        params: RequestParams,
+        spec: ToolSpec | None = None,
+        thinking: bool = False,
+    ):
         self.service, self.chat, self.prompt, self.gens, self.params = service, chat, prompt, gens, params
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -123,7 +135,13 @@ class Responder:
         self.choices = [Choice(i, g, spec, thinking, offsets(g)) for i, g in enumerate(gens)]
 
     def _envelope(self, choices: list, object_: str) -> dict:
-        body = {"id": self.id, "object": object_, "created": self.created, "model": self.service.name, "choices": choices}
+        body = {
+            "id": self.id,
+            "object": object_,
+            "created": self.created,
+            "model": self.service.name,
+            "choices": choices,
+        }
         if getattr(self.params, "service_tier", None) is not None:
             body["service_tier"] = "default"  # the tier that served it, as OpenAI reports it: the only one
         return body
@@ -131,11 +149,23 @@ class Responder:
     def _logprobs(self, choice: Choice, entries: list[TokenLogprob] | None) -> dict | None:
         if self.texts is None or entries is None:
             return None
-        return chat_logprobs(entries, self.texts) if self.chat else completion_logprobs(entries, self.texts, choice.offsets)
+        return (
+            chat_logprobs(entries, self.texts)
+            if self.chat
+            else completion_logprobs(entries, self.texts, choice.offsets)
+        )
 
-    def _chunk(self, choice: Choice, text: str | None, finish_reason: str | None = None, draft: dict | None = None,
-               role: bool = False, tool_call: dict | None = None, reasoning: str | None = None,
-               logprobs: list[TokenLogprob] | None = None) -> dict:  # fmt: skip
+    def _chunk(
+        self,
+        choice: Choice,
+        text: str | None,
+        finish_reason: str | None = None,
+        draft: dict | None = None,
+        role: bool = False,
+        tool_call: dict | None = None,
+        reasoning: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             if reasoning is not None:
@@ -225,9 +255,15 @@ class Responder:
         position by position: token ids, their texts, accepted or re-noised, entropy; with turbo,
         which positions are frozen (no longer computed). Without turbo the frame has no `frozen`."""
         draft = update.draft
-        frame = {"block": update.block, "step": update.step, "text": update.text, "tokens": draft.canvas,
-                 "pieces": [self.pieces(t)[0] for t in draft.canvas], "accepted": draft.accepted,
-                 "entropy": draft.entropy}  # fmt: skip
+        frame = {
+            "block": update.block,
+            "step": update.step,
+            "text": update.text,
+            "tokens": draft.canvas,
+            "pieces": [self.pieces(t)[0] for t in draft.canvas],
+            "accepted": draft.accepted,
+            "entropy": draft.entropy,
+        }
         if draft.frozen:
             frame["frozen"] = draft.frozen
         return frame
@@ -285,7 +321,9 @@ class Responder:
         return self._chunk(choice, None, tool_call=item, logprobs=logprobs)
 
 
-def insertion_response(service: Service, params: CompletionParams, prompt: ModelInputs, found: Insertion | None) -> Response:
+def insertion_response(
+    service: Service, params: CompletionParams, prompt: ModelInputs, found: Insertion | None
+) -> Response:
     """An insertion's answer (Service.insert): the span's text whole, or streamed as one chunk and
     its finish; 204 when its client has gone (nobody reads it)."""
     if found is None:
@@ -293,10 +331,20 @@ def insertion_response(service: Service, params: CompletionParams, prompt: Model
     reason = insertion_reason(found)
     text = service.tokenizer.decode(found.tokens)
     prompt_len = len(prompt.input_ids)
-    usage = {"prompt_tokens": prompt_len, "completion_tokens": found.span_length,
-             "total_tokens": prompt_len + found.span_length, "decoder_passes": found.decoder_passes,
-             "decoder_positions": found.decoder_positions, "span_length": found.span_length}  # fmt: skip
-    envelope = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": service.name}
+    usage = {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": found.span_length,
+        "total_tokens": prompt_len + found.span_length,
+        "decoder_passes": found.decoder_passes,
+        "decoder_positions": found.decoder_positions,
+        "span_length": found.span_length,
+    }
+    envelope = {
+        "id": "cmpl-" + uuid.uuid4().hex,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": service.name,
+    }
     if not params.stream:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         return json_response({**envelope, "choices": [choice], "usage": usage})

@@ -70,7 +70,9 @@ def response_format(value: Any) -> OutputFormat | None:
         _no_extra(value, {"type"}, p)
         return OutputFormat("json_object", None, p)
     if kind != "json_schema":
-        raise StructuredError(f"{p}.type", f"{p}.type must be 'text', 'json_object' or 'json_schema' (got {_short(kind)})")
+        raise StructuredError(
+            f"{p}.type", f"{p}.type must be 'text', 'json_object' or 'json_schema' (got {_short(kind)})"
+        )
     _no_extra(value, {"type", "json_schema"}, p)
     js = value.get("json_schema")
     q = f"{p}.json_schema"
@@ -79,7 +81,9 @@ def response_format(value: Any) -> OutputFormat | None:
     _no_extra(js, {"name", "schema", "strict", "description"}, q)
     name = js.get("name")
     if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
-        raise StructuredError(f"{q}.name", f"{q}.name must be 1 to 64 letters, digits, underscores or dashes (got {_short(name)})")
+        raise StructuredError(
+            f"{q}.name", f"{q}.name must be 1 to 64 letters, digits, underscores or dashes (got {_short(name)})"
+        )
     strict = js.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise StructuredError(f"{q}.strict", f"{q}.strict must be a boolean (got {_short(strict)})")
@@ -97,7 +101,9 @@ def guided_format(fields: dict[str, Any]) -> OutputFormat | None:
     if not given:
         return None
     if len(given) > 1:
-        raise StructuredError(sorted(given)[1], f"send one of {', '.join(GUIDED_FIELDS)}, not {' and '.join(sorted(given))}")
+        raise StructuredError(
+            sorted(given)[1], f"send one of {', '.join(GUIDED_FIELDS)}, not {' and '.join(sorted(given))}"
+        )
     name, value = next(iter(given.items()))
     if name == "guided_json":  # a schema object or its JSON text (checked when compiled)
         if not isinstance(value, (dict, str)):
@@ -141,7 +147,9 @@ def check_format(fmt: OutputFormat) -> None:
                 try:
                     spec = json.loads(spec)
                 except RecursionError:
-                    raise StructuredError(fmt.param, f"{fmt.param}: the JSON schema is nested too deeply to read") from None
+                    raise StructuredError(
+                        fmt.param, f"{fmt.param}: the JSON schema is nested too deeply to read"
+                    ) from None
                 except ValueError:
                     return  # not JSON: compiling names the problem
             check_schema(spec, fmt.param)

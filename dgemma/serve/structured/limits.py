@@ -72,8 +72,11 @@ def text_bytes(text: str, field: str) -> int:
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as e:
-        raise LimitError(field, f"{field}: holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}; "
-                                "text must be valid Unicode") from None  # fmt: skip
+        raise LimitError(
+            field,
+            f"{field}: holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}; "
+            "text must be valid Unicode",
+        ) from None
 
 
 # ------------------------------------------------------------------------------------ regexes
@@ -296,7 +299,9 @@ def _checked_bytes(text: str, field: str, path: tuple) -> int:
         return text_bytes(text, field)
     except LimitError as e:
         where = _path(path)
-        raise LimitError(field, str(e).replace(f"{field}:", f"{field}: the text at {where}" if where else f"{field}:", 1)) from None
+        raise LimitError(
+            field, str(e).replace(f"{field}:", f"{field}: the text at {where}" if where else f"{field}:", 1)
+        ) from None
 
 
 def schema_stats(schema: Any, field: str, limits: SchemaLimits = SchemaLimits()) -> SchemaStats:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .syntax import KEPT_TOKENS, QUOTE, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE
 
@@ -272,8 +273,11 @@ class ToolCallParser:
                 continue
             name, arguments = item
             self._space = ""
-            call = {"id": new_call_id(), "type": "function",
-                    "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}  # fmt: skip
+            call = {
+                "id": new_call_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
             self.calls.append(call)
             out.append(call)
             self._after_call = True
@@ -299,7 +303,9 @@ class ToolCallParser:
         self._space += text[len(body) :]
 
 
-def parse_tool_calls(text: str, names: set[str], parallel: bool = True, prefix: str = "") -> tuple[str | None, list[dict]]:
+def parse_tool_calls(
+    text: str, names: set[str], parallel: bool = True, prefix: str = ""
+) -> tuple[str | None, list[dict]]:
     """A whole answer as (content, tool_calls): content None when the answer is calls only."""
     parser = ToolCallParser(names, parallel, prefix)
     items = parser.feed(text, final=True)

@@ -18,13 +18,28 @@ values ($ref, allOf, not, patternProperties, ...) are refused with a 400 naming 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from .syntax import QUOTE, TOOL_CALL, TOOL_CALL_END
 from .specs import ToolError, ToolSpec
+from .syntax import QUOTE, TOOL_CALL, TOOL_CALL_END
 
-UNSUPPORTED = ("$ref", "allOf", "not", "patternProperties", "dependentSchemas", "if", "then", "else",
-               "prefixItems", "contains", "uniqueItems", "propertyNames", "minProperties", "maxProperties")  # fmt: skip
+UNSUPPORTED = (
+    "$ref",
+    "allOf",
+    "not",
+    "patternProperties",
+    "dependentSchemas",
+    "if",
+    "then",
+    "else",
+    "prefixItems",
+    "contains",
+    "uniqueItems",
+    "propertyNames",
+    "minProperties",
+    "maxProperties",
+)
 NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 MAX_REPEAT = 256  # a bounded array: items up to this many are spelled out as a repetition
 
@@ -63,8 +78,11 @@ class _Writer:
         return name
 
     def fail(self, path: str, why: str):
-        raise ToolError("tool_choice", f"tool_choice forces a call, but {self.where}{path} {why}; forced calls support "
-                                       "the keywords listed in docs/server.md (Tool calling)")  # fmt: skip
+        raise ToolError(
+            "tool_choice",
+            f"tool_choice forces a call, but {self.where}{path} {why}; forced calls support "
+            "the keywords listed in docs/server.md (Tool calling)",
+        )
 
     def value(self, schema: Any, path: str) -> str:
         if schema is True or schema == {}:
@@ -114,7 +132,7 @@ class _Writer:
             number = {"type": kind, **{k: schema[k] for k in NUMBER_KEYS if k in schema}}
             return f"%json {json.dumps(number)}"
         if kind == "boolean":
-            return f'{self.literal("true")} | {self.literal("false")}'
+            return f"{self.literal('true')} | {self.literal('false')}"
         if kind == "null":
             return self.literal("null")
         if kind == "array":
@@ -162,10 +180,16 @@ class _Writer:
         compiles reference chains recursively (a few thousand overflow its stack)."""
         props = schema.get("properties") or {}
         if not props:
-            return self.rule(f'({self.any_member()} ("," {self.any_member()})*)?') if schema.get("additionalProperties", True) is not False else '""'
+            return (
+                self.rule(f'({self.any_member()} ("," {self.any_member()})*)?')
+                if schema.get("additionalProperties", True) is not False
+                else '""'
+            )
         required = set(schema.get("required") or [])
-        items = [(self.rule(f'{lark_string(name + ":")} {self.value(sub, f"{path}.properties.{name}")}'), name in required)
-                 for name, sub in props.items()]  # fmt: skip
+        items = [
+            (self.rule(f"{lark_string(name + ':')} {self.value(sub, f'{path}.properties.{name}')}"), name in required)
+            for name, sub in props.items()
+        ]
         rule, needed = self.joined(items)
         return rule if needed else f"({rule})?"
 
@@ -195,9 +219,11 @@ class _Writer:
             self._any = f"r{len(self.rules)}"
             self.rules.append("")  # reserved: the body refers to itself
             member = self.rule(f'/[A-Za-z_][A-Za-z0-9_]*/ ":" {self._any}')
-            body = (f'{self.q} /[^<]*/ {self.q} | %json {{"type": "number"}} | {self.literal("true")} | '
-                    f'{self.literal("false")} | {self.literal("null")} | "{{" ({member} ("," {member})*)? "}}" | '
-                    f'"[" ({self._any} ("," {self._any})*)? "]"')  # fmt: skip
+            body = (
+                f'{self.q} /[^<]*/ {self.q} | %json {{"type": "number"}} | {self.literal("true")} | '
+                f'{self.literal("false")} | {self.literal("null")} | "{{" ({member} ("," {member})*)? "}}" | '
+                f'"[" ({self._any} ("," {self._any})*)? "]"'
+            )
             self.rules[int(self._any[1:])] = f"{self._any}: {body}"
         return self._any
 
@@ -212,8 +238,10 @@ def tool_call_grammar(spec: ToolSpec, literal: Callable[[str], str]) -> str | No
     try:
         return _call_grammar(spec, literal)
     except RecursionError:
-        raise ToolError("tool_choice", "tool_choice forces a call, but the parameters schemas are nested too deeply "
-                                       "to write its grammar") from None  # fmt: skip
+        raise ToolError(
+            "tool_choice",
+            "tool_choice forces a call, but the parameters schemas are nested too deeply to write its grammar",
+        ) from None
 
 
 def _call_grammar(spec: ToolSpec, literal: Callable[[str], str]) -> str:

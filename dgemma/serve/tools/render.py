@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .syntax import format_call, format_declaration, format_response
 from .specs import ToolSpec, text_of
+from .syntax import format_call, format_declaration, format_response
 
 
 @dataclass
@@ -22,7 +22,7 @@ class ChatRender:
 
 
 def template_mode(template: str | None) -> str:
-    """"gemma": the template declares tools and takes results as `tool_responses` on the assistant
+    """ "gemma": the template declares tools and takes results as `tool_responses` on the assistant
     message (Gemma 4's); "openai": it declares tools and takes role "tool" messages; "fallback":
     it knows nothing of tools, so render_chat writes Gemma 4's blocks into the message content."""
     if not template or "tools" not in template:
@@ -76,10 +76,14 @@ def render_chat(messages: list[dict], extras: list[dict], spec: ToolSpec | None,
     open_turn = False  # out[-1] is a model turn that ended with tool results
     for m, extra in zip(messages, extras):
         if "tool_call_id" in extra:  # out[-1] is the model turn with the calls (check_messages made sure)
-            out[-1]["content"] = join_contents(out[-1]["content"], format_response(extra["name"], text_of(m["content"])))
+            out[-1]["content"] = join_contents(
+                out[-1]["content"], format_response(extra["name"], text_of(m["content"]))
+            )
             open_turn = True
             continue
-        calls = "".join(format_call(c["function"]["name"], c["function"]["arguments"]) for c in extra.get("tool_calls", []))
+        calls = "".join(
+            format_call(c["function"]["name"], c["function"]["arguments"]) for c in extra.get("tool_calls", [])
+        )
         if m["role"] == "assistant" and open_turn:
             out[-1]["content"] = join_contents(out[-1]["content"], join_contents(_rstrip(m["content"]), calls))
         elif calls:

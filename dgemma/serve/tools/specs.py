@@ -75,7 +75,9 @@ def _check_function(i: int, fn: Any) -> dict:
         raise ToolError(f"{p}.name", f"{p}.name is missing")
     name = fn["name"]
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ToolError(f"{p}.name", f"{p}.name must be 1 to 64 letters, digits, underscores or dashes (got {_short(name)})")
+        raise ToolError(
+            f"{p}.name", f"{p}.name must be 1 to 64 letters, digits, underscores or dashes (got {_short(name)})"
+        )
     if not isinstance(fn.get("description", ""), str):
         raise ToolError(f"{p}.description", f"{p}.description must be a string")
     try:
@@ -88,8 +90,11 @@ def _check_function(i: int, fn: Any) -> dict:
     if params is not None:
         pp = f"{p}.parameters"
         if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise ToolError(pp, f"{pp} must be a JSON Schema object, {{'type': 'object', 'properties': {{...}}}} "
-                                f"(got {_short(params)})")  # fmt: skip
+            raise ToolError(
+                pp,
+                f"{pp} must be a JSON Schema object, {{'type': 'object', 'properties': {{...}}}} "
+                f"(got {_short(params)})",
+            )
         props = params.get("properties", {})
         if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
             raise ToolError(f"{pp}.properties", f"{pp}.properties must map each parameter name to a schema object")
@@ -114,22 +119,32 @@ def check_tools(tools: Any) -> list[dict]:
         if not isinstance(tool, dict):
             raise ToolError(f"tools[{i}]", f"tools[{i}] must be an object (got {_short(tool)})")
         if tool.get("type") != "function":
-            raise ToolError(f"tools[{i}].type", f"tools[{i}].type must be 'function' (got {_short(tool.get('type'))}); "
-                                                "only function tools are supported")  # fmt: skip
+            raise ToolError(
+                f"tools[{i}].type",
+                f"tools[{i}].type must be 'function' (got {_short(tool.get('type'))}); "
+                "only function tools are supported",
+            )
         unknown = sorted(set(tool) - {"type", "function"})
         if unknown:
             raise ToolError(f"tools[{i}].{unknown[0]}", f"unknown field 'tools[{i}].{unknown[0]}'")
         fn = _check_function(i, tool.get("function"))
         if fn["name"] in seen:
-            raise ToolError(f"tools[{i}].function.name", f"tools[{i}] and tools[{seen[fn['name']]}] are both named '{fn['name']}'; "
-                                                         "function names must be unique")  # fmt: skip
+            raise ToolError(
+                f"tools[{i}].function.name",
+                f"tools[{i}] and tools[{seen[fn['name']]}] are both named '{fn['name']}'; "
+                "function names must be unique",
+            )
         seen[fn["name"]] = i
         stats = _check_parameters(i, fn.get("parameters"))
         size, properties = size + stats[0], properties + stats[1]
         if size > MAX_TOOLS_BYTES:
-            raise ToolError("tools", f"tools: {size} bytes of parameters schemas (or more); at most {MAX_TOOLS_BYTES} are allowed")
+            raise ToolError(
+                "tools", f"tools: {size} bytes of parameters schemas (or more); at most {MAX_TOOLS_BYTES} are allowed"
+            )
         if properties > MAX_TOOL_PROPERTIES:
-            raise ToolError("tools", f"tools: {properties} properties (or more); at most {MAX_TOOL_PROPERTIES} are allowed")
+            raise ToolError(
+                "tools", f"tools: {properties} properties (or more); at most {MAX_TOOL_PROPERTIES} are allowed"
+            )
         out.append({"type": "function", "function": fn})
     return out
 
@@ -165,11 +180,15 @@ def tool_spec(tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | N
     fn = tool_choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or set(tool_choice) != {"type", "function"} or set(fn) != {"name"}:
-        raise ToolError("tool_choice.function", f"tool_choice must be {{'type': 'function', 'function': {{'name': ...}}}} "
-                                                f"(got {_short(tool_choice)})")  # fmt: skip
+        raise ToolError(
+            "tool_choice.function",
+            f"tool_choice must be {{'type': 'function', 'function': {{'name': ...}}}} (got {_short(tool_choice)})",
+        )
     if name not in {t["function"]["name"] for t in checked}:
         known = ", ".join(t["function"]["name"] for t in checked) or "none"
-        raise ToolError("tool_choice.function.name", f"tool_choice names function '{name}', which is not in tools (tools: {known})")
+        raise ToolError(
+            "tool_choice.function.name", f"tool_choice names function '{name}', which is not in tools (tools: {known})"
+        )
     return ToolSpec(checked, "function", name, parallel)
 
 
@@ -182,8 +201,9 @@ def text_of(content: Any) -> str | None:
     """A string, or the text of a list of text parts; None for anything else."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                         for p in content):  # fmt: skip
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     return None
 
@@ -215,10 +235,20 @@ def _check_calls(i: int, calls: Any) -> list[dict]:
             raise ToolError(f"{pj}.type", f"{pj}.type must be 'function' (got {_short(call.get('type'))})")
         fn = call.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise ToolError(f"{pj}.function", f"{pj}.function must be {{'name': str, 'arguments': JSON string}} (got {_short(fn)})")
+            raise ToolError(
+                f"{pj}.function", f"{pj}.function must be {{'name': str, 'arguments': JSON string}} (got {_short(fn)})"
+            )
         if set(fn) - {"name", "arguments"}:
-            raise ToolError(f"{pj}.function", f"unknown field '{pj}.function.{sorted(set(fn) - {'name', 'arguments'})[0]}'")
-        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": _arguments(fn["arguments"])}})
+            raise ToolError(
+                f"{pj}.function", f"unknown field '{pj}.function.{sorted(set(fn) - {'name', 'arguments'})[0]}'"
+            )
+        out.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": _arguments(fn["arguments"])},
+            }
+        )
     return out
 
 
@@ -232,30 +262,46 @@ def check_messages(messages: list[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         role, content = m["role"], m.get("content")
         if m.get("tool_calls") is not None and role != "assistant":
-            raise ToolError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: only assistant messages carry tool calls")
+            raise ToolError(
+                f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: only assistant messages carry tool calls"
+            )
         if m.get("tool_call_id") is not None and role != "tool":
-            raise ToolError(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id: only role 'tool' messages carry one")
+            raise ToolError(
+                f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id: only role 'tool' messages carry one"
+            )
         if role == "assistant":
             calls = _check_calls(i, m["tool_calls"]) if m.get("tool_calls") else []
             if not calls and _no_content(content):
-                raise ToolError(f"messages[{i}].content", f"messages[{i}] (role 'assistant') has neither content nor tool_calls")
+                raise ToolError(
+                    f"messages[{i}].content", f"messages[{i}] (role 'assistant') has neither content nor tool_calls"
+                )
             out.append({"tool_calls": calls} if calls else {})
             calls_of = i if calls else None
         elif role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
-                raise ToolError(f"messages[{i}].tool_call_id",
-                                f"messages[{i}] (role 'tool') needs a tool_call_id: the id of the call it answers")  # fmt: skip
+                raise ToolError(
+                    f"messages[{i}].tool_call_id",
+                    f"messages[{i}] (role 'tool') needs a tool_call_id: the id of the call it answers",
+                )
             if calls_of is None:
-                raise ToolError(f"messages[{i}]", f"messages[{i}] (role 'tool') must follow an assistant message with tool_calls "
-                                                  "(or another tool message answering it)")  # fmt: skip
+                raise ToolError(
+                    f"messages[{i}]",
+                    f"messages[{i}] (role 'tool') must follow an assistant message with tool_calls "
+                    "(or another tool message answering it)",
+                )
             calls = {c["id"]: c["function"]["name"] for c in out[calls_of]["tool_calls"]}
             if call_id not in calls:
-                raise ToolError(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id {_short(call_id)} is not the id "
-                                f"of a tool call in messages[{calls_of}] (ids: {', '.join(calls)})")  # fmt: skip
+                raise ToolError(
+                    f"messages[{i}].tool_call_id",
+                    f"messages[{i}].tool_call_id {_short(call_id)} is not the id "
+                    f"of a tool call in messages[{calls_of}] (ids: {', '.join(calls)})",
+                )
             if _no_content(content) or text_of(content) is None:
-                raise ToolError(f"messages[{i}].content", f"messages[{i}] (role 'tool') needs content: the tool's result as a "
-                                                          "string or a list of text parts")  # fmt: skip
+                raise ToolError(
+                    f"messages[{i}].content",
+                    f"messages[{i}] (role 'tool') needs content: the tool's result as a string or a list of text parts",
+                )
             out.append({"tool_call_id": call_id, "name": calls[call_id]})
         else:
             if _no_content(content):

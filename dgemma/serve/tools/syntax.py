@@ -53,7 +53,9 @@ def _schema(schema: dict) -> str:
     for key in sorted(k for k in schema if k in SCHEMA_KEYS and k not in ("description", "type")):
         value = schema[key]
         if key == "properties" and isinstance(value, dict):
-            inner = ",".join(f"{n}:{_schema(s) if isinstance(s, dict) else format_value(s)}" for n, s in sorted(value.items()))
+            inner = ",".join(
+                f"{n}:{_schema(s) if isinstance(s, dict) else format_value(s)}" for n, s in sorted(value.items())
+            )
             parts.append("properties:{" + inner + "}")
         elif key == "items" and isinstance(value, dict):
             parts.append("items:" + _schema(value))

@@ -19,21 +19,39 @@ MODEL = "dgemma-tiny"
 pytestmark = pytest.mark.subprocess  # `dgemma serve` in a subprocess (serve_process.py)
 STEPS = 16
 NORMAL = {"model": MODEL, "prompt": "import os\n", "max_tokens": 16, "seed": 11, "max_denoising_steps": 6}
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "seed": 5, "max_denoising_steps": 6}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hello"}],
+    "max_tokens": 8,
+    "seed": 5,
+    "max_denoising_steps": 6,
+}
 # every step used: nothing is stable or confident enough to stop a canvas early
 SLOW = {"max_denoising_steps": STEPS, "confidence_threshold": 1e-12, "stability_threshold": 4096}
 
 
 @pytest.fixture(scope="module")
 def server():
-    flags = ["--served-model-name", MODEL, "--max-denoising-steps", str(STEPS), "--request-timeout", "3",
-             "--max-active", "2", "--max-queue", "0"]  # fmt: skip
+    flags = [
+        "--served-model-name",
+        MODEL,
+        "--max-denoising-steps",
+        str(STEPS),
+        "--request-timeout",
+        "3",
+        "--max-active",
+        "2",
+        "--max-queue",
+        "0",
+    ]
     with ServeProcess(flags) as s:
         s.start_rss = s.rss()
         for path, body in (("/v1/completions", NORMAL), ("/v1/chat/completions", CHAT)):
             httpx.post(s.url + path, json=body, timeout=60)  # warm-up: a first pass may be slow on a loaded host
-        s.baselines = {"/v1/completions": complete_text(s, "/v1/completions", NORMAL),
-                       "/v1/chat/completions": complete_text(s, "/v1/chat/completions", CHAT)}  # fmt: skip
+        s.baselines = {
+            "/v1/completions": complete_text(s, "/v1/completions", NORMAL),
+            "/v1/chat/completions": complete_text(s, "/v1/chat/completions", CHAT),
+        }
         yield s
 
 
@@ -47,7 +65,8 @@ def finished_in_time(response) -> bool:
     """False for an answer this server ended at its 3 s deadline or refused as busy: on a slow or
     loaded host a normal request can meet either, which says nothing about what it would answer."""
     return response.status_code != 429 and not (
-        response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "timeout")
+        response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "timeout"
+    )
 
 
 def complete_text(server, path: str, body: dict, attempts: int = 5) -> str:
@@ -71,7 +90,9 @@ def still_serving(server):
     yield
     assert server.alive, server.output[-3000:]
     assert wait_until(lambda: server.healthy(), 20)
-    assert wait_until(lambda: metric(server, "dgemma_active_canvases") == 0, 30)  # the last case's work has left its slots
+    assert wait_until(
+        lambda: metric(server, "dgemma_active_canvases") == 0, 30
+    )  # the last case's work has left its slots
     normal_answers_are_unchanged(server)
     assert server.peak_rss() < server.start_rss + 300 * 2**20
     assert "Traceback" not in server.output, server.output[-3000:]
@@ -99,7 +120,12 @@ def test_more_steps_than_the_server_allows_is_a_400(server):
 @pytest.mark.slow
 def test_the_checkpoint_default_is_capped_too(server):
     """dgemma-tiny's generation_config asks for 48 steps; this server allows 16 per canvas."""
-    body = {**NORMAL, "max_tokens": 64, "max_denoising_steps": None, **{k: v for k, v in SLOW.items() if k != "max_denoising_steps"}}
+    body = {
+        **NORMAL,
+        "max_tokens": 64,
+        "max_denoising_steps": None,
+        **{k: v for k, v in SLOW.items() if k != "max_denoising_steps"},
+    }
     usage = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["usage"]
     blocks = -(-64 // 32)
     assert 0 < usage["decoder_passes"] <= STEPS * blocks
@@ -134,8 +160,11 @@ def test_a_streamed_chat_past_its_deadline_ends_as_timeout(server):
 @pytest.mark.slow
 def test_a_request_that_cannot_start_in_time_ends_as_timeout():
     with ServeProcess(["--served-model-name", MODEL, "--request-timeout", "0.001"]) as s:
-        for path, body in (("/v1/completions", NORMAL), ("/v1/chat/completions", CHAT),
-                           ("/v1/completions", {**NORMAL, "suffix": "\n"})):  # fmt: skip
+        for path, body in (
+            ("/v1/completions", NORMAL),
+            ("/v1/chat/completions", CHAT),
+            ("/v1/completions", {**NORMAL, "suffix": "\n"}),
+        ):
             response = httpx.post(s.url + path, json=body, timeout=60)
             assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "timeout"
         assert s.healthy() and "Traceback" not in s.output
@@ -146,19 +175,26 @@ def test_a_request_that_cannot_start_in_time_ends_as_timeout():
 def test_insert_candidates_fit_max_active(server):
     """Nine candidate span lengths by default; this server admits 2 and queues none, so more
     than two candidate requests would be a 429."""
-    response = httpx.post(server.url + "/v1/completions", json={**NORMAL, "prompt": "def f(x):\n", "suffix": "\n    return y\n"},
-                          timeout=60)  # fmt: skip
+    response = httpx.post(
+        server.url + "/v1/completions",
+        json={**NORMAL, "prompt": "def f(x):\n", "suffix": "\n    return y\n"},
+        timeout=60,
+    )
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "stop"
 
 
 @pytest.mark.slow
 def test_insert_candidates_leave_with_their_client(server):
     cancelled = metric(server, "dgemma_requests_total", finish_reason="cancelled")
-    body = json.dumps({**NORMAL, **SLOW, "max_denoising_steps": STEPS, "prompt": "def f(x):\n", "suffix": "\n    return y\n"})
+    body = json.dumps(
+        {**NORMAL, **SLOW, "max_denoising_steps": STEPS, "prompt": "def f(x):\n", "suffix": "\n    return y\n"}
+    )
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())  # fmt: skip
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
         time.sleep(0.05)  # an insert answer takes ~0.2 s on a fast CPU (an AMX Xeon): leave well before it
     assert wait_until(lambda: "went away before its answer to /v1/completions" in server.output, 10)
     assert wait_until(lambda: metric(server, "dgemma_requests_total", finish_reason="cancelled") > cancelled, 10)
@@ -178,13 +214,19 @@ def health_times(server, stop: threading.Event, out: list) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path,make", [
-    ("/v1/completions", lambda text: {**NORMAL, "prompt": text}),
-    ("/v1/completions", lambda text: {**NORMAL, "prompt": [text]}),
-    ("/v1/completions", lambda text: {**NORMAL, "prompt": "x", "suffix": text}),
-    ("/v1/chat/completions", lambda text: {**CHAT, "messages": [{"role": "user", "content": text}]}),
-    ("/v1/chat/completions", lambda text: {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,make",
+    [
+        ("/v1/completions", lambda text: {**NORMAL, "prompt": text}),
+        ("/v1/completions", lambda text: {**NORMAL, "prompt": [text]}),
+        ("/v1/completions", lambda text: {**NORMAL, "prompt": "x", "suffix": text}),
+        ("/v1/chat/completions", lambda text: {**CHAT, "messages": [{"role": "user", "content": text}]}),
+        (
+            "/v1/chat/completions",
+            lambda text: {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
+        ),
+    ],
+)
 def test_a_prompt_larger_than_the_context_is_refused_before_work(server, path, make):
     stop, times = threading.Event(), []
     watcher = threading.Thread(target=health_times, args=(server, stop, times))
@@ -228,8 +270,12 @@ def test_hostile_traffic_beside_seeded_requests_changes_none_of_them(server):
 
     def hostile() -> None:
         big = "x" * 200_000
-        for body in ({**NORMAL, "prompt": big}, {**NORMAL, "max_denoising_steps": STEPS * 4}, long_request(seed=99),
-                     {**CHAT, "messages": [{"role": "user", "content": big}]}):  # fmt: skip
+        for body in (
+            {**NORMAL, "prompt": big},
+            {**NORMAL, "max_denoising_steps": STEPS * 4},
+            long_request(seed=99),
+            {**CHAT, "messages": [{"role": "user", "content": big}]},
+        ):
             path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
             assert httpx.post(server.url + path, json=body, timeout=60).status_code in (200, 400, 429)
         try:  # a client that leaves mid-request
@@ -237,8 +283,10 @@ def test_hostile_traffic_beside_seeded_requests_changes_none_of_them(server):
         except httpx.TimeoutException:
             pass
 
-    workers = [threading.Thread(target=normal, args=("/v1/completions", NORMAL)),
-               threading.Thread(target=normal, args=("/v1/chat/completions", CHAT))]  # fmt: skip
+    workers = [
+        threading.Thread(target=normal, args=("/v1/completions", NORMAL)),
+        threading.Thread(target=normal, args=("/v1/chat/completions", CHAT)),
+    ]
     for w in workers:
         w.start()
     hostile()

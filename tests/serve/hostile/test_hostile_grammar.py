@@ -67,7 +67,7 @@ def chained_call_grammar(n: int) -> str:
     for i in reversed(range(n)):
         rules.append(f'm{i}: "p{i}:" /[0-9]+/')
         rules.append(f't{i}: ("," m{i})? {tail}')
-        rules.append(f'h{i}: m{i} {tail} | {head}')
+        rules.append(f"h{i}: m{i} {tail} | {head}")
         tail, head = f"t{i}", f"h{i}"
     return f'start: {head} "}}"\n' + "\n".join(rules)
 
@@ -90,12 +90,20 @@ PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind, spec", [("lark", lark_chain(CHAIN)), ("json", ref_chain(CHAIN)),
-                                        ("lark", chained_call_grammar(TOOL_PROPERTIES))],
-                         ids=["chained rules", "$ref chain", "chained call grammar"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, spec",
+    [("lark", lark_chain(CHAIN)), ("json", ref_chain(CHAIN)), ("lark", chained_call_grammar(TOOL_PROPERTIES))],
+    ids=["chained rules", "$ref chain", "chained call grammar"],
+)
 def test_the_attacks_crash_llguidance_on_an_8_mib_stack(kind, spec):
-    run = subprocess.run([sys.executable, "-c", PROBE, str(TOKENIZER)], input=json.dumps([kind, spec]), capture_output=True,
-                         text=True, timeout=120, check=False)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, str(TOKENIZER)],
+        input=json.dumps([kind, spec]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if run.returncode == 0 and "compiled" in run.stdout:  # a later llguidance may compile iteratively
         pytest.skip("this llguidance compiles the attack on an 8 MiB stack: the server's limits still apply")
     assert run.returncode < 0 and "compiled" not in run.stdout, (run.returncode, run.stdout, run.stderr[-500:])
@@ -125,8 +133,12 @@ def still_serving(server):
 def post(server, path: str, body: dict, timeout: float = 120) -> httpx.Response:
     """JSON as json.dumps writes it: ASCII, lone surrogates escaped as \\udXXX (httpx's own
     encoding cannot take them), as a client in another language may send them."""
-    return httpx.post(server.url + path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
-                      timeout=timeout)  # fmt: skip
+    return httpx.post(
+        server.url + path,
+        content=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=timeout,
+    )
 
 
 def completion(server, body: dict, timeout: float = 120) -> httpx.Response:
@@ -154,26 +166,82 @@ def over(value, limit) -> tuple[str, str]:
 BIG_LARK = "start: " + " | ".join(f'"{i:040d}"' for i in range(MAX_GRAMMAR_BYTES // 40))
 PROPERTIES = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(4 * MAX_SCHEMA_PROPERTIES)}}
 CASES = [
-    ("chained Lark rules", {"guided_grammar": lark_chain(CHAIN)}, "guided_grammar",
-     (*over(CHAIN + 2, MAX_RULE_DEPTH), "levels of rule references")),
-    ("many Lark rules", {"guided_grammar": 'start: "a"\n' + "".join(f'r{i}:"a"\n' for i in range(MAX_RULES + 100))},
-     "guided_grammar", (*over(MAX_RULES + 101, MAX_RULES), "rules")),
-    ("nested Lark groups", {"guided_grammar": "start: " + "(" * 5000 + '"a"' + ")" * 5000}, "guided_grammar",
-     (*over(5000, MAX_NESTING), "nested groups")),
-    ("huge Lark text", {"guided_grammar": BIG_LARK}, "guided_grammar", (*over(len(BIG_LARK), MAX_GRAMMAR_BYTES), "bytes")),
-    ("deep JSON schema", {"guided_json": nested_schema(300)}, "guided_json", (f"at most {MAX_SCHEMA_DEPTH} ", "levels of nesting")),
+    (
+        "chained Lark rules",
+        {"guided_grammar": lark_chain(CHAIN)},
+        "guided_grammar",
+        (*over(CHAIN + 2, MAX_RULE_DEPTH), "levels of rule references"),
+    ),
+    (
+        "many Lark rules",
+        {"guided_grammar": 'start: "a"\n' + "".join(f'r{i}:"a"\n' for i in range(MAX_RULES + 100))},
+        "guided_grammar",
+        (*over(MAX_RULES + 101, MAX_RULES), "rules"),
+    ),
+    (
+        "nested Lark groups",
+        {"guided_grammar": "start: " + "(" * 5000 + '"a"' + ")" * 5000},
+        "guided_grammar",
+        (*over(5000, MAX_NESTING), "nested groups"),
+    ),
+    (
+        "huge Lark text",
+        {"guided_grammar": BIG_LARK},
+        "guided_grammar",
+        (*over(len(BIG_LARK), MAX_GRAMMAR_BYTES), "bytes"),
+    ),
+    (
+        "deep JSON schema",
+        {"guided_json": nested_schema(300)},
+        "guided_json",
+        (f"at most {MAX_SCHEMA_DEPTH} ", "levels of nesting"),
+    ),
     ("deep JSON schema text", {"guided_json": nested_schema_text(5000)}, "guided_json", ("nested too deeply",)),
-    ("deep response_format schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(300)}}},
-     "response_format.json_schema.schema", (f"at most {MAX_SCHEMA_DEPTH} ", "levels of nesting")),
-    ("many properties", {"guided_json": PROPERTIES}, "guided_json", (f"at most {MAX_SCHEMA_PROPERTIES} ", "properties")),
+    (
+        "deep response_format schema",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(300)}}},
+        "response_format.json_schema.schema",
+        (f"at most {MAX_SCHEMA_DEPTH} ", "levels of nesting"),
+    ),
+    (
+        "many properties",
+        {"guided_json": PROPERTIES},
+        "guided_json",
+        (f"at most {MAX_SCHEMA_PROPERTIES} ", "properties"),
+    ),
     ("$ref chain", {"guided_json": ref_chain(CHAIN)}, "guided_json", (*over(CHAIN + 1, MAX_REF_DEPTH), "$ref")),
-    ("many choices", {"guided_choice": [f"c{i}" for i in range(5000)]}, "guided_choice", (*over(5000, MAX_CHOICES), "choices")),
-    ("deep regex", {"guided_regex": "(" * 5000 + "a" + ")" * 5000}, "guided_regex", (*over(5000, MAX_NESTING), "nested groups")),
+    (
+        "many choices",
+        {"guided_choice": [f"c{i}" for i in range(5000)]},
+        "guided_choice",
+        (*over(5000, MAX_CHOICES), "choices"),
+    ),
+    (
+        "deep regex",
+        {"guided_regex": "(" * 5000 + "a" + ")" * 5000},
+        "guided_regex",
+        (*over(5000, MAX_NESTING), "nested groups"),
+    ),
     ("surrogate in guided_regex", {"guided_regex": "a\ud800"}, "guided_regex", ("lone surrogate", "U+D800")),
-    ("surrogate in guided_choice", {"guided_choice": ["yes", "n\udc00"]}, "guided_choice[1]", ("lone surrogate", "U+DC00")),
-    ("surrogate in guided_grammar", {"guided_grammar": 'start: "\ud83d"'}, "guided_grammar", ("lone surrogate", "U+D83D")),
-    ("surrogate in guided_json", {"guided_json": {"type": "string", "pattern": "\udfff"}}, "guided_json", ("lone surrogate", "pattern")),
-]  # fmt: skip
+    (
+        "surrogate in guided_choice",
+        {"guided_choice": ["yes", "n\udc00"]},
+        "guided_choice[1]",
+        ("lone surrogate", "U+DC00"),
+    ),
+    (
+        "surrogate in guided_grammar",
+        {"guided_grammar": 'start: "\ud83d"'},
+        "guided_grammar",
+        ("lone surrogate", "U+D83D"),
+    ),
+    (
+        "surrogate in guided_json",
+        {"guided_json": {"type": "string", "pattern": "\udfff"}},
+        "guided_json",
+        ("lone surrogate", "pattern"),
+    ),
+]
 
 
 @pytest.mark.slow
@@ -183,15 +251,20 @@ def test_hostile_structured_output_is_a_400_naming_the_limit(server, extra, para
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra, answer", [({"guided_json": ref_chain(3000)}, r'("[^"]{0,12}"?)?'),
-                                           ({"guided_grammar": lark_chain(4000)}, "a*b?")], ids=["$refs", "rules"])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, answer",
+    [({"guided_json": ref_chain(3000)}, r'("[^"]{0,12}"?)?'), ({"guided_grammar": lark_chain(4000)}, "a*b?")],
+    ids=["$refs", "rules"],
+)
 def test_chains_within_the_limits_are_answered(server, extra, answer):
     """3,000 $refs or 4,000 chained rules crashed an 8 MiB stack; they are within the limits now:
     compiled on the 64 MiB compile thread, their masks answered on the 64 MiB engine thread."""
     body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "seed": 1, "max_denoising_steps": 2, **extra}
     response = completion(server, body)
     assert response.status_code == 200, response.text[:500]
-    assert re.fullmatch(answer, response.json()["choices"][0]["text"]), response.json()["choices"][0]["text"]  # a valid prefix
+    assert re.fullmatch(answer, response.json()["choices"][0]["text"]), response.json()["choices"][0][
+        "text"
+    ]  # a valid prefix
 
 
 def tool(parameters: dict) -> dict:
@@ -214,9 +287,22 @@ def test_forced_call_with_thousands_of_parameters(server):
 
 @pytest.mark.slow
 def test_forced_call_with_many_parameters_is_answered(server):
-    params = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(64)}, "required": ["p0", "p63"]}
-    response = chat(server, {"messages": USER, "tools": [tool(params)], "tool_choice": FORCED, "max_tokens": 256, "seed": 3,
-                             "max_denoising_steps": 4})  # fmt: skip
+    params = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "integer"} for i in range(64)},
+        "required": ["p0", "p63"],
+    }
+    response = chat(
+        server,
+        {
+            "messages": USER,
+            "tools": [tool(params)],
+            "tool_choice": FORCED,
+            "max_tokens": 256,
+            "seed": 3,
+            "max_denoising_steps": 4,
+        },
+    )
     assert response.status_code == 200, response.text[:500]
     choice = response.json()["choices"][0]
     if choice["finish_reason"] == "tool_calls":
@@ -225,15 +311,31 @@ def test_forced_call_with_many_parameters_is_answered(server):
 
 
 TOOL_CASES = [
-    ("deep tool schema", tool({"type": "object", "properties": {"a": nested_schema(200)}}), "tools[0].function.parameters",
-     (f"at most {MAX_TOOL_DEPTH} ", "levels of nesting")),
-    ("surrogate in a tool pattern", tool({"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]\ud800"}}}),
-     "tools[0].function.parameters", ("lone surrogate", "pattern")),
-    ("surrogate in a property name", tool({"type": "object", "properties": {"\udbff": {"type": "string"}}}),
-     "tools[0].function.parameters", ("lone surrogate", "U+DBFF")),
-    ("surrogate in an enum", tool({"type": "object", "properties": {"a": {"enum": ["x", "\ud800"]}}}),
-     "tools[0].function.parameters", ("lone surrogate", "enum[1]")),
-]  # fmt: skip
+    (
+        "deep tool schema",
+        tool({"type": "object", "properties": {"a": nested_schema(200)}}),
+        "tools[0].function.parameters",
+        (f"at most {MAX_TOOL_DEPTH} ", "levels of nesting"),
+    ),
+    (
+        "surrogate in a tool pattern",
+        tool({"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]\ud800"}}}),
+        "tools[0].function.parameters",
+        ("lone surrogate", "pattern"),
+    ),
+    (
+        "surrogate in a property name",
+        tool({"type": "object", "properties": {"\udbff": {"type": "string"}}}),
+        "tools[0].function.parameters",
+        ("lone surrogate", "U+DBFF"),
+    ),
+    (
+        "surrogate in an enum",
+        tool({"type": "object", "properties": {"a": {"enum": ["x", "\ud800"]}}}),
+        "tools[0].function.parameters",
+        ("lone surrogate", "enum[1]"),
+    ),
+]
 
 
 @pytest.mark.parametrize("tool_, param, words", [c[1:] for c in TOOL_CASES], ids=[c[0] for c in TOOL_CASES])

@@ -21,11 +21,23 @@ READ_TIMEOUT = 1.5
 
 @pytest.fixture(scope="module")
 def server():
-    flags = ["--served-model-name", MODEL, "--api-key", KEY, "--read-timeout", str(READ_TIMEOUT),
-             "--allowed-hosts", "proxy.example", "--allowed-origins", "http://localhost:3000"]  # fmt: skip
+    flags = [
+        "--served-model-name",
+        MODEL,
+        "--api-key",
+        KEY,
+        "--read-timeout",
+        str(READ_TIMEOUT),
+        "--allowed-hosts",
+        "proxy.example",
+        "--allowed-origins",
+        "http://localhost:3000",
+    ]
     with ServeProcess(flags) as s:
         s.start_rss = s.rss()
-        s.baseline = httpx.post(s.url + "/v1/completions", json=NORMAL, headers=AUTH, timeout=60).json()["choices"][0]["text"]
+        s.baseline = httpx.post(s.url + "/v1/completions", json=NORMAL, headers=AUTH, timeout=60).json()["choices"][0][
+            "text"
+        ]
         yield s
 
 
@@ -45,8 +57,15 @@ def error_of(response) -> str:
 
 
 # ------------------------------------------------------------------------------------ static files
-@pytest.mark.parametrize("query", ["name=../../../../etc/passwd", "name=../../../../etc/passwd&kind=text/html",
-                                   "name=../../../../etc/does-not-exist", "kind=text/html"])  # fmt: skip
+@pytest.mark.parametrize(
+    "query",
+    [
+        "name=../../../../etc/passwd",
+        "name=../../../../etc/passwd&kind=text/html",
+        "name=../../../../etc/does-not-exist",
+        "kind=text/html",
+    ],
+)
 def test_static_routes_read_no_path_or_type_from_the_client(server, query):
     response = httpx.get(f"{server.url}/ui/app.js?{query}")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/javascript")
@@ -60,8 +79,19 @@ def test_traversal_in_the_path_is_no_route(server):
 
 
 # ------------------------------------------------------------------------------------ Host and Origin
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "attacker.com.", "a b", "[::1",
-                                  "localhost:port", "8.8.8.8"])  # fmt: skip
+@pytest.mark.parametrize(
+    "host",
+    [
+        "evil.example",
+        "evil.example:8000",
+        "127.0.0.1.nip.io",
+        "attacker.com.",
+        "a b",
+        "[::1",
+        "localhost:port",
+        "8.8.8.8",
+    ],
+)
 def test_foreign_host_names_are_refused(server, host):
     """DNS rebinding: a page's own name pointing at 127.0.0.1 reaches the server, and is refused."""
     response = httpx.get(server.url + "/v1/models", headers={"Host": host, **AUTH})
@@ -70,18 +100,35 @@ def test_foreign_host_names_are_refused(server, host):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1", "127.0.0.1", "[::1]:8000", "10.1.2.3", "192.168.0.7:80",
-                                  "box.local", "dev.localhost", "svc.internal", "proxy.example", "0.0.0.0"])  # fmt: skip
+@pytest.mark.parametrize(
+    "host",
+    [
+        "localhost",
+        "LOCALHOST:1",
+        "127.0.0.1",
+        "[::1]:8000",
+        "10.1.2.3",
+        "192.168.0.7:80",
+        "box.local",
+        "dev.localhost",
+        "svc.internal",
+        "proxy.example",
+        "0.0.0.0",
+    ],
+)
 def test_local_names_and_allowed_hosts_pass(server, host):
     assert httpx.get(server.url + "/v1/models", headers={"Host": host, **AUTH}).status_code == 200
 
 
-@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://localhost:3001", "https://localhost:3000", "file://"])
+@pytest.mark.parametrize(
+    "origin", ["http://evil.example", "null", "http://localhost:3001", "https://localhost:3000", "file://"]
+)
 def test_cross_site_pages_cannot_post(server, origin):
     """A page elsewhere sends a simple text/plain POST (no preflight): refused before any work."""
     body = b'{"model": "dgemma-tiny", "prompt": "x", "max_tokens": 4}'
-    response = httpx.post(server.url + "/v1/completions", content=body,
-                          headers={"Origin": origin, "Content-Type": "text/plain", **AUTH})  # fmt: skip
+    response = httpx.post(
+        server.url + "/v1/completions", content=body, headers={"Origin": origin, "Content-Type": "text/plain", **AUTH}
+    )
     assert response.status_code == 403 and "--allowed-origins" in error_of(response)
     assert "access-control-allow-origin" not in response.headers
 
@@ -89,26 +136,48 @@ def test_cross_site_pages_cannot_post(server, origin):
 @pytest.mark.slow
 def test_same_origin_allowed_origins_and_curl_pass(server):
     port = server.url.rsplit(":", 1)[1]
-    same = httpx.post(server.url + "/v1/completions", json=NORMAL, headers={"Origin": f"http://127.0.0.1:{port}", **AUTH})
+    same = httpx.post(
+        server.url + "/v1/completions", json=NORMAL, headers={"Origin": f"http://127.0.0.1:{port}", **AUTH}
+    )
     assert same.status_code == 200
-    allowed = httpx.post(server.url + "/v1/completions", json=NORMAL, headers={"Origin": "http://localhost:3000", **AUTH})
+    allowed = httpx.post(
+        server.url + "/v1/completions", json=NORMAL, headers={"Origin": "http://localhost:3000", **AUTH}
+    )
     assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
-    preflight = httpx.options(server.url + "/v1/completions", headers={
-        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})  # fmt: skip
+    preflight = httpx.options(
+        server.url + "/v1/completions",
+        headers={
+            "Origin": "http://localhost:3000",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
     # curl -d: no Origin, a form content type, a JSON body
-    curl = httpx.post(server.url + "/v1/completions", content=httpx.Request("POST", "/", json=NORMAL).content,
-                      headers={"Content-Type": "application/x-www-form-urlencoded", **AUTH})  # fmt: skip
+    curl = httpx.post(
+        server.url + "/v1/completions",
+        content=httpx.Request("POST", "/", json=NORMAL).content,
+        headers={"Content-Type": "application/x-www-form-urlencoded", **AUTH},
+    )
     assert curl.status_code == 200
 
 
 # ------------------------------------------------------------------------------------ API key
 @pytest.mark.slow
-@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/v1/models/dgemma-tiny"), ("GET", "/metrics"),
-                                         ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                                         ("GET", "/v1/nothing")])  # fmt: skip
-@pytest.mark.parametrize("auth", [None, "Bearer wrong", "Bearer", f"Basic {KEY}", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}"])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/v1/models"),
+        ("GET", "/v1/models/dgemma-tiny"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/nothing"),
+    ],
+)
+@pytest.mark.parametrize(
+    "auth", [None, "Bearer wrong", "Bearer", f"Basic {KEY}", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}"]
+)
 def test_api_routes_need_the_key(server, method, path, auth):
     headers = {} if auth is None else {"Authorization": auth}
     response = httpx.request(method, server.url + path, json=NORMAL if method == "POST" else None, headers=headers)
@@ -139,7 +208,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
         while sock.recv(4096):
             pass
         return True
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True
@@ -183,8 +252,10 @@ def test_an_idle_keep_alive_connection_gets_a_deadline_again(server):
 
 @pytest.mark.slow
 def test_a_body_that_never_comes_is_a_408(server):
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
-            "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\":")  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+        'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"model":'
+    )
     with raw(server) as sock:
         sock.sendall(head.encode())
         sock.settimeout(READ_TIMEOUT + 5)
@@ -195,8 +266,10 @@ def test_a_body_that_never_comes_is_a_408(server):
 
 
 def test_an_aborted_upload_is_one_log_line(server):
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
-            "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    )
     for _ in range(3):
         with raw(server) as sock:
             sock.sendall(head.encode() + b'{"model": "dgemma-tiny", "messages": [' + b" " * 5000)
@@ -220,14 +293,22 @@ def test_too_many_connections_get_503_not_a_hang():
 
 # ------------------------------------------------------------------------------------ the flags
 @pytest.mark.slow
-@pytest.mark.parametrize("flags,words", [
-    (["--api-key", ""], "--api-key"), (["--api-key", " padded "], "--api-key"),
-    (["--allowed-origins", "evil"], "is not an origin"), (["--allowed-origins", "http://x:99999"], "is not an origin"),
-    (["--request-timeout", "-1"], "--request-timeout"), (["--request-timeout", "nan"], "--request-timeout"),
-    (["--request-timeout", "inf"], "--request-timeout"), (["--read-timeout", "0"], "--read-timeout"),
-    (["--read-timeout", "inf"], "--read-timeout"), (["--limit-concurrency", "0"], "--limit-concurrency"),
-    (["--max-denoising-steps", "0"], "--max-denoising-steps"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--api-key", ""], "--api-key"),
+        (["--api-key", " padded "], "--api-key"),
+        (["--allowed-origins", "evil"], "is not an origin"),
+        (["--allowed-origins", "http://x:99999"], "is not an origin"),
+        (["--request-timeout", "-1"], "--request-timeout"),
+        (["--request-timeout", "nan"], "--request-timeout"),
+        (["--request-timeout", "inf"], "--request-timeout"),
+        (["--read-timeout", "0"], "--read-timeout"),
+        (["--read-timeout", "inf"], "--read-timeout"),
+        (["--limit-concurrency", "0"], "--limit-concurrency"),
+        (["--max-denoising-steps", "0"], "--max-denoising-steps"),
+    ],
+)
 def test_bad_safety_flags_are_one_line_before_loading(flags, words):
     import subprocess
 

@@ -31,14 +31,16 @@ import openai
 import pytest
 
 import dgemma
+from dgemma.cli.serve import add_media_flags, media_policy, media_summary
 from dgemma.inputs.decode import open_video
 from dgemma.inputs.model_inputs import MediaError
 from dgemma.serve.media.policy import MediaPolicy, MediaRef, PartError
 from dgemma.serve.media.remote import GuardedBackend, address_allowed, fetch, host_allowed
 from dgemma.serve.media.sources import file_bytes
-from dgemma.cli.serve import add_media_flags, media_policy, media_summary
 from media_samples import PNG, data_url, image_part, mp4_bytes, png_bytes, user
-from servers import VISION_FAST as FAST, VISION_MODEL as MODEL, serve_vision as serve
+from servers import VISION_FAST as FAST
+from servers import VISION_MODEL as MODEL
+from servers import serve_vision as serve
 
 C0 = "messages[0].content[0]"
 UNFETCHABLE = "(unreachable, not allowed on this server, or not an HTTP 200 answer)"
@@ -51,7 +53,10 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         self.server.requests += 1
         port = self.server.server_address[1]
-        targets = {"/to-loopback": f"http://127.0.0.1:{port}/img.png", "/to-metadata": "http://169.254.169.254/latest/meta-data/"}
+        targets = {
+            "/to-loopback": f"http://127.0.0.1:{port}/img.png",
+            "/to-metadata": "http://169.254.169.254/latest/meta-data/",
+        }
         if self.path == "/slow.png":  # a slow remote image: 2 s before its answer
             time.sleep(2)
             self.path = "/img.png"
@@ -203,9 +208,16 @@ def refused_url(server, url: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ the address rule
-LOOPBACK = ["http://127.0.0.1:{port}/img.png", "http://localhost:{port}/img.png", "http://[::1]:{port}/img.png",
-            "http://[::ffff:127.0.0.1]:{port}/img.png", "http://0.0.0.0:{port}/img.png", "http://127.1:{port}/img.png",
-            "http://2130706433:{port}/img.png", "http://[::ffff:7f00:1]:{port}/img.png"]  # fmt: skip
+LOOPBACK = [
+    "http://127.0.0.1:{port}/img.png",
+    "http://localhost:{port}/img.png",
+    "http://[::1]:{port}/img.png",
+    "http://[::ffff:127.0.0.1]:{port}/img.png",
+    "http://0.0.0.0:{port}/img.png",
+    "http://127.1:{port}/img.png",
+    "http://2130706433:{port}/img.png",
+    "http://[::ffff:7f00:1]:{port}/img.png",
+]
 
 
 @pytest.mark.slow
@@ -299,15 +311,38 @@ def test_the_backend_checks_the_peer(host, rebinding):
 
 
 ADDRESSES = [
-    ("8.8.8.8", True), ("2606:4700:4700::1111", True), ("::ffff:8.8.8.8", True), ("2002:808:808::1", True),
+    ("8.8.8.8", True),
+    ("2606:4700:4700::1111", True),
+    ("::ffff:8.8.8.8", True),
+    ("2002:808:808::1", True),
     ("64:ff9b::808:808", True),
-    ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.0.1", False), ("100.64.0.1", False),
-    ("169.254.169.254", False), ("0.0.0.0", False), ("224.0.0.1", False), ("240.0.0.1", False),
-    ("255.255.255.255", False), ("192.0.2.1", False), ("::1", False), ("::", False), ("fe80::1%lo", False),
-    ("fc00::1", False), ("fec0::1", False), ("ff02::1", False), ("::ffff:127.0.0.1", False), ("::ffff:10.0.0.1", False),
-    ("::127.0.0.1", False), ("2002:7f00:1::1", False), ("2002:a9fe:a9fe::1", False), ("64:ff9b::a9fe:a9fe", False),
-    ("2001:0:4136:e378:8000:63bf:3fff:fdd2", False), ("64:ff9b:1::808:808", False), ("not an address", False),
-]  # fmt: skip
+    ("127.0.0.1", False),
+    ("10.1.2.3", False),
+    ("172.16.0.1", False),
+    ("192.168.0.1", False),
+    ("100.64.0.1", False),
+    ("169.254.169.254", False),
+    ("0.0.0.0", False),
+    ("224.0.0.1", False),
+    ("240.0.0.1", False),
+    ("255.255.255.255", False),
+    ("192.0.2.1", False),
+    ("::1", False),
+    ("::", False),
+    ("fe80::1%lo", False),
+    ("fc00::1", False),
+    ("fec0::1", False),
+    ("ff02::1", False),
+    ("::ffff:127.0.0.1", False),
+    ("::ffff:10.0.0.1", False),
+    ("::127.0.0.1", False),
+    ("2002:7f00:1::1", False),
+    ("2002:a9fe:a9fe::1", False),
+    ("64:ff9b::a9fe:a9fe", False),
+    ("2001:0:4136:e378:8000:63bf:3fff:fdd2", False),
+    ("64:ff9b:1::808:808", False),
+    ("not an address", False),
+]
 
 
 @pytest.mark.parametrize("address, allowed", ADDRESSES)
@@ -345,10 +380,32 @@ def tls_host(tmp_path_factory):
         pytest.skip("no openssl to make a certificate")
     root = tmp_path_factory.mktemp("tls")
     cert, key = root / "cert.pem", root / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost", "-addext", "basicConstraints=critical,CA:TRUE"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+        ],
+        check=True,
+        capture_output=True,
+    )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     names = []
@@ -423,8 +480,9 @@ def test_real_containers_still_open(tmp_path):
         open_video(clip, mime="video/webm")
 
 
-@pytest.mark.parametrize("mime, words", [("video/mp4", "not a valid mp4 file"),
-                                         ("video/mpeg", "not a container format this server reads")])  # fmt: skip
+@pytest.mark.parametrize(
+    "mime, words", [("video/mp4", "not a valid mp4 file"), ("video/mpeg", "not a container format this server reads")]
+)
 def test_a_concat_data_url_gets_a_400(default, tmp_path, monkeypatch, mime, words):
     """With no media flags at all, an ffconcat data URL naming a real video beside the server."""
     monkeypatch.chdir(tmp_path)
@@ -460,9 +518,16 @@ def test_a_device_behind_a_symlink_is_outside(remote, allowed):
 def test_outside_is_one_answer_whether_the_path_exists_or_not(remote, allowed):
     """No existence oracle: a file outside that exists, one that does not, and one behind '..'."""
     outside = allowed.parent / "outside"
-    urls = [(outside / "secret.png").as_uri(), (outside / "nope.png").as_uri(), f"file://{allowed}/../outside/nope.png",
-            f"file://{allowed}/nope/../../outside/secret.png"]  # fmt: skip
-    messages = {re.sub(r"'[^']*'", "URL", refused(remote, user(image_part(url)), "outside the allowed"), count=1) for url in urls}
+    urls = [
+        (outside / "secret.png").as_uri(),
+        (outside / "nope.png").as_uri(),
+        f"file://{allowed}/../outside/nope.png",
+        f"file://{allowed}/nope/../../outside/secret.png",
+    ]
+    messages = {
+        re.sub(r"'[^']*'", "URL", refused(remote, user(image_part(url)), "outside the allowed"), count=1)
+        for url in urls
+    }
     assert len(messages) == 1
 
 
