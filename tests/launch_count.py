@@ -426,3 +426,7 @@ PINNED = {
     ("int4", 1): (14, 19, 439),
     ("nvfp4", 1): (14, 19, 439),
 }
+# a turbo pass on the device path (engine/device/turbo.py), its row bucket C/8 (what the meta
+# device's zero reads give): at batch 8 the attention splits the prefix of the fewer query rows
+# (+1 a layer, the splits' combine)
+TURBO_PINNED = {1: (13, 28, 418), 8: (14, 28, 448)}

@@ -33,8 +33,10 @@ from . import prefill as prefill_pass
 from . import sampler
 from .constraints.grammar import PassRows
 from .device import step as device_step
+from .device import turbo as device_turbo
 from .device.graphs import DecoderGraphs
 from .device.step import decides_on_device
+from .device.turbo import TurboCanvasPool
 from .kv.paged_cache import PagedKVCache, PagedPass
 from .options import EngineOptions
 from .prefill import PlacedImage
@@ -83,6 +85,7 @@ class Runner:
         self.triton = self.kernels.triton  # GPU: the Triton step kernels (statistics, Philox sampling, attention)
         self.native = native.extension() if self.kernels.statistics == "native" else None
         self.graphs = DecoderGraphs() if self.kernels.cuda_graphs else None
+        self.turbo_pool: TurboCanvasPool | None = None  # turbo's canvas K/V on the device path (made on first use)
         # GPU: sample every position (no host sync); CPU: only the accepted ones. Same tokens either way.
         self.sample_all_positions = self.kernels.sample_all_positions
         self._buffers: dict[str, torch.Tensor] = {}
@@ -92,13 +95,19 @@ class Runner:
 
     def blank_state(self) -> dict[str, torch.Tensor]:
         """A padding row's device state (made once): canvas [C] of token 0, no self-conditioning
-        [C, H] (zeros: exactly none), a stop history [MAX_STABILITY, C] of -1 (none yet)."""
+        [C, H] (zeros: exactly none), a stop history [MAX_STABILITY, C] of -1 (none yet), and a
+        fresh turbo canvas's state."""
         if self._blank is None:
             c, device = self.config.canvas_length, self.net.device
             self._blank = {
                 "canvas": torch.zeros(c, dtype=torch.long, device=device),
                 "soft": torch.zeros(c, self.config.hidden_size, dtype=self.net.dtype, device=device),
                 "history": torch.full((triton_step.MAX_STABILITY, c), -1, dtype=torch.long, device=device),
+                # a turbo canvas's state (engine/turbo.py): nothing frozen, no streak, no token, entropy 0
+                "frozen": torch.zeros(c, dtype=torch.bool, device=device),
+                "streak": torch.zeros(c, dtype=torch.long, device=device),
+                "tokens": torch.full((c,), -1, dtype=torch.long, device=device),
+                "entropy": torch.zeros(c, dtype=torch.float32, device=device),
             }
         return self._blank
 
@@ -106,10 +115,15 @@ class Runner:
     def run(self, plan: StepPlan) -> list[DecodeResult]:
         self._encode(plan.encode)
         results = []
+        self._turbo_slots(plan.decode)
         groups = list(self._groups(plan.decode))
         on_device = [g for g in groups if decides_on_device(self, g[0])]
         graph_keys = [self._graph_key(g) for g in on_device]
+        turbo_graphs = sum(g[0].turbo is not None and g[0].turbo.slot is not None for g in groups)
         for group in groups:
+            if group[0].turbo is not None and group[0].turbo.slot is not None:  # a turbo pass on the device
+                results += device_turbo.turbo_group(self, group, copy_out=turbo_graphs > 1)
+                continue
             if group[0].turbo is not None:
                 results += turbo_step(self, group)
                 continue
@@ -194,22 +208,36 @@ class Runner:
         masked = any(r.active_constraints is not None and r.active_constraints.allowed is not None for r in group)
         return self.graphs.bucket(len(group)), masked
 
+    def _turbo_slots(self, requests: list[Request]) -> None:
+        """Canvas K/V slots for the turbo requests whose passes run on the device (the pool made
+        on first use: as many slots as the default graph buckets' largest, 8, ~55 MB each at the
+        released size; more turbo requests at once take the eager turbo step)."""
+        turbo = [r for r in requests if device_turbo.decides_turbo_on_device(self, r)]
+        if not turbo:
+            return
+        if self.turbo_pool is None:
+            slots = DecoderGraphs.BUCKETS[-1]
+            self.turbo_pool = TurboCanvasPool(self.kv_config, slots, self.net.dtype, self.net.device)
+        self.turbo_pool.assign(turbo)
+
     def _groups(self, requests: list[Request]) -> Iterable[list[Request]]:
         """Batch-invariant: one request per pass. Otherwise one batched pass, or with CUDA graphs
         chunks of at most the largest captured bucket (each chunk replays a graph; a larger group
         would run eagerly); requests whose whole step runs on the device (engine/device/step.py)
         apart from those that decide on the host. Turbo requests run in a group of their own
         (batched: all of them, each one's active rows padded to the group's most; batch-invariant:
-        one each), eagerly: their active rows change in number from pass to pass, so no captured
-        graph fits (engine/turbo.py)."""
-        turbo = [r for r in requests if r.turbo is not None]  # passes of their own: their active rows
+        one each), eagerly (engine/turbo_step.py), unless they hold a canvas K/V slot: then in
+        chunks like the device step's (engine/device/turbo.py: a graph per bucket of rows)."""
+        on_slots = [r for r in requests if r.turbo is not None and r.turbo.slot is not None]
+        turbo = [r for r in requests if r.turbo is not None and r.turbo.slot is None]  # passes of their own
         if self.options.batch_invariant:
-            return [[r] for r in requests if r.turbo is None] + [[r] for r in turbo]
+            return [[r] for r in requests if r.turbo is None] + [[r] for r in on_slots + turbo]
         device = [r for r in requests if decides_on_device(self, r)]  # steps whole on the device
         requests = [r for r in requests if r.turbo is None and not decides_on_device(self, r)]
-        size = self.graphs.largest if self.graphs is not None else max(1, len(requests), len(device))
+        size = self.graphs.largest if self.graphs is not None else max(1, len(requests), len(device), len(on_slots))
         chunks = [requests[i : i + size] for i in range(0, len(requests), size)]
         chunks += [device[i : i + size] for i in range(0, len(device), size)]
+        chunks += [on_slots[i : i + size] for i in range(0, len(on_slots), size)]
         return chunks + ([turbo] if turbo else [])
 
     # ---------------------------------------------------------------- the decoder pass

@@ -57,6 +57,8 @@ class TurboState:
     passes: int = 0
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     rested: torch.Tensor | None = None
+    slot: int | None = None  # on the device path: its canvas K/V slot (engine/device/turbo.py)
+    active: tuple[int, int] | None = None  # ... and the next pass's computed positions, resting allowed and not
 
     @classmethod
     def fresh(cls, canvas_length: int, device: torch.device, buffers: TurboState | None = None) -> TurboState:
@@ -68,8 +70,12 @@ class TurboState:
             entropy=torch.zeros(canvas_length, dtype=torch.float32, device=device),
         )
         if buffers is not None:
-            state.keys, state.values = buffers.keys, buffers.values
+            state.keys, state.values, state.slot = buffers.keys, buffers.values, buffers.slot
         return state
+
+    def full_pass(self, settings: TurboSettings) -> bool:
+        """Whether this pass computes every position: a canvas's first pass, or a refresh."""
+        return self.passes == 0 or bool(settings.refresh_every and self.passes % settings.refresh_every == 0)
 
     def all_frozen(self) -> bool:
         return bool(self.frozen.all())
@@ -78,10 +84,7 @@ class TurboState:
         """(canvas positions this pass computes, long [A]; positions resting, bool [C]): every
         position on a canvas's first pass and on refresh passes, else those neither frozen nor
         resting (`may_rest`: False where none may rest, e.g. a grammar's canvas)."""
-        everything = (
-            not self.keys or self.passes == 0 or (settings.refresh_every and self.passes % settings.refresh_every == 0)
-        )
-        if everything:
+        if not self.keys or self.full_pass(settings):
             return torch.arange(self.frozen.numel(), device=self.frozen.device), torch.zeros_like(self.frozen)
         threshold = settings.dormant_entropy if may_rest else 0.0
         resting = dormant(self.frozen, self.streak, self.entropy, self.rested, threshold)
@@ -95,6 +98,12 @@ class TurboState:
         for spec in config.layers:
             self.keys.append(torch.zeros(c, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
             self.values.append(torch.zeros(c, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
+
+
+def may_rest(r) -> bool:
+    """Whether positions of request `r`'s canvas may rest this pass: not with a grammar (its walk
+    reads every row) nor on the block's last allowed pass (what commits is computed)."""
+    return not r.refines and not r.block_ends(False)
 
 
 def canvas_kv_bytes(config: ModelConfig, dtype_bytes: int) -> int:

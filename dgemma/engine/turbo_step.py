@@ -23,7 +23,7 @@ from .constraints.grammar import PassRows, held_rows
 from .kv.paged_cache import PagedKVCache
 from .request import Request
 from .step_plan import DecodeResult
-from .turbo import TurboPass, TurboState, freeze
+from .turbo import TurboPass, TurboState, freeze, may_rest
 
 
 class Runner(Protocol):
@@ -57,7 +57,7 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
     states = [r.turbo for r in group]
     for state in states:
         state.ensure_buffers(runner.kv_config, runner.net.dtype, device)  # this rank's KV heads when sharded
-    planned = [s.query_rows(r.config.turbo_settings, _may_rest(r)) for r, s in zip(group, states)]
+    planned = [s.query_rows(r.config.turbo_settings, may_rest(r)) for r, s in zip(group, states)]
     queries, resting = [q for q, _ in planned], [d for _, d in planned]
     lives = [(~s.frozen & ~d).nonzero().squeeze(-1) for s, d in zip(states, resting)]  # the rows the sampler decides
     width = max(q.numel() for q in queries)
@@ -100,12 +100,6 @@ def turbo_step(runner: Runner, group: list[Request]) -> list[DecodeResult]:
         )
         start = end
     return results
-
-
-def _may_rest(r: Request) -> bool:
-    """Whether positions of `r`'s canvas may rest this pass: not with a grammar (its walk reads
-    every row) nor on the block's last allowed pass (what commits is computed)."""
-    return not r.refines and not r.block_ends(False)
 
 
 def _decide(

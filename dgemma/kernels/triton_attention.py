@@ -85,7 +85,7 @@ if HAVE_TRITON:
     @triton.jit
     def _paged_canvas_kernel(
         q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, table_ptr, lo_ptr, start_ptr, out_ptr, part_ptr, m_ptr, l_ptr,
-        A, C, G, HKV,
+        crow_ptr, A, C, G, HKV,
         sq_b, sq_h, sq_a, sq_d,
         skc_b, skc_h, skc_c, skc_d,
         svc_b, svc_h, svc_c, svc_d,
@@ -93,7 +93,7 @@ if HAVE_TRITON:
         svp_n, svp_s, svp_h, svp_d,
         st_b, st_j,
         so_b, so_a, so_h, so_d,
-        POOL_BLOCK: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        POOL_BLOCK: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, CANVAS_ROWS: tl.constexpr,
         UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
@@ -147,8 +147,12 @@ if HAVE_TRITON:
 
         # then the canvas's own keys (the last split only)
         c_end = tl.where(pid_s == NUM_SPLITS - 1, C, 0)
-        kc_head = kc_ptr + b64 * skc_b + kvh64 * skc_h
-        vc_head = vc_ptr + b64 * svc_b + kvh64 * svc_h
+        if CANVAS_ROWS:  # row b's canvas keys are row crow[b] of k_canvas (a turbo pass's canvas K/V slot)
+            cb = tl.load(crow_ptr + b).to(tl.int64)
+        else:
+            cb = b64
+        kc_head = kc_ptr + cb * skc_b + kvh64 * skc_h
+        vc_head = vc_ptr + cb * svc_b + kvh64 * svc_h
         for c0 in range(0, c_end, BLOCK_N):
             kc = c0 + n_off
             ok = kc < C
@@ -250,7 +254,7 @@ def pick_splits(device: torch.device, programs: int, max_prefix: int, block_n: i
     return max(1, min(MAX_SPLITS, triton.cdiv(sms, programs), max_prefix // (4 * block_n)))
 
 
-def _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start) -> None:
+def _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start, canvas_rows=None) -> None:
     """Shapes, dtypes and devices the kernel relies on (it does no bounds checks of its own)."""
     names = ("q", "k_canvas", "v_canvas", "k_pool", "v_pool")
     for name, t in zip(names, (q, k_canvas, v_canvas, k_pool, v_pool)):
@@ -262,7 +266,10 @@ def _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start) -> No
         raise ValueError(
             f"k_canvas / v_canvas must be [n, Hkv, C, D] alike, got {tuple(k_canvas.shape)} and {tuple(v_canvas.shape)}"
         )
-    if k_canvas.shape[0] != n:
+    if canvas_rows is not None:
+        if canvas_rows.shape != (n,) or canvas_rows.dtype != torch.int32:
+            raise ValueError(f"canvas_rows must be int32 [{n}], got {canvas_rows.dtype} {tuple(canvas_rows.shape)}")
+    elif k_canvas.shape[0] != n:
         raise ValueError(
             f"k_canvas / v_canvas must be [n, Hkv, C, D] with q's n = {n} rows, got {tuple(k_canvas.shape)}"
         )
@@ -313,6 +320,7 @@ def paged_canvas_attention(
     start: torch.Tensor,
     blocks: tuple[int, int] | None = None,
     num_splits: int | None = None,
+    canvas_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Canvas attention over the paged prefix, without gathering it: row i's A query rows q[i]
     [H, A, D] attend to pool positions [lo[i], start[i]) (block_tables[i, p // block_size],
@@ -324,8 +332,10 @@ def paged_canvas_attention(
     lo / start / block_tables are read on the device only (no host sync, no shape depends on
     the prefix), so a captured CUDA graph replays for any prefix length up to the table's width.
     `blocks` = (BLOCK_M, BLOCK_N), powers of two >= 16 (None: `pick_blocks`); `num_splits`
-    splits the prefix across programs (None: `pick_splits`, from shapes only)."""
-    _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start)
+    splits the prefix across programs (None: `pick_splits`, from shapes only). `canvas_rows` (int32
+    [n]): row i's canvas keys are k_canvas[canvas_rows[i]] (k_canvas [S, Hkv, C, D], any S: a turbo
+    pass's canvas K/V slots)."""
+    _check(q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start, canvas_rows)
     if not available(q.device):
         why = "triton is not installed" if not HAVE_TRITON else f"the device is {q.device.type}, not CUDA"
         raise RuntimeError(f"no Triton paged attention here ({why}); use PagedKVCache.attend and sdpa")
@@ -354,10 +364,10 @@ def paged_canvas_attention(
         part = m_part = l_part = out  # unused
     _paged_canvas_kernel[(m_tiles, n * hkv, num_splits)](
         q, k_canvas, v_canvas, k_pool, v_pool, block_tables, lo, start, out, part, m_part, l_part,
-        a, c, g, hkv,
+        canvas_rows if canvas_rows is not None else lo, a, c, g, hkv,
         *q.stride(), *k_canvas.stride(), *v_canvas.stride(), *k_pool.stride(), *v_pool.stride(),
         *block_tables.stride(), *out.stride(),
-        POOL_BLOCK=pool_block, D=d, NUM_SPLITS=num_splits,
+        POOL_BLOCK=pool_block, D=d, NUM_SPLITS=num_splits, CANVAS_ROWS=canvas_rows is not None,
         UPCAST_DOT=INTERPRETED and q.dtype == torch.bfloat16,  # the interpreter multiplies bf16's raw bits
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
         BLOCK_M=block_m, BLOCK_N=block_n,

@@ -162,8 +162,10 @@ if HAVE_TRITON:
         ROWS,
         V,
         C,
+        R,
         stride_w,
         DRAW: tl.constexpr,
+        POSITIONS: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
@@ -183,10 +185,14 @@ if HAVE_TRITON:
             tile_best = tl.max(w, axis=1)
             best_index = tl.where(tile_best > best, tl.argmax(w, axis=1) + v0, best_index)
             best = tl.maximum(best, tile_best)
-        if DRAW:  # each row's own Philox uniform (rows of one program are positions of one request)
-            req = (tl.program_id(0) * BLOCK_R) // C
+        if DRAW:  # each row's own Philox uniform (rows of one program are R rows of one request)
+            req = (tl.program_id(0) * BLOCK_R) // R
             seed = tl.load(seeds_ptr + req).to(tl.uint64, bitcast=True)
-            offsets = (tl.load(passes_ptr + req) * C + rows % C).to(tl.uint32)
+            if POSITIONS:  # a turbo pass's rows: their canvas positions (u_ptr)
+                position = tl.load(u_ptr + rows, mask=r_ok, other=0)
+            else:
+                position = rows % R
+            offsets = (tl.load(passes_ptr + req) * C + position).to(tl.uint32)
             r0, _, _, _ = tl.randint4x(seed, offsets)
             u = tl.random.uint_to_uniform_float(r0)
         else:
@@ -219,6 +225,46 @@ if HAVE_TRITON:
         tl.store(noise_ptr + row * C + pos, (r1.to(tl.uint32) % vocab.to(tl.uint32)).to(tl.int64), mask=inside)
 
     @triton.jit
+    def _entropy_bound(weighed, pos, inside, bound, C, BLOCK_C: tl.constexpr):
+        """sampler.entropy_bound_accept over one canvas: lowest entropies first while (cumulative sum
+        - own) <= bound, a prefix of the sorted order; keys are the entropy's bits (>= 0: ordered as
+        integers; +inf last) and the position (ties: the lower first)."""
+        keys = (weighed.to(tl.int32, bitcast=True).to(tl.int64) << 16) | pos.to(tl.int64)
+        keys = tl.where(inside, keys, 0x7FFFFFFFFFFFFFFF)
+        ordered = tl.sort(keys)
+        sorted_e = tl.where(tl.arange(0, BLOCK_C) < C, (ordered >> 16).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        before = tl.cumsum(sorted_e, axis=0) - sorted_e
+        taken = tl.sum(((before <= bound) & (tl.arange(0, BLOCK_C) < C)).to(tl.int32), axis=0)
+        last = tl.max(tl.where(tl.arange(0, BLOCK_C) < taken, ordered, -1), axis=0)
+        return (keys <= last) & inside
+
+    @triton.jit
+    def _noise(seeds_ptr, passes_ptr, i, pos, C, vocab):
+        """Each position's re-noising token from the request's Philox stream (as `philox_draws`)."""
+        seed = tl.load(seeds_ptr + i).to(tl.uint64, bitcast=True)
+        offsets = (tl.load(passes_ptr + i) * C + pos).to(tl.uint32)
+        _, r1, _, _ = tl.randint4x(seed, offsets)
+        return (r1.to(tl.uint32) % vocab.to(tl.uint32)).to(tl.int64)
+
+    @triton.jit
+    def _stable_rolled(hist_in_ptr, hist_out_ptr, i, pos, inside, argmax, stability, C, MAX_STABILITY: tl.constexpr):
+        """Whether `argmax` equals the last `stability` argmax canvases of the history, and the
+        history rolled with it (rows s < stability: the oldest first, the newest the argmax)."""
+        stable = True
+        for s in tl.static_range(MAX_STABILITY):
+            h_off = (i * MAX_STABILITY + s) * C + pos
+            past = tl.load(hist_in_ptr + h_off, mask=inside, other=0)
+            same = tl.sum(((past != argmax) & inside).to(tl.int32), axis=0) == 0
+            stable = stable & (same | (s >= stability))
+            if s + 1 < MAX_STABILITY:  # rolled: row s takes row s + 1, the newest row the argmax canvas
+                newer = tl.load(hist_in_ptr + h_off + C, mask=inside, other=0)
+                rolled = tl.where(s + 1 < stability, newer, argmax)
+            else:
+                rolled = argmax
+            tl.store(hist_out_ptr + h_off, tl.where(s < stability, rolled, past), mask=inside)
+        return stable
+
+    @triton.jit
     def _decide_kernel(
         entropy_ptr, argmax_ptr, sampled_ptr, seeds_ptr, passes_ptr, fixed_ptr, bound_ptr, conf_ptr, stab_ptr,
         hist_in_ptr, hist_out_ptr, canvas_ptr, argmax_out_ptr, kept_ptr, shown_ptr, stop_ptr,
@@ -243,36 +289,14 @@ if HAVE_TRITON:
             fixed = tl.full((BLOCK_C,), -1, tl.int64)
             free = pos >= 0
         weighed = tl.where(free, entropy, 0.0)
-        # lowest entropies first while (cumulative sum - own) <= bound: a prefix of the sorted order;
-        # keys are the entropy's bits (>= 0: ordered as integers) and the position (ties: the lower first)
-        keys = (weighed.to(tl.int32, bitcast=True).to(tl.int64) << 16) | pos.to(tl.int64)
-        keys = tl.where(inside, keys, 0x7FFFFFFFFFFFFFFF)
-        ordered = tl.sort(keys)
-        sorted_e = tl.where(tl.arange(0, BLOCK_C) < C, (ordered >> 16).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        before = tl.cumsum(sorted_e, axis=0) - sorted_e
-        taken = tl.sum(((before <= tl.load(bound_ptr + i)) & (tl.arange(0, BLOCK_C) < C)).to(tl.int32), axis=0)
-        last = tl.max(tl.where(tl.arange(0, BLOCK_C) < taken, ordered, -1), axis=0)
-        accepted = (keys <= last) & free & inside
-        seed = tl.load(seeds_ptr + i).to(tl.uint64, bitcast=True)
-        offsets = (tl.load(passes_ptr + i) * C + pos).to(tl.uint32)
-        _, r1, _, _ = tl.randint4x(seed, offsets)
-        noise = (r1.to(tl.uint32) % vocab.to(tl.uint32)).to(tl.int64)
+        accepted = _entropy_bound(weighed, pos, inside, tl.load(bound_ptr + i), C, BLOCK_C) & free
+        noise = _noise(seeds_ptr, passes_ptr, i, pos, C, vocab)
         canvas = tl.where(accepted, tl.load(sampled_ptr + row, mask=inside, other=0), noise)
         canvas = tl.where(free, canvas, fixed)
         argmax = tl.where(free, argmax, fixed)
-        stability = tl.load(stab_ptr + i)
-        stable = True
-        for s in tl.static_range(MAX_STABILITY):  # rows s < stability of the history: the oldest first
-            h_off = (i * MAX_STABILITY + s) * C + pos
-            past = tl.load(hist_in_ptr + h_off, mask=inside, other=0)
-            same = tl.sum(((past != argmax) & inside).to(tl.int32), axis=0) == 0
-            stable = stable & (same | (s >= stability))
-            if s + 1 < MAX_STABILITY:  # rolled: row s takes row s + 1, the newest row the argmax canvas
-                newer = tl.load(hist_in_ptr + h_off + C, mask=inside, other=0)
-                rolled = tl.where(s + 1 < stability, newer, argmax)
-            else:
-                rolled = argmax
-            tl.store(hist_out_ptr + h_off, tl.where(s < stability, rolled, past), mask=inside)
+        stable = _stable_rolled(
+            hist_in_ptr, hist_out_ptr, i, pos, inside, argmax, tl.load(stab_ptr + i), C, MAX_STABILITY
+        )
         count = tl.sum((free & inside).to(tl.float32), axis=0)
         mean = tl.sum(weighed, axis=0) / tl.maximum(count, 1.0)
         stop = stable & (mean < tl.load(conf_ptr + i))
@@ -408,32 +432,45 @@ def sample_rows(weights: torch.Tensor, total: torch.Tensor | None, uniforms: tor
         rows,
         vocab,
         1,
+        1,
         weights.stride(0),
         DRAW=False,
+        POSITIONS=False,
         BLOCK_R=block_r,
         BLOCK_V=_block(vocab),
     )
     return out
 
 
-def sample_drawn(weights: torch.Tensor, seeds: torch.Tensor, passes: torch.Tensor, canvas_length: int) -> torch.Tensor:
+def sample_drawn(
+    weights: torch.Tensor,
+    seeds: torch.Tensor,
+    passes: torch.Tensor,
+    canvas_length: int,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`sample_rows` with each row's uniform drawn in the kernel from its request's Philox stream:
     row r is position r % C of request r // C (seeds / passes [n] int64, as `philox_draws`), the
-    uniform the one `philox_draws` gives it. One launch instead of two."""
+    uniform the one `philox_draws` gives it. One launch instead of two. `positions` [n, A] (int64):
+    a turbo pass's rows, A a request, at those canvas positions (the uniforms an exact pass draws
+    there)."""
     rows, vocab = weights.shape
+    per = canvas_length if positions is None else positions.shape[1]
     out = torch.empty(rows, dtype=torch.long, device=weights.device)
-    block_r = _rows_per_program(rows, canvas_length)
+    block_r = _rows_per_program(rows, per)
     _sample_kernel[(triton.cdiv(rows, block_r),)](
         weights,
-        weights,
+        weights if positions is None else positions.reshape(-1),
         seeds,
         passes,
         out,
         rows,
         vocab,
         canvas_length,
+        per,
         weights.stride(0),
         DRAW=True,
+        POSITIONS=positions is not None,
         BLOCK_R=block_r,
         BLOCK_V=_block(vocab),
     )

@@ -180,6 +180,38 @@ def test_a_step_reads_the_device_once():
             assert reads.count == 1, reads.where
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_turbo_step_on_the_device_reads_once_and_its_pass_never_syncs(monkeypatch, graphs):
+    """Turbo requests on the device path (engine/device/turbo.py): the pass (what a graph
+    captures: the plan, the fused network over the computed rows, statistics, sampling, the
+    decisions) makes no sync and no copy from the host, and a whole engine step reads the device
+    once (stop flags and the next pass's counts together), whatever the batch."""
+    from dgemma.engine.device import turbo as device_turbo
+
+    engine = meta_engine(None)
+    if graphs:
+        engine.runner.graphs = DecoderGraphs(buckets=(1, 2), capture=eager_capture)  # groups of 2 and 1
+    real = device_turbo.run_turbo_step
+
+    def guarded(runner, step, active):
+        with no_host_sync("none"):
+            return real(runner, step, active)
+
+    monkeypatch.setattr(device_turbo, "run_turbo_step", guarded)
+    cfg = engine.runner.config
+    gen = GenerationConfig(max_new_tokens=4 * cfg.canvas_length, max_denoising_steps=8, turbo=True)
+    for i, start in enumerate((3, 20, 40)):
+        engine.add(Request(list(range(start, start + 9)), gen, i))
+    with stub_triton_launches(), torch.no_grad():
+        with count_host_reads():
+            engine.step()  # prompts encoded, first passes
+        for _ in range(2):
+            with count_host_reads() as reads:
+                engine.step()
+            assert reads.count == (2 if graphs else 1), reads.where  # graphs: one read a chunk
+    assert sorted(r.turbo.slot for r in engine.scheduler.running) == [0, 1, 2]
+
+
 @pytest.mark.slow
 def test_a_grammar_request_adds_only_its_own_reads():
     """A grammar request in the batch (the shipped model's tokenizer, a regex): its decoder step
@@ -253,6 +285,8 @@ STEP_MODULES = [
     "engine/device/inputs.py",
     "engine/device/ar.py",
     "kernels/triton_ar.py",
+    "kernels/triton_turbo.py",
+    "engine/device/turbo.py",
     "kernels/triton_norms.py",
     "kernels/triton_moe.py",
 ]
@@ -261,6 +295,7 @@ HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "bincount", "unique",
 ALLOWED = {
     ("engine/runner.py", "_results"): "the step's one read: the stop flags",
     ("engine/device/step.py", "device_group"): "the device step's one read: the stop flags",
+    ("engine/device/turbo.py", "turbo_group"): "the turbo step's one read: stop flags, the next pass's counts",
     ("engine/device/ar.py", "_generate"): "AR: the prompt's first tokens, then one read of tokens per read-back batch",
     ("engine/runner.py", "_refine"): "a grammar's walk runs on the host: constrained requests only",
     ("engine/runner.py", "_sample"): "the CPU path samples only the accepted positions (nonzero on the host)",

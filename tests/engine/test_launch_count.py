@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
 pytestmark = pytest.mark.triton
 
-from launch_count import PINNED, encode_launches, released_net, step_launches  # noqa: E402
+from launch_count import PINNED, TURBO_PINNED, encode_launches, released_net, step_launches  # noqa: E402
 
 LAYERS = 30
 PER_LAYER, OUTSIDE = 20, 40  # the GPU issue's bound: 640 a step
@@ -92,3 +92,19 @@ def test_the_counter_sees_every_kind_of_launch():
         triton_layer.gelu_mul(torch.empty(4, 8, device="meta"))  # a Triton launch (stubbed)
     assert launches.total == 2 + 3 + 1, launches.detail("outside")
     assert launches.kernels("outside")["triton:_gelu_mul_kernel"] == 1
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_turbo_pass_launches_about_a_default_passs_kernels(bf16_net, batch):
+    """A turbo pass on the device path, captured like the default step: the plan, the fused
+    layers over the computed rows (their keys and values written into the canvas K/V slots by the
+    q|k|v kernel: no copies), the statistics, sampling and the decisions. At batch 1 at most a
+    default pass + 20 (it is fewer: 418 against 439); at batch 8 one launch a layer more (the
+    attention splits the prefix of its fewer query rows) and 9 outside."""
+    launches = step_launches(bf16_net, batch, turbo=True)
+    per, outside, total = TURBO_PINNED[batch]
+    print(f"\nturbo batch {batch}: {launches.summary()}\n  outside: {launches.detail('outside')}")
+    assert max(launches.layers) <= per and launches.outside <= outside and launches.total <= total
+    assert "triton:_turbo_plan_kernel" in launches.detail("outside")  # the device pass, not the eager step
+    if batch == 1:
+        assert launches.total <= PINNED[("bf16", 1)][2] + 20

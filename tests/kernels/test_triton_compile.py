@@ -35,6 +35,7 @@ from dgemma.kernels import (  # noqa: E402
     triton_norms,
     triton_quant,
     triton_step,
+    triton_turbo,
 )
 
 MATMULS = ("_paged_canvas_kernel", "_gemm_kernel", "_router_kernel")
@@ -58,7 +59,16 @@ def of(variants, kernel):
 
 def test_every_kernel_is_compiled_at_the_picked_variants(variants):
     print("\n" + table(variants, uses=False))  # pytest -s: the table
-    modules = (triton_step, triton_ar, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
+    modules = (
+        triton_step,
+        triton_ar,
+        triton_turbo,
+        triton_layer,
+        triton_attention,
+        triton_quant,
+        triton_moe,
+        triton_norms,
+    )
     assert {v["kernel"] for v in variants} == {n for m in modules for n in dir(m) if n.endswith("_kernel")}
     norm = {
         (v["constexprs"]["HALF"], v["constexprs"]["HAS_WEIGHT"], v["constexprs"]["HAS_ROPE"])

@@ -319,7 +319,7 @@ def _launch_released(launches: Launches) -> None:
     """Every Triton launch the engine makes at the released model's shapes (presets "real") on
     meta tensors, captured, nothing run: whole engine steps (tests/launch_count.py's driver, with
     an H200's choices) for each weight format at batch 1 and a larger batch, an encoder pass, an AR
-    token, and
+    token, a turbo pass, and
     the wrappers the steps do not reach (the unfused LoRA path's kernels, turbo's separate draws
     and sampling, quantised linears at a short prefill chunk's rows)."""
     import torch
@@ -332,6 +332,7 @@ def _launch_released(launches: Launches) -> None:
         triton_norms,
         triton_quant,
         triton_step,
+        triton_turbo,
     )
     from dgemma.model.checkpoint import make_config
     from dgemma.model.diffusion_gemma import Experts
@@ -339,7 +340,16 @@ def _launch_released(launches: Launches) -> None:
     from dgemma.quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, quantize
     from launch_count import ar_token_launches, encode_launches, h200, released_net, step_launches
 
-    modules = (triton_step, triton_ar, triton_layer, triton_attention, triton_quant, triton_moe, triton_norms)
+    modules = (
+        triton_step,
+        triton_ar,
+        triton_turbo,
+        triton_layer,
+        triton_attention,
+        triton_quant,
+        triton_moe,
+        triton_norms,
+    )
     for fn in [getattr(m, name) for m in modules for name in dir(m) if name.endswith("_kernel")]:
         launches.capture(fn)
 
@@ -357,6 +367,8 @@ def _launch_released(launches: Launches) -> None:
         if scheme is None:  # AR mode's captured token (engine/device/ar.py): slots, argmax, advance
             launches.label = "AR token bf16"
             ar_token_launches(net)
+            launches.label = "turbo bf16 batch 1"  # the device turbo pass (engine/device/turbo.py)
+            step_launches(net, 1, turbo=True)
 
     cfg = make_config(**PRESETS["real"])
     dt, meta, c = torch.bfloat16, torch.device("meta"), cfg.canvas_length

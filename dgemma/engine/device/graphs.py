@@ -52,6 +52,7 @@ class DecoderGraphs:
             raise ValueError(f"DecoderGraphs needs positive bucket sizes, got {buckets}")
         self.buckets = tuple(sorted(set(buckets)))
         self.steps: dict[tuple[int, bool], _CapturedStep] = {}
+        self.turbo_steps: dict[tuple[int, int], object] = {}  # (bucket, rows a canvas): device/turbo.py's
         self.failures: dict[tuple[int, bool], str] = {}
         self.capture = capture or cuda_capture
         self.pool = None  # the graphs' shared memory pool (CUDA)
@@ -83,23 +84,31 @@ class DecoderGraphs:
         if size is None:
             return None
         key = (size, allowed is not None)
-        if key in self.failures:
+        what = f"decoder step for {size} rows{' with allowed-token masks' if key[1] else ''}"
+        entry = self._entry(self.steps, key, key, lambda: _CapturedStep(runner, size, self, masked=key[1]), what)
+        return None if entry is None else entry.replay(runner, group, allowed)
+
+    def captured_turbo(self, key: tuple[int, int], capture, runner: Runner, group: list[Request]):
+        """A turbo step (engine/device/turbo.py) of the group by a graph replay: the step under
+        `key` ((batch bucket, rows a canvas)), captured with `capture()` the first time; None where
+        that capture failed (then and for good: those run eagerly)."""
+        what = f"turbo step for {key[0]} rows of {key[1]} positions"
+        entry = self._entry(self.turbo_steps, key, ("turbo", *key), capture, what)
+        return None if entry is None else entry.replay(runner, group)
+
+    def _entry(self, store: dict, key: tuple, failure: tuple, capture, what: str):
+        if failure in self.failures:
             return None
-        entry = self.steps.get(key)
+        entry = store.get(key)
         if entry is None:
             try:
-                entry = _CapturedStep(runner, size, self, masked=key[1])
+                entry = capture()
             except Exception as e:  # noqa: BLE001 - any capture failure means: this bucket runs eagerly
-                reason = self.failures[key] = f"{type(e).__name__}: {e}"
-                log.warning(
-                    "CUDA graph capture of the decoder step for %d rows%s failed; those run eagerly: %s",
-                    size,
-                    " with allowed-token masks" if key[1] else "",
-                    reason,
-                )
+                reason = self.failures[failure] = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture of the %s failed; those run eagerly: %s", what, reason)
                 return None
-            self.steps[key] = entry
-        return entry.replay(runner, group, allowed)
+            store[key] = entry
+        return entry
 
 
 class _CapturedStep:

@@ -15,6 +15,16 @@ replays from fixed addresses anyway).
     stability    [n]       int32    stability_threshold
     fixed        [n, C]    int32    the canvas constraints' fixed tokens (-1: free)
 
+and for a turbo step (`StepLayout.turbo`; engine/device/turbo.py):
+
+    slot             [n]     int32    the request's canvas K/V slot (padding: the scratch slot)
+    full             [n]     int32    1: the pass computes every position (a canvas's first, a refresh)
+    rest_threshold   [n]     float32  this pass's rest threshold (+inf: none rests)
+    dormant_entropy  [n]     float32  the rest threshold where resting may be (the next pass's counts; +inf: never)
+    freeze_passes    [n]     int64    turbo_freeze_passes
+    freeze_entropy   [n]     float32  turbo_freeze_entropy
+    eos              [n, E]  int64    the end-of-answer tokens (-1: none; E = MAX_EOS)
+
 Rows past the group (a graph's bucket is larger) get an empty prefix, temperature 1 and nothing
 fixed; their outputs are dropped. `HostStep.fill` writes a group's values into a (pinned) host
 buffer; `StepTensors.of` views a device copy of it by field.
@@ -28,8 +38,10 @@ import torch
 
 from .. import sampler
 from ..kv.paged_cache import KINDS, PagedKVCache, PagedPass
+from ..turbo import may_rest
 
 _DTYPES = {"int32": torch.int32, "float32": torch.float32, "int64": torch.int64}
+MAX_EOS = 4  # end-of-answer tokens a turbo step on the device takes (more: the eager turbo step)
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,7 @@ class StepLayout:
     rows: int
     canvas: int
     width: int
+    turbo: bool = False
 
     def fields(self) -> list[tuple[str, str, tuple[int, ...]]]:
         n, c, w = self.rows, self.canvas, self.width
@@ -56,6 +69,16 @@ class StepLayout:
             ("stability", "int32", (n,)),
             ("fixed", "int32", (n, c)),
         ]
+        if self.turbo:
+            out += [
+                ("slot", "int32", (n,)),
+                ("full", "int32", (n,)),
+                ("rest_threshold", "float32", (n,)),
+                ("dormant_entropy", "float32", (n,)),
+                ("freeze_passes", "int64", (n,)),
+                ("freeze_entropy", "float32", (n,)),
+                ("eos", "int64", (n, MAX_EOS)),
+            ]
         return out
 
     def offsets(self) -> dict[str, tuple[int, str, tuple[int, ...]]]:
@@ -97,9 +120,9 @@ def host_buffer(layout: StepLayout, device: torch.device) -> torch.Tensor:
     return torch.empty(layout.words, dtype=torch.int32, pin_memory=device.type == "cuda")
 
 
-def fill(layout: StepLayout, buffer: torch.Tensor, cache: PagedKVCache, group: list) -> None:
+def fill(layout: StepLayout, buffer: torch.Tensor, cache: PagedKVCache, group: list, scratch: int = 0) -> None:
     """Write the group's step inputs into the host `buffer` (see the module): rows past the group
-    are padding. RuntimeError if a row's table is wider than the layout or a block it sees was
+    are padding (a turbo step's write into canvas K/V slot `scratch`). RuntimeError if a row's table is wider than the layout or a block it sees was
     released (as `PagedKVCache.plan_canvas`)."""
     v = layout.views(buffer)
     n, c = layout.rows, layout.canvas
@@ -134,6 +157,28 @@ def fill(layout: StepLayout, buffer: torch.Tensor, cache: PagedKVCache, group: l
         constraints = r.active_constraints
         if constraints is not None and constraints.fixed is not None:
             v["fixed"][i].copy_(constraints.fixed)
+    if layout.turbo:
+        _fill_turbo(v, group, n, scratch)
+
+
+def _fill_turbo(v: dict[str, torch.Tensor], group: list, n: int, scratch: int) -> None:
+    """A turbo step's fields (see the module); padding rows compute every position into the
+    scratch slot."""
+    pad = [0] * (n - len(group))
+    settings = [r.config.turbo_settings for r in group]
+    never = float("inf")  # no position rests (the kernels' threshold: entropy > +inf never holds)
+    dormant = [s.dormant_entropy or never for s in settings]
+    rest = [d if may_rest(r) else never for r, d in zip(group, dormant)]
+    v["full"].copy_(torch.tensor([int(r.turbo.full_pass(s)) for r, s in zip(group, settings)] + [1] * len(pad)))
+    v["rest_threshold"].copy_(torch.tensor(rest + pad, dtype=torch.float32))
+    v["dormant_entropy"].copy_(torch.tensor(dormant + pad, dtype=torch.float32))
+    v["freeze_passes"].copy_(torch.tensor([s.freeze_passes for s in settings] + pad, dtype=torch.int64))
+    v["freeze_entropy"].copy_(torch.tensor([s.freeze_entropy for s in settings] + pad, dtype=torch.float32))
+    v["eos"].fill_(-1)
+    for i, r in enumerate(group):
+        eos = list(r.config.eos_token_ids)
+        v["eos"][i, : len(eos)].copy_(torch.tensor(eos, dtype=torch.int64))
+    v["slot"].copy_(torch.tensor([r.turbo.slot for r in group] + [scratch] * len(pad), dtype=torch.int32))
 
 
 @dataclass

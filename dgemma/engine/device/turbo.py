@@ -1,0 +1,287 @@
+"""Turbo denoising on the device: a turbo pass (engine/turbo.py's rules) captured like the
+default step, with no host sync inside and one host read a step.
+
+The pass computes A rows a canvas, A a bucket of the canvas (C/8, C/4, C/2, C) at least its
+computed positions: the host learns the next pass's count with the stop flags (one read of both),
+so it picks the bucket, and the graph of (batch bucket, A), without looking at the device again.
+Inside the graph, `triton_turbo.turbo_plan` compacts the computed positions into those A rows
+(padded with the last one), the fused network runs over them, writing their keys and values into
+the request's slot of `TurboCanvasPool` (the q|k|v kernel's pool write) and attending over the
+paged prefix and the slot's C canvas keys (no per-layer copies), then the statistics, sampling at
+each row's canvas position (an exact pass's uniforms), and `triton_turbo.turbo_decide`.
+
+Requests with a grammar, log probabilities, canvas constraints, more than MAX_EOS end tokens or
+a longer stop history than MAX_STABILITY, and those left without a slot, take the eager turbo
+step (engine/turbo_step.py); a request that changes path starts a pass over every position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...config import GLOBAL, SLIDING, ModelConfig
+from ...kernels import triton_step, triton_turbo
+from ..step_plan import DecodeResult
+from ..turbo import TurboState, may_rest
+from .inputs import MAX_EOS, StepLayout, StepTensors, fill, host_buffer
+from .step import stack_state
+
+if TYPE_CHECKING:
+    from ..kv.paged_cache import PagedPass
+    from ..request import Request
+    from .graphs import DecoderGraphs
+    from .step import Runner
+
+
+def decides_turbo_on_device(runner: Runner, r: Request) -> bool:
+    """Whether `r`'s turbo passes can run whole on the device (see the module)."""
+    return (
+        runner.triton
+        and r.turbo is not None
+        and not r.refines
+        and r.top_logprobs is None
+        and r.active_constraints is None
+        and r.config.stability_threshold <= triton_step.MAX_STABILITY
+        and len(r.config.eos_token_ids) <= MAX_EOS
+    )
+
+
+def active_bucket(count: int, canvas_length: int) -> int:
+    """The rows a turbo pass computes a canvas for `count` computed positions: C/8, C/4, C/2 or C."""
+    for rows in (canvas_length // 8, canvas_length // 4, canvas_length // 2):
+        if rows >= max(count, 1):
+            return rows
+    return canvas_length
+
+
+class TurboCanvasPool:
+    """The canvas K/V of the requests turbo runs on the device: per layer keys and values
+    [slots + 1, C, Hkv, D] (the last slot, `scratch`, takes padding rows' writes), allocated once
+    (a captured graph reads them in place); a slot a request, kept while it runs."""
+
+    def __init__(self, config: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device):
+        c = config.canvas_length
+        self.canvas_length, self.slots, self.scratch = c, slots, slots
+        self.keys = [
+            torch.zeros(slots + 1, c, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in config.layers
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.owners: dict[int, int] = {}  # slot -> request id
+
+    def assign(self, requests: list[Request]) -> None:
+        """A slot for each request (its last step's where it had one, else the lowest free one;
+        none when all are taken: it runs the eager turbo step). A request whose slot changes (its
+        first, or none now) starts a pass over every position with a fresh stop history: its
+        canvas K/V is not where the pass will read it."""
+        ids = {r.request_id for r in requests}
+        self.owners = {slot: rid for slot, rid in self.owners.items() if rid in ids}
+        held = {rid: slot for slot, rid in self.owners.items()}
+        free = [s for s in range(self.slots) if s not in self.owners]
+        for r in requests:
+            slot = held.get(r.request_id)
+            if slot is None and free:
+                slot = free.pop(0)
+                self.owners[slot] = r.request_id
+            if slot != r.turbo.slot:
+                r.turbo.slot, r.turbo.passes, r.turbo.active = slot, 0, None
+                r.turbo.keys, r.turbo.values = [], []
+                r.history = None
+
+
+class TurboCanvasPass:
+    """The cache pass of a turbo pass over A rows of n canvases: the rows' RoPE positions, their
+    keys and values written into the requests' canvas K/V slots (by the fused q|k|v kernel through
+    `pool_writes`, or here for an unfused layer), and their attention over the paged prefix and
+    their slot's C canvas keys."""
+
+    def __init__(self, inner: PagedPass, positions: torch.Tensor, writes: torch.Tensor, slots: torch.Tensor, pool):
+        self.inner, self.positions, self.writes, self.slots, self.pool = inner, positions, writes, slots, pool
+        self.written: set[int] = set()
+
+    def pool_writes(self, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.written.add(layer)
+        return self.pool.keys[layer], self.pool.values[layer], self.writes
+
+    def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q / k / v [n, H(kv), A, D] of the computed rows -> [n, A, H, D]."""
+        from ...kernels.triton_attention import paged_canvas_attention
+
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        if layer not in self.written:  # an unfused layer (LoRA adapters): its rows' keys and values here
+            for pool, new in ((keys, k), (values, v)):
+                flat = pool.view(-1, *pool.shape[-2:])
+                flat.index_copy_(0, self.writes, new.transpose(1, 2).reshape(-1, *pool.shape[-2:]).to(pool.dtype))
+        tables, lo, start = self.inner.tables[SLIDING if sliding else GLOBAL]
+        cache = self.inner.cache
+        return paged_canvas_attention(
+            q,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            cache.keys[layer],
+            cache.values[layer],
+            tables,
+            lo,
+            start,
+            canvas_rows=self.slots,
+        )
+
+
+@dataclass
+class TurboStep:
+    """A turbo step's inputs: the packed step inputs (StepLayout.turbo) and the canvases' state
+    [n, C] (canvas, soft [n, C, H] or None, history [n, MAX_STABILITY, C], and TurboState's
+    frozen, streak, tokens, entropy, rested)."""
+
+    inputs: StepTensors
+    canvas: torch.Tensor
+    soft: torch.Tensor | None
+    history: torch.Tensor
+    frozen: torch.Tensor
+    streak: torch.Tensor
+    tokens: torch.Tensor
+    entropy: torch.Tensor
+    rested: torch.Tensor
+
+
+def run_turbo_step(runner: Runner, step: TurboStep, active: int) -> tuple[torch.Tensor, ...]:
+    """One turbo pass of the step's rows at `active` rows a canvas, no host sync (what a graph
+    captures): (canvas, argmax [n, C], history, kept [n, C], entropy [n, C], frozen [n, C],
+    streak [n, C], flags [n, 3] (stop, the next pass's counts), resting [n, C], soft [n, C, H])."""
+    n, c = step.canvas.shape
+    v, pool = step.inputs, runner.turbo_pool
+    plan = triton_turbo.turbo_plan(
+        (step.frozen, step.streak, step.entropy, step.rested),
+        v["full"],
+        v["rest_threshold"],
+        (v["slot"], v["positions"], v["temps"], step.canvas),
+        pool.canvas_length,
+        active,
+    )
+    rows, _, live, resting, writes, positions, temps, canvas = plan
+    h = runner.config.hidden_size
+    soft_in = None if step.soft is None else step.soft.gather(1, rows[..., None].expand(n, active, h))
+    hidden = runner.net.decode(canvas, TurboCanvasPass(v.plan, positions, writes, v["slot"], pool), soft_in)
+    argmax, entropy, probs, _, soft_next = runner.statistics(hidden, temps, None)
+    sampled = triton_step.sample_drawn(probs, v["seeds"], v["passes"], c, positions=rows)
+    state = (step.tokens, step.entropy, step.frozen, step.streak)
+    decided = triton_turbo.turbo_decide(
+        plan,
+        argmax.view(n, active),
+        entropy.view(n, active),
+        sampled.view(n, active),
+        state,
+        v.views,
+        step.history,
+        runner.config.vocab_size,
+    )
+    base = step.soft if step.soft is not None else soft_next.new_zeros(n, c, h)
+    soft = torch.where(
+        live[..., None], base.scatter(1, rows[..., None].expand(n, active, h), soft_next.to(base.dtype)), base
+    )
+    return (*decided, resting, soft)
+
+
+_BLANK = {"frozen": "frozen", "streak": "streak", "tokens": "tokens", "entropy": "entropy", "rested": "frozen"}
+
+
+def stack_turbo_state(runner: Runner, group: list[Request], rows: int, out: TurboStep | None = None) -> tuple:
+    """`stack_state` and the group's TurboState tensors stacked into [rows, C] (padding rows:
+    nothing frozen, no streak, no tokens), into `out`'s tensors when given. Returns (canvas, soft,
+    history, frozen, streak, tokens, entropy, rested)."""
+    pad = rows - len(group)
+    blank = runner.blank_state()
+    parts = {
+        "frozen": [r.turbo.frozen for r in group],
+        "streak": [r.turbo.streak for r in group],
+        "tokens": [r.turbo.tokens for r in group],
+        "entropy": [r.turbo.entropy for r in group],
+        "rested": [r.turbo.rested if r.turbo.rested is not None else blank["frozen"] for r in group],
+    }
+    common = stack_state(runner, group, rows, out=out)
+    if out is None:
+        return (*common, *(torch.stack(p + [blank[_BLANK[k]]] * pad) for k, p in parts.items()))
+    for k, p in parts.items():
+        torch.stack(p + [blank[_BLANK[k]]] * pad, out=getattr(out, k))
+    return (*common, *(getattr(out, k) for k in parts))
+
+
+def eager_turbo_step(runner: Runner, group: list[Request], active: int) -> tuple[torch.Tensor, ...]:
+    """`run_turbo_step` for a group outside any graph: its inputs copied up and stacked, then the pass."""
+    c = runner.config.canvas_length
+    width = max([1] + [len(r.kv.tables[kind]) for r in group for kind in r.kv.tables])
+    layout = StepLayout(len(group), c, width, turbo=True)
+    host = host_buffer(layout, runner.net.device)
+    fill(layout, host, runner.cache, group, runner.turbo_pool.scratch)
+    inputs = StepTensors.of(layout, runner.to_device(host), runner.cache, group)
+    return run_turbo_step(runner, TurboStep(inputs, *stack_turbo_state(runner, group, len(group))), active)
+
+
+class CapturedTurbo:
+    """One (batch bucket, rows a canvas) turbo step captured: its static inputs and outputs."""
+
+    def __init__(self, runner: Runner, size: int, active: int, graphs: DecoderGraphs):
+        cfg, device = runner.config, runner.net.device
+        width = -(-cfg.max_position_embeddings // runner.cache.block_size)  # any sequence's table fits
+        self.size, self.active = size, active
+        self.layout = StepLayout(size, cfg.canvas_length, width, turbo=True)
+        self.host = host_buffer(self.layout, device)
+        fill(self.layout, self.host, runner.cache, [], runner.turbo_pool.scratch)  # every row padding
+        self.buffer = self.host.to(device)
+        inputs = StepTensors.of(self.layout, self.buffer, runner.cache, [])
+        canvas, _, history, *state = stack_turbo_state(runner, [], size)
+        soft = runner.blank_state()["soft"].repeat(size, 1, 1)
+        self.static = TurboStep(inputs, canvas, soft, history, *state)
+        self._replay, self.outputs = graphs.capture(lambda: run_turbo_step(runner, self.static, active), graphs)
+
+    def replay(self, runner: Runner, group: list[Request]) -> tuple[torch.Tensor, ...]:
+        fill(self.layout, self.host, runner.cache, group, runner.turbo_pool.scratch)
+        self.buffer.copy_(self.host, non_blocking=True)
+        self.static.inputs.plan.rows = [r.kv for r in group]
+        stack_turbo_state(runner, group, self.size, out=self.static)
+        self._replay()
+        return self.outputs
+
+
+def computed_positions(r: Request) -> int:
+    """The canvas positions `r`'s next turbo pass computes (known on the host: its last step's
+    read, or every position on a full pass)."""
+    state, settings = r.turbo, r.config.turbo_settings
+    c = state.frozen.numel()
+    if state.full_pass(settings) or state.active is None:
+        return c
+    return state.active[0] if may_rest(r) else state.active[1]
+
+
+def turbo_group(runner: Runner, group: list[Request], copy_out: bool) -> list[DecodeResult]:
+    """One turbo pass of `group` on the device (a graph replay where one is captured), then the
+    step's one read (stop flags and the next pass's counts). `copy_out`: the outputs are copied
+    out of the graph's tensors (another turbo group replays this step)."""
+    c = runner.config.canvas_length
+    counts = [computed_positions(r) for r in group]
+    active = active_bucket(max(counts), c)
+    out = None
+    if runner.graphs is not None:
+        size = runner.graphs.bucket(len(group))
+        if size is not None:
+            out = runner.graphs.captured_turbo(
+                (size, active), lambda: CapturedTurbo(runner, size, active, runner.graphs), runner, group
+            )
+    if out is None:
+        out = eager_turbo_step(runner, group, active)
+    elif copy_out:
+        out = tuple(t.clone() for t in out)
+    canvas, argmax, history, kept, entropy, frozen, streak, flags, resting, soft = out
+    read = flags[: len(group)].tolist()  # the step's one read: stop flags, the next pass's counts
+    results = []
+    for i, (r, (stop, rest, no_rest)) in enumerate(zip(group, read)):
+        s = r.turbo
+        state = TurboState(
+            frozen[i], streak[i], argmax[i], entropy[i], [], [], s.passes + 1, {}, resting[i], s.slot, (rest, no_rest)
+        )
+        result = DecodeResult(r, canvas[i], argmax[i], soft[i], history[i], bool(stop), None, kept[i], entropy[i])
+        result.positions, result.turbo = counts[i], state
+        results.append(result)
+    return results
