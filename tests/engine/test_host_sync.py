@@ -171,13 +171,18 @@ def test_a_step_reads_the_device_once():
     when asked for, read theirs)."""
     engine = meta_engine(None)
     add_requests(engine)
+    assert_steady_reads(engine, 1)
+
+
+def assert_steady_reads(engine: Engine, per_step: int) -> None:
+    """The steps after the first (prompts encoded, first passes) read the device `per_step` times each."""
     with stub_triton_launches(), torch.no_grad():
         with count_host_reads():
-            engine.step()  # prompts encoded, first passes
+            engine.step()
         for _ in range(2):
             with count_host_reads() as reads:
                 engine.step()
-            assert reads.count == 1, reads.where
+            assert reads.count == per_step, reads.where
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -202,13 +207,7 @@ def test_a_turbo_step_on_the_device_reads_once_and_its_pass_never_syncs(monkeypa
     gen = GenerationConfig(max_new_tokens=4 * cfg.canvas_length, max_denoising_steps=8, turbo=True)
     for i, start in enumerate((3, 20, 40)):
         engine.add(Request(list(range(start, start + 9)), gen, i))
-    with stub_triton_launches(), torch.no_grad():
-        with count_host_reads():
-            engine.step()  # prompts encoded, first passes
-        for _ in range(2):
-            with count_host_reads() as reads:
-                engine.step()
-            assert reads.count == (2 if graphs else 1), reads.where  # graphs: one read a chunk
+    assert_steady_reads(engine, 2 if graphs else 1)  # graphs: one read a chunk
     assert sorted(r.turbo.slot for r in engine.scheduler.running) == [0, 1, 2]
 
 

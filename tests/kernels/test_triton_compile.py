@@ -25,18 +25,7 @@ pytest.importorskip("triton", reason="triton is an optional (Linux) test depende
 # time, cached after): the whole file is slow
 pytestmark = [pytest.mark.triton, pytest.mark.subprocess, pytest.mark.slow]
 
-from triton_compile import HOPPER_SHARED, REGISTERS_PER_SM, released_variants, table  # noqa: E402
-
-from dgemma.kernels import (  # noqa: E402
-    triton_ar,
-    triton_attention,
-    triton_layer,
-    triton_moe,
-    triton_norms,
-    triton_quant,
-    triton_step,
-    triton_turbo,
-)
+from triton_compile import HOPPER_SHARED, REGISTERS_PER_SM, kernel_modules, released_variants, table  # noqa: E402
 
 MATMULS = ("_paged_canvas_kernel", "_gemm_kernel", "_router_kernel")
 EXPERTS = 128  # the released model's
@@ -59,17 +48,8 @@ def of(variants, kernel):
 
 def test_every_kernel_is_compiled_at_the_picked_variants(variants):
     print("\n" + table(variants, uses=False))  # pytest -s: the table
-    modules = (
-        triton_step,
-        triton_ar,
-        triton_turbo,
-        triton_layer,
-        triton_attention,
-        triton_quant,
-        triton_moe,
-        triton_norms,
-    )
-    assert {v["kernel"] for v in variants} == {n for m in modules for n in dir(m) if n.endswith("_kernel")}
+    kernels = {n for m in kernel_modules() for n in dir(m) if n.endswith("_kernel")}
+    assert {v["kernel"] for v in variants} == kernels
     norm = {
         (v["constexprs"]["HALF"], v["constexprs"]["HAS_WEIGHT"], v["constexprs"]["HAS_ROPE"])
         for v in of(variants, "_norm_rope_kernel")

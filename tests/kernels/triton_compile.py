@@ -315,15 +315,8 @@ def _compile_index(index: int) -> dict:
     return _LAUNCHES.compile(list(_LAUNCHES.variants.values())[index])
 
 
-def _launch_released(launches: Launches) -> None:
-    """Every Triton launch the engine makes at the released model's shapes (presets "real") on
-    meta tensors, captured, nothing run: whole engine steps (tests/launch_count.py's driver, with
-    an H200's choices) for each weight format at batch 1 and a larger batch, an encoder pass, an AR
-    token, a turbo pass, and
-    the wrappers the steps do not reach (the unfused LoRA path's kernels, turbo's separate draws
-    and sampling, quantised linears at a short prefill chunk's rows)."""
-    import torch
-
+def kernel_modules() -> tuple:
+    """dgemma's modules of Triton kernels (every `*_kernel` in them is compiled here)."""
     from dgemma.kernels import (
         triton_ar,
         triton_attention,
@@ -334,13 +327,8 @@ def _launch_released(launches: Launches) -> None:
         triton_step,
         triton_turbo,
     )
-    from dgemma.model.checkpoint import make_config
-    from dgemma.model.diffusion_gemma import Experts
-    from dgemma.model.presets import PRESETS
-    from dgemma.quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, quantize
-    from launch_count import ar_token_launches, encode_launches, h200, released_net, step_launches
 
-    modules = (
+    return (
         triton_step,
         triton_ar,
         triton_turbo,
@@ -350,6 +338,29 @@ def _launch_released(launches: Launches) -> None:
         triton_moe,
         triton_norms,
     )
+
+
+def _launch_released(launches: Launches) -> None:
+    """Every Triton launch the engine makes at the released model's shapes (presets "real") on
+    meta tensors, captured, nothing run: whole engine steps (tests/launch_count.py's driver, with
+    an H200's choices) for each weight format at batch 1 and a larger batch, an encoder pass, an AR
+    token, a turbo pass, and
+    the wrappers the steps do not reach (the unfused LoRA path's kernels, turbo's separate draws
+    and sampling, quantised linears at a short prefill chunk's rows)."""
+    import torch
+
+    from dgemma.kernels import (
+        triton_layer,
+        triton_quant,
+        triton_step,
+    )
+    from dgemma.model.checkpoint import make_config
+    from dgemma.model.diffusion_gemma import Experts
+    from dgemma.model.presets import PRESETS
+    from dgemma.quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, quantize
+    from launch_count import ar_token_launches, encode_launches, h200, released_net, step_launches
+
+    modules = kernel_modules()
     for fn in [getattr(m, name) for m in modules for name in dir(m) if name.endswith("_kernel")]:
         launches.capture(fn)
 
