@@ -20,7 +20,7 @@ computation rounded to nearest (<= 1/2 ulp, where torch's chain drifts by a few)
 gelu_mul rounds once where torch rounds gelu(gate) and then the product. combine_topk computes
 what torch does (bf16 rows times float32 weights, summed in float32) and rounds once, as torch.
 
-Stores to bf16 round to nearest-even by bit manipulation in float32 first (`_round_bf16`):
+Stores to bf16 round to nearest-even by bit manipulation in float32 first (`triton_support.round_bf16`):
 Triton's interpreter truncates float32 -> bf16 casts, GPUs round; this makes both agree (and
 costs a few integer ops in memory-bound kernels).
 
@@ -38,21 +38,13 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
+from .triton_support import HAVE_TRITON, interpreted, round_bf16, round_if, runs_on, tl, triton
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 512
 GELU_APPROXIMATIONS = ("none", "tanh")
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _round_bf16(v):
-        """float32 -> the nearest bf16 value (ties to even), still as float32: the cast that
-        follows is then exact, whether the backend truncates (the interpreter) or rounds."""
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
 
     @triton.jit
     def _norm_rope_kernel(
@@ -97,8 +89,8 @@ if HAVE_TRITON:
             y1 = n1
             y2 = n2
         if ROUND_Y:
-            y1 = _round_bf16(y1)
-            y2 = _round_bf16(y2)
+            y1 = round_bf16(y1)
+            y2 = round_bf16(y2)
         y1 = y1.to(y_ptr.dtype.element_ty)
         y2 = y2.to(y_ptr.dtype.element_ty)
         y_row = y_ptr + (t * stride_yt + h * stride_yh)[:, None]
@@ -109,8 +101,8 @@ if HAVE_TRITON:
             p1 = y1.to(tl.float32)
             p2 = y2.to(tl.float32)
             if ROUND_POOL:
-                p1 = _round_bf16(p1)
-                p2 = _round_bf16(p2)
+                p1 = round_bf16(p1)
+                p2 = round_bf16(p2)
             p_row = pool_ptr + (slot * stride_pn + h * stride_ph)[:, None]
             p_mask = (row_mask & (slot >= 0))[:, None]
             tl.store(p_row + d[None, :] * stride_pd, p1.to(pool_ptr.dtype.element_ty), mask=p_mask)
@@ -145,7 +137,7 @@ if HAVE_TRITON:
             act = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
         out = act * u
         if ROUND:
-            out = _round_bf16(out)
+            out = round_bf16(out)
         tl.store(
             out_ptr + rows[:, None] * stride_os + cols[None, :] * stride_oi, out.to(out_ptr.dtype.element_ty), mask=mask
         )
@@ -182,7 +174,7 @@ if HAVE_TRITON:
             vals = tl.load(y_ptr + row[:, None] * stride_ys + cols[None, :] * stride_yh, mask=mask, other=0.0)
             acc += w[:, None] * vals.to(tl.float32)
         if ROUND:
-            acc = _round_bf16(acc)
+            acc = round_bf16(acc)
         tl.store(
             out_ptr + toks[:, None] * stride_on + cols[None, :] * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask
         )
@@ -224,13 +216,15 @@ if HAVE_TRITON:
         )
         w1 = tl.where(is_v[:, None], 1.0, w1)
         w2 = tl.where(is_v[:, None], 1.0, w2)
-        n1 = _rnd(x1 * r[:, None] * w1, ROUND)
-        n2 = _rnd(x2 * r[:, None] * w2, ROUND)
+        n1 = round_if(x1 * r[:, None] * w1, ROUND)
+        n2 = round_if(x2 * r[:, None] * w2, ROUND)
         rope = (~is_v)[:, None] & mask
         c = tl.load(cos_ptr + (t * stride_ct + ROPE_COL)[:, None] + d[None, :], mask=rope, other=1.0).to(tl.float32)
         s = tl.load(sin_ptr + (t * stride_st + ROPE_COL)[:, None] + d[None, :], mask=rope, other=0.0).to(tl.float32)
-        y1 = _rnd(_rnd(n1 * c, ROUND) - _rnd(n2 * s, ROUND), ROUND)  # x c + rotate_half(x) s, as torch rounds it
-        y2 = _rnd(_rnd(n2 * c, ROUND) + _rnd(n1 * s, ROUND), ROUND)
+        y1 = round_if(
+            round_if(n1 * c, ROUND) - round_if(n2 * s, ROUND), ROUND
+        )  # x c + rotate_half(x) s, as torch rounds it
+        y2 = round_if(round_if(n2 * c, ROUND) + round_if(n1 * s, ROUND), ROUND)
         o_row = out_ptr + (t * stride_ot + hh.to(tl.int64) * stride_oh)[:, None]
         tl.store(o_row + d[None, :], y1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(o_row + (d + HALF)[None, :], y2.to(out_ptr.dtype.element_ty), mask=mask)
@@ -246,12 +240,6 @@ if HAVE_TRITON:
             tl.store(k_row + (d + HALF)[None, :], y2.to(kpool_ptr.dtype.element_ty), mask=kmask)
             tl.store(v_row + d[None, :], y1.to(vpool_ptr.dtype.element_ty), mask=vmask)
             tl.store(v_row + (d + HALF)[None, :], y2.to(vpool_ptr.dtype.element_ty), mask=vmask)
-
-    @triton.jit
-    def _rnd(v, ROUND: tl.constexpr):
-        if ROUND:
-            v = _round_bf16(v)
-        return v
 
     INTERPRETED = interpreted(_norm_rope_kernel)
 else:  # pragma: no cover

@@ -22,18 +22,9 @@ from __future__ import annotations
 import torch
 
 from .triton_quant import GemmWeight, dot_args, gemm
-from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
+from .triton_support import HAVE_TRITON, interpreted, round_if, runs_on, tl, triton
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _rnd(v, ROUND: tl.constexpr):
-        """float32 -> the nearest bf16 value (ties to even), still float32, when ROUND."""
-        if ROUND:
-            bits = v.to(tl.int32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-        return v
 
     @triton.jit
     def _router_kernel(
@@ -79,7 +70,7 @@ if HAVE_TRITON:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
-        logits = tl.where(e_ok[None, :], _rnd(acc, ROUND), -float("inf"))
+        logits = tl.where(e_ok[None, :], round_if(acc, ROUND), -float("inf"))
         p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
         kk = tl.arange(0, BLOCK_KK)

@@ -18,7 +18,7 @@ per token row (the whole hidden row in registers):
                                                          (the final norm after the last layer)
     rms_norm         x                                   rmsnorm(x) [* weight] (self-conditioning)
 
-Rounding. Every value torch rounds to the model's dtype is rounded here at the same point (`_rnd`:
+Rounding. Every value torch rounds to the model's dtype is rounded here at the same point (`triton_support.round_if`:
 round to nearest even in float32, then an exact cast), and computed in float32 between, as torch
 computes each op in float32 and rounds its result. So a bf16 output equals torch's chain but for
 float32 rounding inside a norm (a sum's order, rsqrt vs pow): within 1 bf16 ulp in practice
@@ -31,20 +31,11 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
+from .triton_support import HAVE_TRITON, interpreted, round_if, runs_on, tl, triton
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _rnd(v, ROUND: tl.constexpr):
-        """float32 -> the nearest bf16 value (ties to even) as float32, when the model is bf16."""
-        if ROUND:
-            bits = v.to(tl.int32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-        return v
 
     @triton.jit
     def _inv_rms(x, H, eps):
@@ -72,16 +63,16 @@ if HAVE_TRITON:
         if FROM_IDS:
             token = tl.load(ids_ptr + t, mask=t < T, other=0).to(tl.int64)
             e = tl.load(table_ptr + token * stride_table + cols, mask=inside, other=0.0).to(tl.float32)
-            h = _rnd(e * scale, ROUND)
+            h = round_if(e * scale, ROUND)
         else:
             h = tl.load(embeds_ptr + t * stride_embeds + cols, mask=inside, other=0.0).to(tl.float32)
         if DECODER:
             if HAS_SC:
                 sc = tl.load(sc_ptr + t * stride_sc + cols, mask=inside, other=0.0).to(tl.float32)
-                h = _rnd(h + sc, ROUND)
-            h = _rnd(h * _inv_rms(h, H, eps), ROUND)
+                h = round_if(h + sc, ROUND)
+            h = round_if(h * _inv_rms(h, H, eps), ROUND)
         w = tl.load(w_next_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        x = _rnd(h * _inv_rms(h, H, eps) * w, ROUND)
+        x = round_if(h * _inv_rms(h, H, eps) * w, ROUND)
         tl.store(h_ptr + t * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=inside)
         tl.store(x_ptr + t * stride_x + cols, x.to(x_ptr.dtype.element_ty), mask=inside)
 
@@ -100,15 +91,17 @@ if HAVE_TRITON:
         a = tl.load(attn_ptr + t * stride_attn + cols, mask=inside, other=0.0).to(tl.float32)
         h = tl.load(h_ptr + t * stride_h + cols, mask=inside, other=0.0).to(tl.float32)
         w = tl.load(w_attn_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        h = _rnd(h + _rnd(a * _inv_rms(a, H, eps) * w, ROUND), ROUND)
+        h = round_if(h + round_if(a * _inv_rms(a, H, eps) * w, ROUND), ROUND)
         tl.store(h_out_ptr + t * stride_h_out + cols, h.to(h_out_ptr.dtype.element_ty), mask=inside)
         n = h * _inv_rms(h, H, eps)
         w = tl.load(w_dense_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        tl.store(dense_ptr + t * stride_dense + cols, _rnd(n * w, ROUND).to(dense_ptr.dtype.element_ty), mask=inside)
+        tl.store(
+            dense_ptr + t * stride_dense + cols, round_if(n * w, ROUND).to(dense_ptr.dtype.element_ty), mask=inside
+        )
         w = tl.load(w_moe_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        tl.store(moe_ptr + t * stride_moe + cols, _rnd(n * w, ROUND).to(moe_ptr.dtype.element_ty), mask=inside)
+        tl.store(moe_ptr + t * stride_moe + cols, round_if(n * w, ROUND).to(moe_ptr.dtype.element_ty), mask=inside)
         s = tl.load(router_scale_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        r = _rnd(_rnd(_rnd(n, ROUND) * s, ROUND) * root, ROUND)
+        r = round_if(round_if(round_if(n, ROUND) * s, ROUND) * root, ROUND)
         tl.store(router_ptr + t * stride_router + cols, r.to(router_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -127,20 +120,20 @@ if HAVE_TRITON:
             pair = t * TOP_K + k
             wk = tl.load(topw_ptr + pair, mask=t < T, other=0.0).to(tl.float32)
             moe += wk * tl.load(y_ptr + pair * stride_y + cols, mask=inside, other=0.0).to(tl.float32)
-        moe = _rnd(moe, ROUND)
+        moe = round_if(moe, ROUND)
         dense = tl.load(dense_ptr + t * stride_dense + cols, mask=inside, other=0.0).to(tl.float32)
         w = tl.load(w1_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        dense = _rnd(dense * _inv_rms(dense, H, eps) * w, ROUND)
+        dense = round_if(dense * _inv_rms(dense, H, eps) * w, ROUND)
         w = tl.load(w2_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        moe = _rnd(moe * _inv_rms(moe, H, eps) * w, ROUND)
-        s = _rnd(dense + moe, ROUND)
+        moe = round_if(moe * _inv_rms(moe, H, eps) * w, ROUND)
+        s = round_if(dense + moe, ROUND)
         w = tl.load(w3_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        f = _rnd(s * _inv_rms(s, H, eps) * w, ROUND)
+        f = round_if(s * _inv_rms(s, H, eps) * w, ROUND)
         h = tl.load(h_ptr + t * stride_h + cols, mask=inside, other=0.0).to(tl.float32)
-        h = _rnd(_rnd(h + f, ROUND) * tl.load(scalar_ptr).to(tl.float32), ROUND)
+        h = round_if(round_if(h + f, ROUND) * tl.load(scalar_ptr).to(tl.float32), ROUND)
         tl.store(h_out_ptr + t * stride_h_out + cols, h.to(h_out_ptr.dtype.element_ty), mask=inside)
         w = tl.load(w_next_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        x = _rnd(h * _inv_rms(h, H, eps) * w, ROUND)
+        x = round_if(h * _inv_rms(h, H, eps) * w, ROUND)
         tl.store(x_ptr + t * stride_x + cols, x.to(x_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -163,7 +156,7 @@ if HAVE_TRITON:
         y = x * _inv_rms(x, H, eps)
         if HAS_WEIGHT:
             y = y * tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        tl.store(y_ptr + t * stride_y + cols, _rnd(y, ROUND).to(y_ptr.dtype.element_ty), mask=inside)
+        tl.store(y_ptr + t * stride_y + cols, round_if(y, ROUND).to(y_ptr.dtype.element_ty), mask=inside)
 
     INTERPRETED = interpreted(_norm_kernel)
 else:  # pragma: no cover

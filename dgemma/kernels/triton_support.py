@@ -16,6 +16,27 @@ except ImportError:  # pragma: no cover - exercised only where triton is not ins
 
 HAVE_TRITON = triton is not None
 
+if HAVE_TRITON:
+
+    @triton.jit
+    def round_bf16(v):
+        """float32 -> the nearest bf16 value (ties to even), still as float32: the cast that
+        follows is then exact, whether the backend truncates (the interpreter) or rounds; what
+        torch's bf16 chain rounds after each op, where the kernels must round as it does."""
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+
+    @triton.jit
+    def round_if(v, ROUND: tl.constexpr):
+        """`round_bf16(v)` when ROUND (a bf16 model), else v."""
+        if ROUND:
+            v = round_bf16(v)
+        return v
+
+else:  # pragma: no cover - exercised only where triton is not installed
+    round_bf16 = round_if = None
+
 
 def interpreted(kernel) -> bool:
     """Whether a @triton.jit kernel was built for the interpreter."""
