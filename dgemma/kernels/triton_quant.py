@@ -40,21 +40,12 @@ from __future__ import annotations
 import torch
 
 from ..quant.formats import QTensor
-from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
+from .triton_support import HAVE_TRITON, interpreted, round_if, runs_on, tl, triton
 
 SCHEMES = {"int4": 0, "int8": 1, "fp8": 2, "nvfp4": 3, "plain": 4}
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _rnd(v, ROUND: tl.constexpr):
-        """float32 -> the nearest bf16 value (ties to even), still float32, when ROUND."""
-        if ROUND:
-            bits = v.to(tl.int32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-        return v
 
     @triton.jit
     def _e4m3(b):
@@ -143,6 +134,50 @@ if HAVE_TRITON:
         return w.to(OUT)
 
     @triton.jit
+    def _accumulate(
+        acc,
+        x,
+        ns,
+        w_base,
+        s_base,
+        n_ok,
+        k0,
+        K,
+        KB,
+        stride_wn,
+        stride_sn,
+        SCHEME: tl.constexpr,
+        GROUP: tl.constexpr,
+        SCALE_BYTES: tl.constexpr,
+        SCALE_FP16: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        OUT: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        """acc + x @ W[ns, k0 : k0 + BLOCK_K].T, the weight tile decoded in registers (`_weight_tile`)."""
+        w = _weight_tile(
+            w_base,
+            s_base,
+            ns,
+            n_ok,
+            k0,
+            K,
+            KB,
+            stride_wn,
+            stride_sn,
+            SCHEME,
+            GROUP,
+            SCALE_BYTES,
+            SCALE_FP16,
+            BLOCK_K,
+            OUT,
+        )
+        if UPCAST_DOT:  # the interpreter multiplies bf16's raw bits: the same products in float32
+            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+
+    @triton.jit
     def _gemm_kernel(
         x_ptr, pairs_ptr, w_ptr, s_ptr, cs_ptr, ends_ptr, y_ptr,
         M, N, K, KB,
@@ -199,10 +234,12 @@ if HAVE_TRITON:
                 x = tl.load(
                     x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=r_ok[:, None] & (ks < K)[None, :], other=0.0
                 )
-                w = _weight_tile(
+                acc = _accumulate(
+                    acc,
+                    x,
+                    ns,
                     w_base,
                     s_base,
-                    ns,
                     n_ok,
                     k0,
                     K,
@@ -215,16 +252,16 @@ if HAVE_TRITON:
                     SCALE_FP16,
                     BLOCK_K,
                     OUT,
+                    UPCAST_DOT,
+                    INPUT_PRECISION,
                 )
-                if UPCAST_DOT:  # the interpreter multiplies bf16's raw bits: the same products in float32
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
-                if DUAL:
-                    w = _weight_tile(
+                if DUAL:  # the up half's rows, N below the gate's
+                    acc_up = _accumulate(
+                        acc_up,
+                        x,
+                        ns + N,
                         w_base,
                         s_base,
-                        ns + N,
                         n_ok,
                         k0,
                         K,
@@ -237,18 +274,16 @@ if HAVE_TRITON:
                         SCALE_FP16,
                         BLOCK_K,
                         OUT,
+                        UPCAST_DOT,
+                        INPUT_PRECISION,
                     )
-                    if UPCAST_DOT:
-                        acc_up = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc_up, input_precision="ieee")
-                    else:
-                        acc_up = tl.dot(x, tl.trans(w), acc_up, input_precision=INPUT_PRECISION)
             if CHANNEL_SCALE:
                 acc = acc * cscale[None, :]
                 if DUAL:
                     acc_up = acc_up * cscale_up[None, :]
-            out = _rnd(acc, ROUND)
+            out = round_if(acc, ROUND)
             if DUAL:
-                out = _rnd(_gelu(out, TANH) * _rnd(acc_up, ROUND), ROUND)
+                out = round_if(_gelu(out, TANH) * round_if(acc_up, ROUND), ROUND)
             if SCATTER:
                 y_rows = tl.load(pairs_ptr + rows, mask=r_ok, other=0).to(tl.int64)
             else:
