@@ -227,7 +227,7 @@ def run_dgemma(
     The diffusion peer runs on `engine` (the model's `BenchEngine`, reused across runs; None: one
     built for this run), whose graphs a first untimed run captures. `encoder_seconds` is the
     runner's encoder work (every prompt chunk and committed block), timed around the runner's
-    own encode step: the network it runs may be a copy of `model.engine_net` (the Triton path's)."""
+    own encode step: the network it runs may be a copy of the model's (the Triton path's fused network)."""
     from .engine.request import Request
 
     device = model.device

@@ -281,6 +281,13 @@ def device_outputs(out, n: int, c: int) -> tuple:
     return argmax[:n], shown[:n], probs[: n * c], soft_next[:n]
 
 
+def engine_with_prefixes(net: DiffusionGemma) -> tuple:
+    """The Triton path's runner on `net` and three encoded prefixes of 11, 47 and 2 tokens (their
+    SequenceBlocks), for the engine-step checks."""
+    engine = Engine(net, EngineOptions(triton=True, block_size=8, batch_invariant=False, kv_cache_memory=2**26))
+    return engine.runner, [engine.encode_prefix(list(range(k, k + length))) for k, length in ((3, 11), (5, 47), (9, 2))]
+
+
 def paged_vs_gathered(device: torch.device) -> tuple[float, float]:
     """(argmax agreement, worst relative L2) of the paged attention step against gathered SDPA in
     float32, three groups at other prefix lengths. float32, not bf16: on this random tiny model
@@ -288,10 +295,8 @@ def paged_vs_gathered(device: torch.device) -> tuple[float, float]:
     float32 agreed to 3e-6; a wrong prefix or position is ~90% off either way. (On a GPU the
     GEMMs' float32 is TF32: ~1e-3.)"""
     net = tiny_model(device, torch.float32)
-    engine = Engine(net, EngineOptions(triton=True, block_size=8, batch_invariant=False, kv_cache_memory=2**26))
-    runner, cfg = engine.runner, net.config
-    c = cfg.canvas_length
-    rows = [engine.encode_prefix(list(range(k, k + length))) for k, length in ((3, 11), (5, 47), (9, 2))]
+    runner, rows = engine_with_prefixes(net)
+    cfg, c = net.config, net.config.canvas_length
     g = torch.Generator().manual_seed(2)
     found = []
     for group in ([rows[1]], [rows[2], rows[0]], [rows[0], rows[2], rows[1]]):
@@ -322,10 +327,8 @@ def engine_step_and_graphs(device: torch.device) -> None:
     (--smoke: the eager step on the bucket's inputs runs for the masked group only: an eager
     replay is that step by construction.)"""
     net = tiny_model(device, torch.bfloat16)
-    engine = Engine(net, EngineOptions(triton=True, block_size=8, batch_invariant=False, kv_cache_memory=2**26))
-    runner, cfg = engine.runner, net.config
-    c = cfg.canvas_length
-    rows = [engine.encode_prefix(list(range(k, k + length))) for k, length in ((3, 11), (5, 47), (9, 2))]
+    runner, rows = engine_with_prefixes(net)
+    cfg, c = net.config, net.config.canvas_length
     g = torch.Generator().manual_seed(2)
     bucket = 2 if SMOKE else 4  # the interpreter's time grows with the rows
     graphs = DecoderGraphs(buckets=(bucket,), capture=cuda_capture if device.type == "cuda" else eager_capture)

@@ -109,6 +109,7 @@ class Runner:
                 "tokens": torch.full((c,), -1, dtype=torch.long, device=device),
                 "entropy": torch.zeros(c, dtype=torch.float32, device=device),
             }
+            self._blank["rested"] = self._blank["frozen"]
         return self._blank
 
     @torch.no_grad()
@@ -119,9 +120,9 @@ class Runner:
         groups = list(self._groups(plan.decode))
         on_device = [g for g in groups if decides_on_device(self, g[0])]
         graph_keys = [self._graph_key(g) for g in on_device]
-        turbo_graphs = sum(g[0].turbo is not None and g[0].turbo.slot is not None for g in groups)
+        turbo_graphs = sum(device_turbo.holds_slot(g[0]) for g in groups)
         for group in groups:
-            if group[0].turbo is not None and group[0].turbo.slot is not None:  # a turbo pass on the device
+            if device_turbo.holds_slot(group[0]):  # a turbo pass on the device
                 results += device_turbo.turbo_group(self, group, copy_out=turbo_graphs > 1)
                 continue
             if group[0].turbo is not None:
@@ -228,8 +229,8 @@ class Runner:
         (batched: all of them, each one's active rows padded to the group's most; batch-invariant:
         one each), eagerly (engine/turbo_step.py), unless they hold a canvas K/V slot: then in
         chunks like the device step's (engine/device/turbo.py: a graph per bucket of rows)."""
-        on_slots = [r for r in requests if r.turbo is not None and r.turbo.slot is not None]
-        turbo = [r for r in requests if r.turbo is not None and r.turbo.slot is None]  # passes of their own
+        on_slots = [r for r in requests if device_turbo.holds_slot(r)]
+        turbo = [r for r in requests if r.turbo is not None and not device_turbo.holds_slot(r)]  # passes of their own
         if self.options.batch_invariant:
             return [[r] for r in requests if r.turbo is None] + [[r] for r in on_slots + turbo]
         device = [r for r in requests if decides_on_device(self, r)]  # steps whole on the device

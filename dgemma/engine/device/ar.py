@@ -31,32 +31,27 @@ import torch
 
 from ...kernels import triton_ar, triton_step
 from ..events import Block, GenerationOutput
-from ..kv.paged_cache import KINDS, PagedKVCache, SequenceBlocks
+from ..kv.paged_cache import KINDS, PagedKVCache, PagedPass, SequenceBlocks
 from ..prefill import prefill
 from .graphs import cuda_capture, eager_capture
 
 READ_EVERY = 16  # tokens a row decodes between two reads of the device
 
 
-@dataclass
 class TokenPass:
     """The cache pass of one token a row on the device: its keys and values written into the pool
-    by the q|k|v kernel (`pool_writes`), its attention reading the rows' blocks in place."""
+    by the q|k|v kernel (`pool_writes`), its attention the paged pass's over the rows' blocks in
+    place (`inner`: device block tables, positions [n, 1])."""
 
-    cache: PagedKVCache
-    positions: torch.Tensor  # [n, 1]
-    tables: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # kind -> table [n, W], lo [n], start [n]
-    slots: dict[str, torch.Tensor]  # kind -> [n] int64
+    def __init__(self, inner: PagedPass, slots: dict[str, torch.Tensor]):
+        self.inner, self.positions, self.slots = inner, inner.positions, slots  # slots: kind -> [n] int64
 
     def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from ...kernels.triton_attention import paged_canvas_attention
-
-        table, lo, start = self.tables[KINDS[0] if sliding else KINDS[1]]
-        return paged_canvas_attention(q, k, v, self.cache.keys[layer], self.cache.values[layer], table, lo, start)
+        return self.inner.attention(layer, sliding, q, k, v)
 
     def pool_writes(self, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where the q|k|v kernel writes this pass's keys and values: the layer's pools, the slots."""
-        return self.cache.keys[layer], self.cache.values[layer], self.slots[kind]
+        return self.inner.cache.keys[layer], self.inner.cache.values[layer], self.slots[kind]
 
 
 @dataclass
@@ -98,7 +93,9 @@ class ARState:
 
     def token_pass(self, cache: PagedKVCache) -> TokenPass:
         tables = {kind: (self.tables[i], self.lo[i], self.start[i]) for i, kind in enumerate(KINDS)}
-        return TokenPass(cache, self.positions[:, None], tables, dict(zip(KINDS, self.slots)))
+        n = self.tokens.shape[0]
+        inner = PagedPass(cache, [], [1] * n, self.positions[:, None], False, {}, {}, {}, tables)
+        return TokenPass(inner, dict(zip(KINDS, self.slots)))
 
 
 def choose(runner, raw: torch.Tensor, state: ARState, greedy: bool) -> torch.Tensor:

@@ -42,6 +42,7 @@ class Runner(Protocol):
     config: ModelConfig
     cache: PagedKVCache
     graphs: Any  # graphs.DecoderGraphs, or None
+    turbo_pool: Any  # turbo.TurboCanvasPool, or None (made on a turbo request's first pass)
     triton: bool
     pass_tokens: int | None
 

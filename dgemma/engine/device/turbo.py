@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...config import GLOBAL, SLIDING, ModelConfig
+from ...config import ModelConfig
 from ...kernels import triton_step, triton_turbo
 from ..step_plan import DecodeResult
 from ..turbo import TurboState, may_rest
@@ -47,6 +47,11 @@ def decides_turbo_on_device(runner: Runner, r: Request) -> bool:
         and r.config.stability_threshold <= triton_step.MAX_STABILITY
         and len(r.config.eos_token_ids) <= MAX_EOS
     )
+
+
+def holds_slot(r: Request) -> bool:
+    """Whether `r`'s turbo passes run on the device this step (it holds a canvas K/V slot)."""
+    return r.turbo is not None and r.turbo.slot is not None
 
 
 def active_bucket(count: int, canvas_length: int) -> int:
@@ -107,26 +112,12 @@ class TurboCanvasPass:
 
     def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q / k / v [n, H(kv), A, D] of the computed rows -> [n, A, H, D]."""
-        from ...kernels.triton_attention import paged_canvas_attention
-
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         if layer not in self.written:  # an unfused layer (LoRA adapters): its rows' keys and values here
             for pool, new in ((keys, k), (values, v)):
                 flat = pool.view(-1, *pool.shape[-2:])
                 flat.index_copy_(0, self.writes, new.transpose(1, 2).reshape(-1, *pool.shape[-2:]).to(pool.dtype))
-        tables, lo, start = self.inner.tables[SLIDING if sliding else GLOBAL]
-        cache = self.inner.cache
-        return paged_canvas_attention(
-            q,
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            cache.keys[layer],
-            cache.values[layer],
-            tables,
-            lo,
-            start,
-            canvas_rows=self.slots,
-        )
+        return self.inner.attention(layer, sliding, q, keys.transpose(1, 2), values.transpose(1, 2), self.slots)
 
 
 @dataclass
@@ -184,9 +175,6 @@ def run_turbo_step(runner: Runner, step: TurboStep, active: int) -> tuple[torch.
     return (*decided, resting, soft)
 
 
-_BLANK = {"frozen": "frozen", "streak": "streak", "tokens": "tokens", "entropy": "entropy", "rested": "frozen"}
-
-
 def stack_turbo_state(runner: Runner, group: list[Request], rows: int, out: TurboStep | None = None) -> tuple:
     """`stack_state` and the group's TurboState tensors stacked into [rows, C] (padding rows:
     nothing frozen, no streak, no tokens), into `out`'s tensors when given. Returns (canvas, soft,
@@ -198,13 +186,13 @@ def stack_turbo_state(runner: Runner, group: list[Request], rows: int, out: Turb
         "streak": [r.turbo.streak for r in group],
         "tokens": [r.turbo.tokens for r in group],
         "entropy": [r.turbo.entropy for r in group],
-        "rested": [r.turbo.rested if r.turbo.rested is not None else blank["frozen"] for r in group],
+        "rested": [r.turbo.rested if r.turbo.rested is not None else blank["rested"] for r in group],
     }
     common = stack_state(runner, group, rows, out=out)
     if out is None:
-        return (*common, *(torch.stack(p + [blank[_BLANK[k]]] * pad) for k, p in parts.items()))
+        return (*common, *(torch.stack(p + [blank[k]] * pad) for k, p in parts.items()))
     for k, p in parts.items():
-        torch.stack(p + [blank[_BLANK[k]]] * pad, out=getattr(out, k))
+        torch.stack(p + [blank[k]] * pad, out=getattr(out, k))
     return (*common, *(getattr(out, k) for k in parts))
 
 

@@ -70,15 +70,27 @@ class PagedPass:
     def attend(self, layer: int, sliding: bool, k: torch.Tensor, v: torch.Tensor):
         return self.cache.attend(self, layer, SLIDING if sliding else GLOBAL, k, v)
 
-    def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self,
+        layer: int,
+        sliding: bool,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        canvas_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[n, C, H, D]: the gathered keys and SDPA, or (`tables`) the Triton kernel that reads
-        the row's blocks where they are (kernels/triton_attention.py)."""
+        the row's blocks where they are (kernels/triton_attention.py; `canvas_rows`: row i's
+        canvas keys are k[canvas_rows[i]], a turbo pass's canvas K/V slots)."""
         if self.tables is None:
             return attend_then_sdpa(self, layer, sliding, q, k, v)
         from ...kernels.triton_attention import paged_canvas_attention
 
         tables, lo, start = self.tables[SLIDING if sliding else GLOBAL]
-        return paged_canvas_attention(q, k, v, self.cache.keys[layer], self.cache.values[layer], tables, lo, start)
+        cache = self.cache
+        return paged_canvas_attention(
+            q, k, v, cache.keys[layer], cache.values[layer], tables, lo, start, canvas_rows=canvas_rows
+        )
 
     def see_within_images(self, groups: torch.Tensor) -> None:
         """Let each image's tokens in this encoder pass attend to each other (attention.within_images)."""
