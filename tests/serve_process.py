@@ -3,6 +3,8 @@ process (a segfault in a native library, a stack overflow) takes this process do
 
 `ServeProcess(args)` starts `dgemma serve --port 0 ARGS`, waits for its startup line, and keeps
 reading its output (so the pipe never fills). `rss()` / `peak_rss()` read /proc of the server.
+`hidden` names top-level packages the server runs without (tests/test_plain_install.py: a plain
+install has no triton and no test extras).
 """
 
 from __future__ import annotations
@@ -18,13 +20,21 @@ import time
 import httpx
 
 STARTED = re.compile(r"serving '.*' on (http://\S+?) ")
-SERVE = [sys.executable, "-c", "import sys; from dgemma.cli import main; sys.exit(main())", "serve"]
+
+
+def cli_command(hidden: tuple[str, ...] = ()) -> list[str]:
+    """`dgemma` as this interpreter runs it, with the packages in `hidden` made unimportable
+    (sys.modules[name] = None: their import raises ImportError, as where they are not installed)."""
+    hide = f"sys.modules.update(dict.fromkeys({list(hidden)!r})); " if hidden else ""
+    return [sys.executable, "-c", f"import sys; {hide}from dgemma.cli import main; sys.exit(main())"]
 
 
 class ServeProcess:
     """One `dgemma serve` subprocess on a free port of 127.0.0.1."""
 
-    def __init__(self, args: list[str], env: dict | None = None, startup_timeout: float = 180.0):
+    def __init__(
+        self, args: list[str], env: dict | None = None, startup_timeout: float = 180.0, hidden: tuple[str, ...] = ()
+    ):
         environ = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **(env or {})}
         if "--threads" not in args:  # beside `-n 2` test processes a second intra-op thread waits on a busy
             args = [
@@ -33,7 +43,7 @@ class ServeProcess:
                 "1",
             ]  # core at every op: the tiny model's passes ran 10-30x slower (conftest.py)
         self.proc = subprocess.Popen(
-            SERVE + ["--host", "127.0.0.1", "--port", "0", *args],
+            [*cli_command(hidden), "serve", "--host", "127.0.0.1", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_step import _block, _rows_per_program, _softcapped
+from .triton_canvas import rows_per_program, softcapped, vocab_block
 from .triton_support import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
@@ -26,7 +26,7 @@ if HAVE_TRITON:
             inside = r_ok[:, None] & (cols < V)[None, :]
             z = tl.where(
                 inside,
-                _softcapped(tl.load(base + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP),
+                softcapped(tl.load(base + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP),
                 -float("inf"),
             )
             tile_best = tl.max(z, axis=1)
@@ -104,9 +104,16 @@ def softcapped_argmax(logits: torch.Tensor, softcap: float = 0.0) -> torch.Tenso
     decoding's token, with no float32 logits written and nothing else computed."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
-    block_r = _rows_per_program(rows)
+    block_r = rows_per_program(rows)
     _argmax_kernel[(triton.cdiv(rows, block_r),)](
-        logits, out, rows, vocab, logits.stride(0), CAP=float(softcap or 0.0), BLOCK_R=block_r, BLOCK_V=_block(vocab)
+        logits,
+        out,
+        rows,
+        vocab,
+        logits.stride(0),
+        CAP=float(softcap or 0.0),
+        BLOCK_R=block_r,
+        BLOCK_V=vocab_block(vocab),
     )
     return out
 

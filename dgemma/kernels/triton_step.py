@@ -41,17 +41,19 @@ from __future__ import annotations
 import torch
 
 from . import EXP_FLOOR
-from .triton_support import HAVE_TRITON, interpreted, runs_on, tl, triton
+from .triton_canvas import (
+    INTERPRETED,
+    MAX_STABILITY,
+    entropy_bound,
+    noise_tokens,
+    rows_per_program,
+    softcapped,
+    stable_rolled,
+    vocab_block,
+)
+from .triton_support import HAVE_TRITON, runs_on, tl, triton
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _softcapped(z, CAP: tl.constexpr):
-        """cap * tanh(z / cap) (CAP 0: z), with tanh(x) = 1 - 2 / (exp(2x) + 1): exact at the
-        extremes (exp overflows to inf: 1; underflows to 0: -1) and portable across Triton versions."""
-        if CAP > 0:
-            z = CAP * (1.0 - 2.0 / (tl.exp(2.0 * z / CAP) + 1.0))
-        return z
 
     @triton.jit
     def _allowed(mask_ptr, rows, cols, valid, words, HAS_MASK: tl.constexpr):
@@ -92,7 +94,7 @@ if HAVE_TRITON:
             cols = v0 + tl.arange(0, BLOCK_V)
             inside = r_ok[:, None] & (cols < V)[None, :]
             valid = _allowed(mask_ptr, rows, cols, inside, words, HAS_MASK)
-            z = _softcapped(tl.load(base + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP)
+            z = softcapped(tl.load(base + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP)
             z = tl.where(valid, z, -float("inf"))
             tile_best = tl.max(z, axis=1)
             tile_index = tl.argmax(z, axis=1) + v0
@@ -146,7 +148,7 @@ if HAVE_TRITON:
         best = tl.where(best == -float("inf"), 0.0, best)  # a row allowing nothing: all weights 0 below
         valid = _allowed(mask_ptr, rows, cols, inside, words, HAS_MASK)
         r64 = rows.to(tl.int64)[:, None]
-        z = _softcapped(tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP)
+        z = softcapped(tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=inside, other=0.0).to(tl.float32), CAP)
         e = tl.where(valid, tl.exp(tl.maximum((z - best[:, None]) * inv_t[:, None], FLOOR)), 0.0)
         if NORMALIZE:  # probabilities: softmax's values, in the dtype of the self-conditioning matmul
             e = e / tl.load(total_ptr + rows, mask=r_ok, other=1.0)[:, None]
@@ -225,46 +227,6 @@ if HAVE_TRITON:
         tl.store(noise_ptr + row * C + pos, (r1.to(tl.uint32) % vocab.to(tl.uint32)).to(tl.int64), mask=inside)
 
     @triton.jit
-    def _entropy_bound(weighed, pos, inside, bound, C, BLOCK_C: tl.constexpr):
-        """sampler.entropy_bound_accept over one canvas: lowest entropies first while (cumulative sum
-        - own) <= bound, a prefix of the sorted order; keys are the entropy's bits (>= 0: ordered as
-        integers; +inf last) and the position (ties: the lower first)."""
-        keys = (weighed.to(tl.int32, bitcast=True).to(tl.int64) << 16) | pos.to(tl.int64)
-        keys = tl.where(inside, keys, 0x7FFFFFFFFFFFFFFF)
-        ordered = tl.sort(keys)
-        sorted_e = tl.where(tl.arange(0, BLOCK_C) < C, (ordered >> 16).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        before = tl.cumsum(sorted_e, axis=0) - sorted_e
-        taken = tl.sum(((before <= bound) & (tl.arange(0, BLOCK_C) < C)).to(tl.int32), axis=0)
-        last = tl.max(tl.where(tl.arange(0, BLOCK_C) < taken, ordered, -1), axis=0)
-        return (keys <= last) & inside
-
-    @triton.jit
-    def _noise(seeds_ptr, passes_ptr, i, pos, C, vocab):
-        """Each position's re-noising token from the request's Philox stream (as `philox_draws`)."""
-        seed = tl.load(seeds_ptr + i).to(tl.uint64, bitcast=True)
-        offsets = (tl.load(passes_ptr + i) * C + pos).to(tl.uint32)
-        _, r1, _, _ = tl.randint4x(seed, offsets)
-        return (r1.to(tl.uint32) % vocab.to(tl.uint32)).to(tl.int64)
-
-    @triton.jit
-    def _stable_rolled(hist_in_ptr, hist_out_ptr, i, pos, inside, argmax, stability, C, MAX_STABILITY: tl.constexpr):
-        """Whether `argmax` equals the last `stability` argmax canvases of the history, and the
-        history rolled with it (rows s < stability: the oldest first, the newest the argmax)."""
-        stable = True
-        for s in tl.static_range(MAX_STABILITY):
-            h_off = (i * MAX_STABILITY + s) * C + pos
-            past = tl.load(hist_in_ptr + h_off, mask=inside, other=0)
-            same = tl.sum(((past != argmax) & inside).to(tl.int32), axis=0) == 0
-            stable = stable & (same | (s >= stability))
-            if s + 1 < MAX_STABILITY:  # rolled: row s takes row s + 1, the newest row the argmax canvas
-                newer = tl.load(hist_in_ptr + h_off + C, mask=inside, other=0)
-                rolled = tl.where(s + 1 < stability, newer, argmax)
-            else:
-                rolled = argmax
-            tl.store(hist_out_ptr + h_off, tl.where(s < stability, rolled, past), mask=inside)
-        return stable
-
-    @triton.jit
     def _decide_kernel(
         entropy_ptr, argmax_ptr, sampled_ptr, seeds_ptr, passes_ptr, fixed_ptr, bound_ptr, conf_ptr, stab_ptr,
         hist_in_ptr, hist_out_ptr, canvas_ptr, argmax_out_ptr, kept_ptr, shown_ptr, stop_ptr,
@@ -289,12 +251,12 @@ if HAVE_TRITON:
             fixed = tl.full((BLOCK_C,), -1, tl.int64)
             free = pos >= 0
         weighed = tl.where(free, entropy, 0.0)
-        accepted = _entropy_bound(weighed, pos, inside, tl.load(bound_ptr + i), C, BLOCK_C) & free
-        noise = _noise(seeds_ptr, passes_ptr, i, pos, C, vocab)
+        accepted = entropy_bound(weighed, pos, inside, tl.load(bound_ptr + i), C, BLOCK_C) & free
+        noise = noise_tokens(seeds_ptr, passes_ptr, i, pos, C, vocab)
         canvas = tl.where(accepted, tl.load(sampled_ptr + row, mask=inside, other=0), noise)
         canvas = tl.where(free, canvas, fixed)
         argmax = tl.where(free, argmax, fixed)
-        stable = _stable_rolled(
+        stable = stable_rolled(
             hist_in_ptr, hist_out_ptr, i, pos, inside, argmax, tl.load(stab_ptr + i), C, MAX_STABILITY
         )
         count = tl.sum((free & inside).to(tl.float32), axis=0)
@@ -306,30 +268,10 @@ if HAVE_TRITON:
         tl.store(shown_ptr + row, weighed, mask=inside)
         tl.store(stop_ptr + i, stop.to(tl.int8))
 
-    INTERPRETED = interpreted(_stats_kernel)
-else:  # pragma: no cover
-    INTERPRETED = False
-
 
 def available(device: torch.device | str) -> bool:
     """Whether these kernels can run on `device` (triton_support.runs_on)."""
     return runs_on(device, INTERPRETED)
-
-
-def _rows_per_program(rows: int, canvas_length: int | None = None) -> int:
-    """Rows a program of the vocabulary kernels takes: one on a GPU (a row is the parallel unit),
-    up to 16 under the interpreter (which runs programs one by one), dividing the canvas length
-    where rows are canvas positions (a program's rows then belong to one request)."""
-    if not INTERPRETED:
-        return 1
-    block = min(16, triton.next_power_of_2(max(rows, 1)))
-    while canvas_length and canvas_length % block:
-        block //= 2
-    return block
-
-
-def _block(vocab: int) -> int:
-    return 128 if INTERPRETED else min(4096, triton.next_power_of_2(vocab))
 
 
 def _check_rows(name: str, rows: int, t: torch.Tensor) -> None:
@@ -370,8 +312,8 @@ def step_statistics(
     best = torch.empty(rows, dtype=torch.float32, device=logits.device)
     total = torch.empty(rows, dtype=torch.float32, device=logits.device)
     probs = torch.empty(rows, vocab, dtype=probs_dtype, device=logits.device)
-    block, cap = _block(vocab), float(softcap or 0.0)
-    block_r = _rows_per_program(rows)
+    block, cap = vocab_block(vocab), float(softcap or 0.0)
+    block_r = rows_per_program(rows)
     common = dict(CAP=cap, HAS_MASK=allowed is not None, FLOOR=EXP_FLOOR, BLOCK_R=block_r, BLOCK_V=block)
     grid = (triton.cdiv(rows, block_r),)
     _stats_kernel[grid](
@@ -422,7 +364,7 @@ def sample_rows(weights: torch.Tensor, total: torch.Tensor | None, uniforms: tor
     uniforms = uniforms.reshape(-1).contiguous()
     _check_rows("uniforms", rows, uniforms)
     out = torch.empty(rows, dtype=torch.long, device=weights.device)
-    block_r = _rows_per_program(rows)
+    block_r = rows_per_program(rows)
     _sample_kernel[(triton.cdiv(rows, block_r),)](
         weights,
         uniforms,
@@ -437,7 +379,7 @@ def sample_rows(weights: torch.Tensor, total: torch.Tensor | None, uniforms: tor
         DRAW=False,
         POSITIONS=False,
         BLOCK_R=block_r,
-        BLOCK_V=_block(vocab),
+        BLOCK_V=vocab_block(vocab),
     )
     return out
 
@@ -457,7 +399,7 @@ def sample_drawn(
     rows, vocab = weights.shape
     per = canvas_length if positions is None else positions.shape[1]
     out = torch.empty(rows, dtype=torch.long, device=weights.device)
-    block_r = _rows_per_program(rows, per)
+    block_r = rows_per_program(rows, per)
     _sample_kernel[(triton.cdiv(rows, block_r),)](
         weights,
         weights if positions is None else positions.reshape(-1),
@@ -472,7 +414,7 @@ def sample_drawn(
         DRAW=True,
         POSITIONS=positions is not None,
         BLOCK_R=block_r,
-        BLOCK_V=_block(vocab),
+        BLOCK_V=vocab_block(vocab),
     )
     return out
 
@@ -493,9 +435,6 @@ def philox_draws(
     block = triton.next_power_of_2(canvas_length)
     _philox_kernel[(n,)](seeds.contiguous(), steps.contiguous(), u, noise, canvas_length, vocab, BLOCK_C=block)
     return u, noise
-
-
-MAX_STABILITY = 4  # the longest stop-rule history the decide kernel keeps (longer: the torch decisions)
 
 
 def decide(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_step import MAX_STABILITY, _entropy_bound, _noise, _stable_rolled
+from .triton_canvas import MAX_STABILITY, entropy_bound, noise_tokens, stable_rolled
 from .triton_support import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
@@ -103,15 +103,15 @@ if HAVE_TRITON:
         )
         # a resting position has no fresh sample: it ranks last (inf) and is never accepted
         ranked = tl.where(resting, float("inf"), entropy)
-        accepted = _entropy_bound(ranked, pos, inside, tl.load(bound_ptr + i), C, BLOCK_C) & ~resting
+        accepted = entropy_bound(ranked, pos, inside, tl.load(bound_ptr + i), C, BLOCK_C) & ~resting
         canvas = tl.where(
             accepted & live,
             tl.load(sampled_a_ptr + row, mask=live, other=0),
-            _noise(seeds_ptr, passes_ptr, i, pos, C, vocab),
+            noise_tokens(seeds_ptr, passes_ptr, i, pos, C, vocab),
         )
         canvas = tl.where(frozen, tokens, canvas)
         argmax = tl.where(frozen, tokens, argmax)
-        stable = _stable_rolled(
+        stable = stable_rolled(
             hist_in_ptr, hist_out_ptr, i, pos, inside, argmax, tl.load(stab_ptr + i), C, MAX_STABILITY
         )
         stop = stable & (tl.sum(tl.where(inside, entropy, 0.0), axis=0) / C < tl.load(conf_ptr + i))

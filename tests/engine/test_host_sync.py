@@ -274,6 +274,7 @@ STEP_MODULES = [
     "model/attention.py",
     "kernels/gpu.py",
     "kernels/triton_step.py",
+    "kernels/triton_canvas.py",
     "kernels/triton_layer.py",
     "kernels/triton_attention.py",
     "kernels/triton_quant.py",

@@ -312,9 +312,9 @@ def test_too_many_connections_get_503_not_a_hang():
 def test_bad_safety_flags_are_one_line_before_loading(flags, words):
     import subprocess
 
-    from serve_process import SERVE
+    from serve_process import cli_command
 
-    run = subprocess.run(SERVE + ["--port", "0", *flags], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([*cli_command(), "serve", "--port", "0", *flags], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("dgemma: error:")
 
