@@ -27,6 +27,7 @@ plain rendering, tokenized.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import sys
@@ -52,6 +53,7 @@ from .common import (
     sampler_knobs,
 )
 
+log = logging.getLogger("dgemma")
 HISTORY_FILE = Path.home() / ".cache" / "dgemma" / "chat_history"
 
 # /set NAME VALUE: the sampler knobs (Model.stream's keyword arguments) and the seed
@@ -310,8 +312,28 @@ class Session:
                 self.model.sampling_request(1, **{**self.knobs, dest: parsed})
             except ValueError as e:
                 return self.say(f"/set {name}: {e}", "red")
+            why = self.past_the_limit(parsed) if dest == "max_new_tokens" else None
+            if why is not None:
+                return self.say(f"/set {name}: {why}", "red")
             self.knobs[dest] = parsed
         self.say(f"{name} = {value}", "dim")
+
+    def past_the_limit(self, max_new_tokens: int) -> str | None:
+        """Why answers of `max_new_tokens` can never follow this conversation (the engine's own
+        refusal: the model's positions, the KV cache), with the most that can; None if they can."""
+        held = max(len(self.encoded.ids), 1) if self.encoded is not None else 1
+        refusal = self.model.engine.scheduler.refusal
+        if refusal(held, max_new_tokens) is None:
+            return None
+        most, over = 0, max_new_tokens  # refusal(held, most) is None, refusal(held, over) is not
+        while over - most > 1:
+            mid = (most + over) // 2
+            most, over = (mid, over) if refusal(held, mid) is None else (most, mid)
+        positions = self.model.config.max_position_embeddings
+        here = f"; this conversation holds {held} tokens" if self.encoded is not None else ""
+        if most == 0:
+            return f"no answer fits: the model has {positions} positions{here} (/reset starts anew)"
+        return f"{max_new_tokens} is past the model's limit: at most {most} here ({positions} positions{here})"
 
     # ---------------------------------------------------------------- a turn
     def turn(self, text: str) -> None:
@@ -341,7 +363,7 @@ class Session:
             live = Live(Text(""), console=self.console, refresh_per_second=20, transient=False)
             live.start()
         printed = ""
-        ctrl_c, cut = CtrlC(self.tty), False
+        ctrl_c, cut, failed = CtrlC(self.tty), False, None
         try:
             with ctrl_c:
                 for ev in events:
@@ -369,6 +391,9 @@ class Session:
                         live.update(view)
         except KeyboardInterrupt:  # a second Ctrl-C, or one without the terminal's handler: at once
             cut = True
+        except Exception as e:  # the engine refused or failed the request: one line, the conversation stays
+            log.debug("the turn failed", exc_info=True)
+            failed = e
         finally:
             interrupted = cut or ctrl_c.pressed > 0
             events.close()  # cancels the request in the engine (nothing when it has finished)
@@ -376,6 +401,11 @@ class Session:
                 if interrupted:
                     live.update(Text(self.tok.decode(tokens)))
                 live.stop()
+        if failed is not None and not tokens:  # nothing was answered: as if the message was never sent
+            if self.tty and live is None and printed:
+                sys.stdout.write("\n")
+            self.messages.pop()
+            return self.say(f"error: {failed} (the message was not sent; the conversation stays)", "red")
         elapsed = time.perf_counter() - start
         answer = self.tok.decode(tokens).strip()
         self.messages.append({"role": "assistant", "content": answer})
@@ -391,6 +421,8 @@ class Session:
                 sys.stdout.write("\n")
             if interrupted:
                 self.say("[generation stopped; the partial answer stays in the conversation]", "yellow")
+        if failed is not None:
+            self.say(f"error: {failed} (the partial answer stays in the conversation)", "red")
         else:
             sys.stdout.write(re.sub(r"[\r\n\x0b\x0c\x1c-\x1e\x85\u2028\u2029]+", " ", answer) + "\n")  # one line a turn
             sys.stdout.flush()

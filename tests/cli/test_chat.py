@@ -277,6 +277,41 @@ def test_set_seed_takes_the_range_of_the_api_and_the_server(tiny, capsys):
     assert session.seed == 2**64 - 1
 
 
+def test_set_max_new_tokens_past_the_models_positions_is_refused_with_the_limit(tiny, capsys):
+    """Issue 52: `/set max-new-tokens 4000` was accepted and the next message ended the chat."""
+    from dgemma.cli.chat import Session
+
+    session = Session(tiny, None, {}, 0, canvas=False, tty=False)
+    positions = tiny.config.max_position_embeddings
+    session.command(f"/set max-new-tokens {positions * 2}")
+    err = capsys.readouterr().err
+    limit = re.search(r"past the model's limit: at most (\d+) here \((\d+) positions\)", err)
+    assert limit and int(limit.group(2)) == positions and "max_new_tokens" not in session.knobs, err
+    most = int(limit.group(1))
+    assert 0 < most < positions
+    session.command(f"/set max-new-tokens {most + 1}")
+    assert "past the model's limit" in capsys.readouterr().err and "max_new_tokens" not in session.knobs
+    session.command(f"/set max-new-tokens {most}")
+    assert f"max-new-tokens = {most}" in capsys.readouterr().err and session.knobs["max_new_tokens"] == most
+
+
+def test_a_failed_turn_is_one_line_and_the_conversation_stays(tiny, capsys):
+    """A request the engine refuses (here: --max-new-tokens past the positions once the
+    conversation has grown) prints one line; the conversation and the session go on."""
+    positions = tiny.config.max_position_embeddings
+    _, turns, session = chat_turns(tiny, ["Hello there"], capsys, max_denoising_steps=4, max_new_tokens=32)
+    assert len(turns) == 1 and len(session.conversation()) == 2
+    session.knobs["max_new_tokens"] = positions  # as `--max-new-tokens` gives it: no /set check
+    session.turn("How are you today?")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "max_position_embeddings" in lines[0] and "conversation stays" in lines[0], err
+    assert len(session.conversation()) == 2  # the refused message is not part of it
+    session.knobs["max_new_tokens"] = 32
+    session.turn("How are you today?")
+    assert FIGURES.search(capsys.readouterr().err) and len(session.conversation()) == 4
+
+
 def test_a_changed_conversation_is_rendered_afresh(tiny, capsys, tmp_path):
     """/system, /reset: the prompt is the template's rendering of the conversation as it is now."""
     tok = tiny.tokenizer
