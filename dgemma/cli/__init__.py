@@ -40,6 +40,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed arguments; a flag the subcommand does not know is that subcommand's error (which
+    points to `dgemma SUBCOMMAND --help`, where its flags are), not the top-level parser's."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def quiet_broken_pipe() -> int:
+    """Standard output's reader closed early (`dgemma run ... | head`): end quietly with status 0,
+    as other command-line tools do; what is left to print goes nowhere (no second error at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0
+
+
 def _check_ranks_fit_this_host(size: int, device: str) -> None:
     """One rank per GPU (NCCL refuses two on one) or per CPU core at most: a larger size is refused
     before any process starts (several hosts: torchrun, docs/parallel.md)."""
@@ -74,7 +93,7 @@ def _launch_ranks(args, argv: list[str] | None) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from ..config import ConfigError
     from ..kernels.cpu import keep_freed_memory
@@ -102,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
         return 130
+    except BrokenPipeError:
+        return quiet_broken_pipe()
     except ConfigError as e:  # the sampler's checks name its fields: say the flags the user typed
         sys.stderr.write(f"dgemma: error: {flag_names(str(e), args)}\n")
         return 2

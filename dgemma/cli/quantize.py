@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..model.presets import PRESETS
@@ -33,21 +34,39 @@ def cmd_quantize(args) -> int:
         shard_bytes = parse_size(args.shard_size)
     except argparse.ArgumentTypeError as e:
         raise QuantError(f"--shard-size: {e}") from None
-    if (args.model is None) == (args.size is None):
-        raise QuantError("give --model DIR (a checkpoint) or --size NAME (random weights of a named size), not both")
+    if args.model is not None and args.size is not None:
+        raise QuantError("give --model (a checkpoint) or --size NAME (random weights of a named size), not both")
     if args.model is not None and not Path(args.model).is_dir() and not is_hub_id(args.model):
         raise QuantError(f"--model {args.model}: no such directory (nor a hub id owner/name)")
     check_output_dir(Path(args.out))
-    if args.model is not None:  # a hub id fetched into the cache (the whole checkpoint is read, a tensor at a time)
+    if args.size is None:  # --model, or the shipped dgemma-tiny as `run` takes it; a hub id fetched into the cache
         args.model = str(resolve_model(args, fit=False).path)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    source = args.model if args.size is None else f"random weights of size {args.size}"
+    progress = ProgressLine(f"dgemma: quantising {source} to {args.scheme} into {args.out}")
     options = dict(dtype=dtype, quantize_embeddings=args.quantize_embeddings, shard_bytes=shard_bytes)
-    if args.model is not None:
-        out = write_quantized(args.model, args.out, args.scheme, args.group_size, **options)
+    if args.size is None:
+        out = write_quantized(args.model, args.out, args.scheme, args.group_size, progress=progress, **options)
     else:
-        out = write_random_quantized(args.size, args.out, args.scheme, args.group_size, **options)
-    print(f"wrote a {args.scheme} checkpoint (compressed-tensors) to {out}")
+        out = write_random_quantized(args.size, args.out, args.scheme, args.group_size, progress=progress, **options)
+    print(f"wrote a checkpoint quantised to {args.scheme} (compressed-tensors) to {out}")
     return 0
+
+
+class ProgressLine:
+    """What a long write is doing, on stderr: its first line at once (before the first tensor is
+    read), then, on a terminal, the count of tensors written, redrawn in place."""
+
+    def __init__(self, what: str):
+        self.what, self.tty = what, sys.stderr.isatty()
+        sys.stderr.write(what + ("" if self.tty else "\n"))
+        sys.stderr.flush()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.tty:
+            end = "\n" if done == total else ""
+            sys.stderr.write(f"\r{self.what}: {done}/{total} tensors ({100 * done // max(total, 1)}%){end}")
+            sys.stderr.flush()
 
 
 def write_random_quantized(size: str, out: str, scheme: str, group_size: int | None, dtype=None, **options) -> Path:
@@ -80,7 +99,12 @@ def add_cli(sub) -> None:
     p = sub.add_parser(
         "quantize", help="write a quantised checkpoint (compressed-tensors format; docs/quantization.md)"
     )
-    p.add_argument("--model", "-m", default=None, help=f"the full-precision checkpoint: {MODEL_HELP}")
+    p.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help=f"the full-precision checkpoint: {MODEL_HELP} (default: the shipped dgemma-tiny)",
+    )
     add_hub_flags(p)
     p.add_argument(
         "--size",
@@ -89,7 +113,13 @@ def add_cli(sub) -> None:
         help="instead of --model: random weights of a named size (bf16), drawn as they are written "
         "(`--size real` writes the released model's size without its weights; docs/quantization.md)",
     )
-    p.add_argument("--scheme", required=True, help=f"one of {', '.join(SCHEMES)}")
+    p.add_argument(
+        "--quantization",
+        "--scheme",
+        dest="scheme",
+        required=True,
+        help=f"the scheme, as `run` and `serve` name it: one of {', '.join(SCHEMES)} (--scheme: the same)",
+    )
     p.add_argument("--out", "-o", required=True, help="output directory (new or empty)")
     p.add_argument(
         "--group-size", type=int, default=None, help=f"inputs per int4 scale (default: {DEFAULT_GROUP_SIZE})"

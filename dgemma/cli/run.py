@@ -173,6 +173,16 @@ def cmd_infill(model, args, suffix: str) -> int:
         raise CliError(str(e)) from None
 
 
+def utf8_text(data: bytes, source: str) -> str:
+    """`data` as text, or the one-line error every prompt source gives for bytes that are not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CliError(
+            f"{source}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); a prompt is UTF-8 text"
+        ) from None
+
+
 def run_prompt(args) -> str:
     """The prompt of `dgemma run`: the argument, standard input for '-', or --prompt-file; an
     empty one is refused (it would generate from <bos> alone: text about nothing)."""
@@ -180,13 +190,12 @@ def run_prompt(args) -> str:
         if args.prompt is not None:
             raise CliError("give the prompt or --prompt-file, not both")
         try:
-            text = Path(args.prompt_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise CliError(
-                f"--prompt-file: cannot read {args.prompt_file}: {getattr(e, 'strerror', None) or e}"
-            ) from None
+            text = utf8_text(Path(args.prompt_file).read_bytes(), f"--prompt-file {args.prompt_file}")
+        except OSError as e:
+            raise CliError(f"--prompt-file: cannot read {args.prompt_file}: {e.strerror or e}") from None
     elif args.prompt == "-":
-        text = sys.stdin.read()
+        stdin = getattr(sys.stdin, "buffer", None)  # bytes where there are (a test's StringIO has none)
+        text = sys.stdin.read() if stdin is None else utf8_text(stdin.read(), "standard input ('-')")
     elif args.prompt is None:
         raise CliError(
             "no prompt: give the text to complete, '-' to read it from standard input, or --prompt-file FILE"
@@ -267,6 +276,13 @@ def cmd_run(args) -> int:
     check_seed_flag(args)
     apply_threads(args)
     suffix = run_suffix(args)
+    if args.show_canvas and not sys.stdout.isatty():  # a pipe or a file: there is no screen to redraw
+        if not args.quiet:
+            sys.stderr.write(
+                "dgemma: --show-canvas draws only on a terminal; standard output is not one, so the text is "
+                "printed as it is without the canvas\n"
+            )
+        args.show_canvas = False
     model = load_model(args)
     if model.net.shards is not None:
         args.prompt = model.net.shards.broadcast_object(args.prompt)
@@ -321,8 +337,6 @@ def cmd_run(args) -> int:
                     view.append(tok.decode(ev.canvas, skip_special_tokens=False), style="dim cyan")
                     view.append(f"\n[block {ev.block + 1}, step {ev.step}]", style="dim")
                     live.update(view)
-        if not console.is_terminal:  # a pipe gets the final text only: end it as the plain mode does
-            sys.stdout.write("\n")
     else:
         for ev in events:
             if isinstance(ev, Block):

@@ -17,7 +17,9 @@ def add_cli(sub) -> None:
     t.set_defaults(func=cmd_train)
 
     f = sub.add_parser("finetune", help="fine-tune a checkpoint (full or LoRA)")
-    f.add_argument("--model", "-m", required=True, help=f"the checkpoint to start from: {MODEL_HELP}")
+    f.add_argument(
+        "--model", "-m", help=f"the checkpoint to start from: {MODEL_HELP} (default: the shipped dgemma-tiny)"
+    )
     add_hub_flags(f)
     f.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
     f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
@@ -27,7 +29,7 @@ def add_cli(sub) -> None:
     f.set_defaults(func=cmd_train)
 
     m = sub.add_parser("merge-lora", help="fold LoRA adapters into a full checkpoint")
-    m.add_argument("--model", "-m", required=True, help=f"the base checkpoint: {MODEL_HELP}")
+    m.add_argument("--model", "-m", help=f"the base checkpoint: {MODEL_HELP} (default: the shipped dgemma-tiny)")
     add_hub_flags(m)
     m.add_argument("--adapter", required=True, help="directory with adapter_config.json and adapter_model.safetensors")
     m.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
@@ -83,7 +85,7 @@ def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
 def cmd_train(args) -> int:
     from ..train.trainer import TrainArgs, train
 
-    if getattr(args, "model", None):  # finetune: a hub id fetched into the cache, a directory as it is
+    if args.command == "finetune":  # a hub id fetched into the cache, a directory as it is; none: dgemma-tiny
         args.model = str(resolve_model(args, fit=False).path)
     fields_ = TrainArgs.__dataclass_fields__
     values = {k: v for k, v in vars(args).items() if k in fields_}

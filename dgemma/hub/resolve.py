@@ -48,6 +48,11 @@ def resolve_checkpoint(
             raise FileNotFoundError(
                 f"{path} is a file: a checkpoint is the directory that holds config.json, the weights and the tokenizer"
             )
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} is not a checkpoint directory: it has no config.json (a checkpoint is the directory "
+                "that holds config.json, the weights and the tokenizer)"
+            )
         if revision is not None:
             raise HubError(
                 f"revision {revision!r}: {ref} is a local directory; a revision names a branch, tag or "

@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -156,10 +157,12 @@ def write_quantized_from(
     quantize_embeddings: str | None = None,
     shard_bytes: int = SHARD_BYTES,
     side_files=None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """`write_quantized` from any source of full-precision tensors (a checkpoint's files, or random
     ones drawn on demand): config.json (`config`, gaining its quantization_config) and the shards;
-    `side_files(out)` writes the rest (tokenizer, generation config)."""
+    `side_files(out)` writes the rest (tokenizer, generation config); `progress(done, total)` is
+    called as the tensors are written (the CLI's progress line)."""
     out = Path(out_dir)
     group_size = check_group_size(scheme, group_size)
     if quantize_embeddings not in (None, "int8", "fp8"):
@@ -172,7 +175,7 @@ def write_quantized_from(
     out.mkdir(parents=True, exist_ok=True)
     shards = ShardWriter(out, shard_bytes)
     try:
-        ignore = _write_tensors(reader, names, plan, shards, scheme, group_size, dtype, quantize_embeddings)
+        ignore = _write_tensors(reader, names, plan, shards, scheme, group_size, dtype, quantize_embeddings, progress)
         config = dict(
             config,
             quantization_config=quantization_config(scheme, group_size, ignore + ["lm_head"], quantize_embeddings),
@@ -223,12 +226,15 @@ def _write_tensors(
     group_size: int | None,
     dtype: torch.dtype | None,
     quantize_embeddings: str | None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Every tensor of the checkpoint, quantised or kept, into the shards; returns the linears kept
     in full precision (quantization_config's ignore list)."""
     done: set[str] = set()
     ignore: list[str] = []
-    for name in names:
+    for count, name in enumerate(names):
+        if progress is not None:
+            progress(count, len(names))
         if name in done:
             continue
         if name in plan:
@@ -251,6 +257,8 @@ def _write_tensors(
                 tensor = tensor.to(dtype)
             shards.add(name, tensor)
     shards.finish()
+    if progress is not None:
+        progress(len(names), len(names))
     return ignore
 
 

@@ -200,3 +200,79 @@ def test_grammar_errors_say_what_is_wrong_and_name_the_file(capsys, tmp_path):
     grammar = tmp_path / "g.lark"
     grammar.write_text("start: nowhere")
     assert f"--grammar {grammar}: " in one_line_error(capsys, "x", "--grammar", str(grammar))
+
+
+# ------------------------------------------------------------------------------------ issue 52: a new user's frictions
+def test_standard_input_that_is_not_utf8_gets_the_prompt_files_message(capsys, monkeypatch, tmp_path):
+    data = b"\x89PNG\r\n\x1a\n\x00\xff"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    piped = one_line_error(capsys, "-")
+    (tmp_path / "p.bin").write_bytes(data)
+    filed = one_line_error(capsys, "--prompt-file", str(tmp_path / "p.bin"))
+    assert "standard input ('-'): not UTF-8 text (byte 0x89 at offset 0)" in piped
+    assert f"--prompt-file {tmp_path / 'p.bin'}: not UTF-8 text (byte 0x89 at offset 0)" in filed
+    assert "TextEncodeInput" not in piped
+
+
+def test_a_directory_without_config_json_is_not_a_checkpoint_directory(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    err = one_line_error(capsys, "x", "--model", str(tmp_path / "empty"))
+    assert f"{tmp_path / 'empty'} is not a checkpoint directory: it has no config.json" in err
+
+
+@pytest.mark.parametrize("command", [["run", "x"], ["serve"], ["quantize", "--quantization", "int8", "--out", "o"]])
+def test_an_unknown_flag_points_to_its_subcommands_help(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--nosuch-flag"])
+    err = capsys.readouterr().err
+    name = f"dgemma {command[0]}"
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"{name}: error: unrecognized arguments: --nosuch-flag") and f"(see `{name} --help`)" in err
+
+
+def test_show_canvas_on_a_pipe_says_it_draws_only_on_a_terminal(capsys):
+    code, out, err = run(capsys, "def add(a, b):", *FAST, "--show-canvas")  # capsys: not a terminal
+    assert code == 0 and out.strip() and "\x1b[" not in out
+    assert "--show-canvas draws only on a terminal" in err and err.count("--show-canvas") == 1
+    code, quiet_out, quiet_err = run(capsys, "def add(a, b):", *FAST, "--show-canvas", "-q")
+    assert code == 0 and quiet_out == out and quiet_err == ""
+
+
+@pytest.mark.subprocess
+def test_output_into_a_reader_that_closes_early_ends_quietly_with_status_0():
+    """`dgemma run ... | head -1`: the reader goes early; the writer ends with status 0
+    and no BrokenPipeError traceback (as other command-line tools do)."""
+    import subprocess
+
+    from serve_process import cli_command
+
+    shell = subprocess.run(  # `true` reads nothing and is gone long before the first block commits
+        ["bash", "-c", 'set -o pipefail; "$@" | true', "bash", *cli_command(), "run", "def f(x):", *FAST],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shell.returncode == 0 and "Traceback" not in shell.stderr and "BrokenPipe" not in shell.stderr, shell.stderr
+
+
+def test_quantize_speaks_runs_vocabulary(capsys, tmp_path):
+    """--quantization (--scheme kept), the shipped model without --model, a progress line, the
+    right message for --model with --size, an article-free last line."""
+    assert main(["quantize", "--quantization", "int8", "--out", str(tmp_path / "q8")]) == 0
+    out = capsys.readouterr()
+    assert out.err.startswith(f"dgemma: quantising {dgemma.default_model_dir()} to int8 into {tmp_path / 'q8'}")
+    assert out.out.strip() == f"wrote a checkpoint quantised to int8 (compressed-tensors) to {tmp_path / 'q8'}"
+    assert (tmp_path / "q8" / "config.json").exists()
+    assert main(["quantize", "--scheme", "int8", "--out", str(tmp_path / "alias")]) == 0
+    assert "quantised to int8" in capsys.readouterr().out
+    code = main(["quantize", "--quantization", "int8", "--model", "x", "--size", "tiny", "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == 2 and "give --model (a checkpoint) or --size NAME (random weights of a named size), not both" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_finetune_and_merge_lora_default_to_the_shipped_model_as_run_does():
+    parser = build_parser()
+    assert parser.parse_args(["finetune", "--data", "stdlib", "--out", "o"]).model is None
+    assert parser.parse_args(["merge-lora", "--adapter", "a", "--out", "o"]).model is None
+    assert parser.parse_args(["run", "x"]).model is None  # (resolve_model: None is dgemma-tiny, for all three)
