@@ -23,7 +23,7 @@ import httpx
 import pytest
 import tomllib
 
-from serve_process import ServeProcess, cli_command
+from serve_process import ServeProcess, cli_command, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -109,3 +109,8 @@ def test_serve_answers_its_first_request_without_the_test_extras():
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"]
         assert server.alive and "Traceback" not in server.output
+        tokens = reply.json()["usage"]["completion_tokens"]
+        # the server's line a request (http/request_log.py), on by default
+        assert wait_until(
+            lambda: re.search(rf"127\.0\.0\.1 POST /v1/completions 200 {tokens} tokens [\d.]+ s", server.output)
+        )

@@ -71,7 +71,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         choices=["debug", "info", "warning", "error"],
         help="what the server logs: uvicorn's lines and dgemma's (refusals, clients that left) (default: info)",
     )
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--access-log", action="store_true", help="uvicorn's line for every HTTP request too")
+    p.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no line a request (client, method, path, status, tokens generated, seconds; logged at info)",
+    )
     p.add_argument("--no-ui", dest="ui", action="store_false", help="no playground page at GET / (the API only)")
     p.add_argument(
         "--no-docs", dest="docs", action="store_false", help="no /openapi.json and /docs (the API's description)"
@@ -248,6 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             limits,
             args.docs,
             sampler,
+            request_log=not args.quiet,
         )
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:

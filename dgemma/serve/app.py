@@ -28,6 +28,7 @@ from .errors import ApiError, error_response, json_response
 from .http.access import Access, AccessGuard
 from .http.connection import ClientGone, read_json
 from .http.listener import Limits
+from .http.request_log import RequestLog
 from .media.policy import MediaPolicy
 from .metrics import Metrics
 from .ollama.routes import add_ollama_routes, is_ollama_path, ollama_error_response
@@ -73,6 +74,7 @@ def create_app(
     limits: Limits | None = None,
     docs: bool = True,
     sampler: dict | None = None,
+    request_log: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up.
 
@@ -84,7 +86,8 @@ def create_app(
     and seconds per request. `limits`: the listener's read timeout and connection cap (read by
     ServerThread and `dgemma serve` from `app.state.limits`). `docs`: `/openapi.json` and `/docs`.
     `sampler`: GenerationConfig fields over the checkpoint's, the defaults of requests that do not
-    set them (`dgemma serve --turbo` and its knobs; a bad value is a ConfigError naming it)."""
+    set them (`dgemma serve --turbo` and its knobs; a bad value is a ConfigError naming it).
+    `request_log`: a line a request on the "dgemma.serve.requests" logger (http/request_log.py)."""
     if max_active < 1 or max_queue < 0:
         raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
     context = model.config.max_position_embeddings if max_context is None else max_context
@@ -125,6 +128,8 @@ def create_app(
         )
     app.add_middleware(AccessGuard, access=access)
     app.add_middleware(_CountResponses, metrics=service.metrics)
+    if request_log:  # outermost: a refused request is a line too, timed from its arrival
+        app.add_middleware(RequestLog)
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, err: ClientGone) -> Response:

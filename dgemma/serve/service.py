@@ -28,6 +28,7 @@ from ..inputs.model_inputs import ModelInputs
 from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
 from .errors import ApiError, excerpt
 from .http.connection import watch_disconnect
+from .http.request_log import count_completion_tokens
 from .media.policy import MediaPolicy
 from .metrics import Metrics
 from .openai.insert import InsertError, Insertion, fixed_canvas, insert, span_lengths
@@ -417,6 +418,7 @@ class Service:
         }
 
     def record(self, gen: Generation, reason: str) -> None:
+        count_completion_tokens(gen.completion_tokens)  # the request's log line (http/request_log.py)
         now = time.perf_counter()
         with self.metrics.lock:
             self.metrics.requests.inc(finish_reason=reason)
