@@ -168,17 +168,31 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert "&& python -m pytest " in ci and ci.endswith(" --durations=25")
 
 
-def test_the_readme_says_which_torch_beside_the_commands_ci_runs():
-    """The CPU wheel index for CPU-only users, the default for GPU users, in a note beside the two
-    commands CI runs, which stay as they are (CI cannot reach PyTorch's index)."""
+def test_the_readme_tells_a_gpu_user_and_a_cpu_only_user_what_to_paste():
+    """Issue 52: the quickstart's first screen gives each a command, without contradicting itself;
+    the GPU one is the command CI runs verbatim (.ci/quickstart reads the section's first block),
+    the CPU one takes PyTorch's CPU index; how CI resolves torch comes below, by the test command."""
     readme = (ROOT / "README.md").read_text()
-    start = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e "
-    commands = [line for line in readme.splitlines() if line.startswith(start)]
-    assert commands == [
-        start + '. && dgemma run "def fibonacci(n):"',
-        (ROOT / ".ci/run").read_text().strip().splitlines()[-1],
-    ]
-    note = readme[readme.index(commands[1]) :][:1500]  # the lines after the test command
-    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in note
-    assert "CUDA build" in note and "GPU" in note and "verbatim" in note
-    assert all("download.pytorch.org" not in command for command in commands)
+    section = readme[readme.index("## Quickstart") : readme.index("\n## ", readme.index("## Quickstart") + 1)]
+    heading = section.splitlines()[0]
+    assert "CPU" not in heading or "GPU" in heading, heading
+    blocks = re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    gpu, cpu = blocks[0], blocks[1]
+    assert (
+        gpu
+        == 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && dgemma run "def fibonacci(n):"'
+    )
+    assert cpu == gpu.replace("torch==2.13.0", "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+    assert (
+        section.index("With an NVIDIA GPU") < section.index(gpu) < section.index("Without a GPU") < section.index(cpu)
+    )
+    test_command = (ROOT / ".ci/run").read_text().strip().splitlines()[-1]
+    assert test_command in section and "How CI resolves torch" not in section[: section.index(test_command)]
+    note = section[section.index(test_command) :]
+    assert "How CI resolves torch" in note and "--index-url https://download.pytorch.org/whl/cpu" in note
+    quickstart = (ROOT / ".ci/quickstart").read_text()
+    assert (
+        "## Quickstart" in quickstart
+        and 'bash -c "$command"' in quickstart
+        and ".ci/quickstart" in (ROOT / ".ci/run").read_text()
+    )
