@@ -287,23 +287,37 @@ H200_SMS = 132
 def h200():
     """Meta tensors take the choices an H200 gets: the kernels' block sizes, grids and split counts
     as compiled for a GPU (not the interpreter's), 132 SMs for the attention's split count."""
-    from dgemma.kernels import triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step
+    from dgemma.kernels import (
+        triton_attention,
+        triton_canvas,
+        triton_layer,
+        triton_moe,
+        triton_norms,
+        triton_quant,
+        triton_step,
+    )
 
     saved = triton_attention._sm_count, triton_attention.pick_splits
     pick_splits = saved[1]
-    modules = (triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step)
-    interpreted = [(m.INTERPRETED, m.available) for m in modules]
+    # the modules whose INTERPRETED picks block sizes (triton_canvas: the step kernels'), those with `available`
+    sizing = (triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_canvas)
+    gated = (triton_attention, triton_layer, triton_moe, triton_norms, triton_quant, triton_step)
+    interpreted = [m.INTERPRETED for m in sizing]
+    available = [m.available for m in gated]
     triton_attention._sm_count = lambda index: H200_SMS
     triton_attention.pick_splits = lambda device, *a: pick_splits(torch.device("cuda", 0), *a)
-    for m in modules:  # block sizes, split counts and grids as compiled for a GPU (the launches are stubbed)
+    for m in sizing:  # block sizes, split counts and grids as compiled for a GPU (the launches are stubbed)
         m.INTERPRETED = False
+    for m in gated:
         m.available = lambda device: True
     try:
         yield
     finally:
         triton_attention._sm_count, triton_attention.pick_splits = saved
-        for m, (was, available) in zip(modules, interpreted):
-            m.INTERPRETED, m.available = was, available
+        for m, was in zip(sizing, interpreted):
+            m.INTERPRETED = was
+        for m, was in zip(gated, available):
+            m.available = was
 
 
 # ------------------------------------------------------------------------- the released model

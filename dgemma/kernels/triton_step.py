@@ -40,9 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from . import EXP_FLOOR
+from . import EXP_FLOOR, triton_canvas
 from .triton_canvas import (
-    INTERPRETED,
     MAX_STABILITY,
     entropy_bound,
     noise_tokens,
@@ -271,7 +270,7 @@ if HAVE_TRITON:
 
 def available(device: torch.device | str) -> bool:
     """Whether these kernels can run on `device` (triton_support.runs_on)."""
-    return runs_on(device, INTERPRETED)
+    return runs_on(device, triton_canvas.INTERPRETED)
 
 
 def _check_rows(name: str, rows: int, t: torch.Tensor) -> None:

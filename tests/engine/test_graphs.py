@@ -181,9 +181,9 @@ def engine():
     """The "test" size (canvas 8, vocab 384) with random weights on the Triton path: the
     interpreter runs a kernel program per row, so the steps here are few and small."""
     pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
-    from dgemma.kernels import triton_step
+    from dgemma.kernels import triton_canvas
 
-    if not triton_step.INTERPRETED:
+    if not triton_canvas.INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET was set: the kernels need a GPU")
     torch.manual_seed(0)
     net = DiffusionGemma(make_config(**PRESETS["test"]))

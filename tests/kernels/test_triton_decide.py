@@ -14,9 +14,10 @@ pytest.importorskip("triton", reason="triton is an optional (Linux) test depende
 pytestmark = pytest.mark.triton
 
 from dgemma.engine import sampler  # noqa: E402
+from dgemma.kernels import triton_canvas  # noqa: E402
 from dgemma.kernels import triton_step as ts  # noqa: E402
 
-if not ts.INTERPRETED:
+if not triton_canvas.INTERPRETED:
     pytest.skip("triton_step was imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 S = ts.MAX_STABILITY

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.triton
 
 import dgemma  # noqa: E402
 from dgemma.engine.device.graphs import DecoderGraphs, eager_capture  # noqa: E402
-from dgemma.kernels import triton_step  # noqa: E402
+from dgemma.kernels import triton_canvas  # noqa: E402
 from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
 
-if not triton_step.INTERPRETED:
+if not triton_canvas.INTERPRETED:
     pytest.skip("triton was imported before TRITON_INTERPRET was set: the kernels need a GPU", allow_module_level=True)
 
 PROMPTS = [[5, 9, 14, 3, 7, 1, 2, 8, 30, 31, 4], list(range(40, 87)), [11, 12]]  # 11, 47 (several blocks), 2 tokens
@@ -184,7 +184,7 @@ def test_a_steps_encoder_work_is_one_prefill(model, monkeypatch):
 
 
 def test_the_option_needs_a_device_that_runs_the_kernels(model, monkeypatch):
-    monkeypatch.setattr(triton_step, "INTERPRETED", False)
+    monkeypatch.setattr(triton_canvas, "INTERPRETED", False)
     model.configure_engine(triton=True)
     with pytest.raises(ValueError, match="need a CUDA device or TRITON_INTERPRET=1"):
         _ = model.engine

@@ -21,9 +21,9 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
 import dgemma  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions  # noqa: E402
-from dgemma.kernels import triton_step  # noqa: E402
+from dgemma.kernels import triton_canvas  # noqa: E402
 
-if not triton_step.INTERPRETED:
+if not triton_canvas.INTERPRETED:
     pytest.skip("triton was imported before TRITON_INTERPRET was set: the kernels need a GPU", allow_module_level=True)
 
 CANVASES = 4

@@ -20,11 +20,11 @@ from dgemma.config import TurboSettings  # noqa: E402
 from dgemma.engine.device import turbo as device_turbo  # noqa: E402
 from dgemma.engine.device.graphs import DecoderGraphs, eager_capture  # noqa: E402
 from dgemma.engine.turbo import TurboState  # noqa: E402
-from dgemma.kernels import triton_attention, triton_step, triton_turbo  # noqa: E402
+from dgemma.kernels import triton_attention, triton_canvas, triton_step, triton_turbo  # noqa: E402
 from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
 
-if not triton_step.INTERPRETED:
+if not triton_canvas.INTERPRETED:
     pytest.skip("triton was imported before TRITON_INTERPRET was set: the kernels need a GPU", allow_module_level=True)
 
 
