@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..model.presets import PRESETS
+from ..quant import schemes
 from ..quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, QuantError
 from .common import MODEL_HELP, add_hub_flags, parse_size, resolve_model
 
@@ -54,19 +55,21 @@ def cmd_quantize(args) -> int:
 
 
 class ProgressLine:
-    """What a long write is doing, on stderr: its first line at once (before the first tensor is
-    read), then, on a terminal, the count of tensors written, redrawn in place."""
+    """What a long write is doing, on stderr: its first line when the first tensor is about to be
+    read (after the checks, whose errors stay one line), then, on a terminal, the count of tensors
+    written, redrawn in place."""
 
     def __init__(self, what: str):
-        self.what, self.tty = what, sys.stderr.isatty()
-        sys.stderr.write(what + ("" if self.tty else "\n"))
-        sys.stderr.flush()
+        self.what, self.tty, self.started = what, sys.stderr.isatty(), False
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.started:
+            self.started = True
+            sys.stderr.write(self.what + ("" if self.tty else "\n"))
         if self.tty:
             end = "\n" if done == total else ""
             sys.stderr.write(f"\r{self.what}: {done}/{total} tensors ({100 * done // max(total, 1)}%){end}")
-            sys.stderr.flush()
+        sys.stderr.flush()
 
 
 def write_random_quantized(size: str, out: str, scheme: str, group_size: int | None, dtype=None, **options) -> Path:
@@ -131,7 +134,7 @@ def add_cli(sub) -> None:
     )
     p.add_argument(
         "--quantize-embeddings",
-        choices=["int8", "fp8"],
+        choices=list(schemes.embedding_names()),
         default=None,
         help="quantise the tied embedding table per row too (dgemma reads it; vLLM does not)",
     )
