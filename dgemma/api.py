@@ -88,6 +88,16 @@ class Model:
         self._engine_net = None
         self._client = None
 
+    def load_adapters(self, path: str | Path) -> list[str]:
+        """Attach LoRA adapters from `path` to `net`, unmerged: PEFT's format (what `dgemma finetune`
+        and PEFT's `save_pretrained` write) or dgemma's older one (train/lora.py); the next
+        generation runs them. Returns the adapted modules' names."""
+        from .train import lora
+
+        names = lora.load_adapters(self.net, path)
+        self.reset_engine_net()
+        return names
+
     @property
     def engine(self) -> Engine:
         """The engine `generate` and `stream` share (its prefix cache persists across calls)."""

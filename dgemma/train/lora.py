@@ -6,12 +6,22 @@ An adapter is a child module `lora` of an `nn.Linear` plus a forward hook adding
 
 Default targets are the attention projections and the dense MLP of every layer; everything
 else, the router and the experts included, stays frozen (the published LoRA recipe).
+
+On disk adapters are in PEFT's format, so PEFT, transformers and servers that read PEFT files load
+them: `adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules as one full-path regex)
+and `adapter_model.safetensors` keyed `base_model.model.<transformers module path>.lora_A.weight`.
+transformers' DiffusionGemmaForBlockDiffusion holds the text stack twice (`model.decoder` and
+`model.encoder.language_model`, weights tied) and PEFT adapts each copy on its own, while dgemma
+runs one stack for both passes: a file holds both key sets, equal, and one whose sets differ is
+refused. Files in dgemma's older format (keys `layers.N.<module>.lora_A.weight`) still load.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from ..model.layout import save_safetensors
+from ..model.layout import natural_key, save_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -28,6 +38,42 @@ TARGET_GROUPS = {
     "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 }
 DEFAULT_TARGETS = ("attention", "mlp")
+
+# PEFT's names: its wrapper's prefix, then transformers' two copies of the text stack (decoder first).
+PEFT_PREFIX = "base_model.model."
+STACKS = ("model.decoder.", "model.encoder.language_model.")
+_PEFT_KEY = re.compile(
+    r"base_model\.model\.(model\.decoder\.|model\.encoder\.language_model\.)(layers\.\d+\..+)\.lora_([AB])\.weight"
+)
+_OWN_KEY = re.compile(r"(layers\.\d+\..+)\.lora_([AB])\.weight")
+# What PEFT writes for a DiffusionGemma (AutoPeftModel reads it to pick the base class).
+AUTO_MAPPING = {
+    "base_model_class": "DiffusionGemmaForBlockDiffusion",
+    "parent_library": "transformers.models.diffusion_gemma.modeling_diffusion_gemma",
+}
+# PEFT options that change what the tensors mean (or add tensors): plain LoRA only, so a file that
+# sets one is refused rather than misread.
+_UNSUPPORTED = (
+    "use_dora",
+    "use_qalora",
+    "use_bdlora",
+    "fan_in_fan_out",
+    "lora_bias",
+    "alora_invocation_tokens",
+    "rank_pattern",
+    "alpha_pattern",
+    "modules_to_save",
+    "target_parameters",
+    "trainable_token_indices",
+    "layer_replication",
+    "arrow_config",
+)
+# Initialisations that rewrite the base weights: such an adapter is only right on the rewritten base.
+_BASE_CHANGING_INIT = ("pissa", "olora", "corda", "loftq")
+
+
+class AdapterError(ValueError):
+    """An adapter file dgemma cannot read, or that does not fit the model (one line)."""
 
 
 class LoRA(nn.Module):
@@ -101,7 +147,8 @@ def adapters(net: nn.Module) -> dict[str, LoRA]:
 
 
 def adapter_tensors(state_dict: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-    """Adapter tensors of a (full) state dict, renamed `<linear>.lora_A.weight` / `.lora_B.weight`."""
+    """Adapter tensors of a (full) state dict, renamed `<linear>.lora_A.weight` / `.lora_B.weight`
+    (dgemma's module names; `write_adapters` turns them into PEFT's)."""
     out = {}
     for key, t in state_dict.items():
         if key.startswith(prefix) and (key.endswith(".lora.A") or key.endswith(".lora.B")):
@@ -114,17 +161,274 @@ def adapter_state_dict(net: nn.Module) -> dict[str, torch.Tensor]:
     return adapter_tensors(net.state_dict())
 
 
-def write_adapters(path: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    """Write adapter_config.json and adapter_model.safetensors (the adapters alone, a few MB)."""
+def layer_linears(net: nn.Module) -> list[str]:
+    """Names of every Linear inside `net.layers`: what `target_pattern` compares an adapter's layers with."""
+    return [name for name, m in net.named_modules() if isinstance(m, nn.Linear) and name.startswith("layers.")]
+
+
+# ------------------------------------------------------------------ PEFT's format
+
+
+def target_pattern(names: list[str], linears: list[str] | None = None) -> str:
+    """PEFT's `target_modules` for dgemma modules `names` (`layers.N.<module>`): one regex, which PEFT
+    full-matches against transformers' module paths, over both stacks and nothing else (a list of
+    suffixes would also match the vision tower's q_proj, mlp...). A module adapted in every layer of
+    `linears` that has it reads `\\d+`; others name their layers."""
+    chosen: dict[str, set[int]] = {}
+    for name in names:
+        _, layer, module = name.split(".", 2)
+        chosen.setdefault(module, set()).add(int(layer))
+    having: dict[str, set[int]] = {}
+    for name in linears or ():
+        _, layer, module = name.split(".", 2)
+        having.setdefault(module, set()).add(int(layer))
+    groups: dict[str, list[str]] = {}  # the layers' pattern -> the modules adapted there
+    for module, layers in chosen.items():
+        if layers == having.get(module):
+            which = r"\d+"
+        elif len(layers) == 1:
+            which = str(next(iter(layers)))
+        else:
+            which = "(?:" + "|".join(str(n) for n in sorted(layers)) + ")"
+        groups.setdefault(which, []).append(module)
+    alternatives = [f"{which}\\.{_alternation(modules)}" for which, modules in groups.items()]
+    body = alternatives[0] if len(alternatives) == 1 else "(?:" + "|".join(alternatives) + ")"
+    return r"model\.(?:decoder|encoder\.language_model)\.layers\." + body
+
+
+def _alternation(modules: list[str]) -> str:
+    """`self_attn.q_proj`, `self_attn.k_proj`, `mlp.up_proj` -> `(?:self_attn\\.(?:q_proj|k_proj)|mlp\\.up_proj)`."""
+    parents: dict[str, list[str]] = {}
+    for module in modules:
+        parent, _, leaf = module.rpartition(".")
+        parents.setdefault(parent, []).append(re.escape(leaf))
+    parts = []
+    for parent, leaves in parents.items():
+        leaf = leaves[0] if len(leaves) == 1 else "(?:" + "|".join(leaves) + ")"
+        parts.append(f"{re.escape(parent)}\\.{leaf}" if parent else leaf)
+    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+def peft_config(
+    names: list[str],
+    rank: int,
+    alpha: float,
+    base_model: str | None = None,
+    linears: list[str] | None = None,
+    use_rslora: bool = False,
+) -> dict:
+    """adapter_config.json as PEFT 0.21 writes it for a plain LoRA (the fields its loader reads)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "auto_mapping": AUTO_MAPPING,
+        "base_model_name_or_path": base_model,
+        "revision": None,
+        "r": rank,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else float(alpha),
+        "target_modules": target_pattern(names, linears),
+        "exclude_modules": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": use_rslora,
+        "use_dora": False,
+        "lora_bias": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+    }
+
+
+def peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """dgemma-named adapter tensors -> PEFT's keys, once for the decoder and once (equal copies:
+    safetensors stores no shared tensors) for the encoder."""
+    out = {}
+    for stack in STACKS:
+        for key, t in tensors.items():
+            out[PEFT_PREFIX + stack + key] = t if stack == STACKS[0] else t.clone()
+    return out
+
+
+def base_model_name(path: str | Path) -> str:
+    """What `base_model_name_or_path` says for a base at `path`: the hub id of a checkpoint in the
+    hub's cache (`.../models--owner--name/snapshots/REV`, where `dgemma finetune` fetches a hub
+    id to), else the absolute directory."""
+    p = Path(path).resolve()
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name[len("models--") :].replace("--", "/", 1)
+    return str(p)
+
+
+def write_adapters(
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    base_model: str | None = None,
+    linears: list[str] | None = None,
+    use_rslora: bool = False,
+) -> Path:
+    """Write the adapters alone (a few MB) in PEFT's format: `tensors` in dgemma's names
+    (`adapter_tensors`), `linears` the model's layer Linears (`layer_linears`, for a compact pattern)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / ADAPTER_CONFIG).write_text(json.dumps({"format": "dgemma-lora", **config}, indent=2) + "\n")
-    save_safetensors(tensors, path / ADAPTER_WEIGHTS)
+    names = list(dict.fromkeys(key.rsplit(".lora_", 1)[0] for key in tensors))
+    config = peft_config(names, rank, alpha, base_model, linears, use_rslora)
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_safetensors(peft_tensors(tensors), path / ADAPTER_WEIGHTS)
     return path
 
 
 def save_adapters(net: nn.Module, path: str | Path, base_model: str | None = None) -> Path:
-    return write_adapters(path, adapter_state_dict(net), {**net.lora_config, "base_model": base_model})
+    """Write `net`'s adapters to `path` in PEFT's format."""
+    cfg = net.lora_config
+    return write_adapters(
+        path,
+        adapter_state_dict(net),
+        cfg["r"],
+        cfg["lora_alpha"],
+        base_model,
+        layer_linears(net),
+        cfg.get("use_rslora", False),
+    )
+
+
+@dataclass
+class AdapterFile:
+    """An adapter read from disk, in dgemma's module names whichever format it came in."""
+
+    rank: int
+    alpha: float
+    scale: float  # alpha / r, or alpha / sqrt(r) for PEFT's rsLoRA
+    tensors: dict[str, torch.Tensor]  # `layers.N.<module>.lora_A.weight` / `.lora_B.weight`
+    base_model: str | None
+    use_rslora: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        """The adapted modules, in dgemma's names."""
+        return sorted({key.rsplit(".lora_", 1)[0] for key in self.tensors}, key=natural_key)
+
+
+def _check_peft_config(path: Path, cfg: dict) -> None:
+    if cfg.get("peft_type") != "LORA":
+        raise AdapterError(f"{path}: peft_type is {cfg.get('peft_type')!r}; dgemma reads LORA adapters only")
+    for key in _UNSUPPORTED:
+        if cfg.get(key):
+            raise AdapterError(f"{path}: {ADAPTER_CONFIG} sets {key}={cfg[key]!r}; dgemma reads plain LoRA only")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(f"{path}: {ADAPTER_CONFIG} sets bias={cfg['bias']!r}; dgemma reads plain LoRA only")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INIT):
+        raise AdapterError(
+            f"{path}: init_lora_weights={init!r} rewrote the base weights, so the adapter fits only that rewritten "
+            "base; convert it to plain LoRA (PEFT's path_initial_model_for_weight_conversion) first"
+        )
+
+
+def _from_peft(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's keys -> dgemma's names; the decoder's and the encoder's sets must be equal."""
+    stacks: dict[str, dict[str, torch.Tensor]] = {stack: {} for stack in STACKS}
+    for key, t in tensors.items():
+        m = _PEFT_KEY.fullmatch(key)
+        if m is None:
+            raise AdapterError(
+                f"{path}: {key} is not a LoRA A or B matrix of a text layer; dgemma reads only "
+                "base_model.model.model.{decoder,encoder.language_model}.layers.N.<module>.lora_{A,B}.weight"
+            )
+        stacks[m.group(1)][f"{m.group(2)}.lora_{m.group(3)}.weight"] = t
+    decoder, encoder = stacks[STACKS[0]], stacks[STACKS[1]]
+    for key in sorted(decoder.keys() | encoder.keys(), key=natural_key):
+        if key not in encoder or key not in decoder:
+            missing = STACKS[1] if key not in encoder else STACKS[0]
+            present = STACKS[0] if key not in encoder else STACKS[1]
+            why = f"{missing}{key} is missing"
+            key_named = PEFT_PREFIX + present + key
+        elif decoder[key].shape != encoder[key].shape or not torch.equal(decoder[key], encoder[key]):
+            why, key_named = "the two copies differ", PEFT_PREFIX + STACKS[1] + key
+        else:
+            continue
+        raise AdapterError(
+            f"{path}: the encoder's and decoder's adapters are not equal at {key_named} ({why}); dgemma runs one "
+            "text stack for both passes, so it needs PEFT's two copies equal (tie them while training)"
+        )
+    return decoder
+
+
+def read_adapters(path: str | Path) -> AdapterFile:
+    """Read an adapter directory in PEFT's format or dgemma's older one (its own key names)."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except FileNotFoundError as e:
+        raise AdapterError(f"no LoRA adapter in {path}: {e.filename} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{path / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict) or "r" not in cfg or "lora_alpha" not in cfg:
+        raise AdapterError(f"{path / ADAPTER_CONFIG} has no r and lora_alpha")
+    if not tensors:
+        raise AdapterError(f"{path / ADAPTER_WEIGHTS} holds no tensors")
+    rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    if rank <= 0:
+        raise AdapterError(f"{path / ADAPTER_CONFIG}: r must be positive, got {rank}")
+    use_rslora = False
+    if "peft_type" in cfg:
+        _check_peft_config(path, cfg)
+        named = _from_peft(path, tensors)
+        use_rslora = bool(cfg.get("use_rslora"))
+        base_model = cfg.get("base_model_name_or_path")
+    else:  # dgemma's format before it wrote PEFT's
+        for key in tensors:
+            if _OWN_KEY.fullmatch(key) is None:
+                raise AdapterError(f"{path}: {key} is not a LoRA A or B matrix of a text layer")
+        named, base_model = tensors, cfg.get("base_model")
+    for name in {key.rsplit(".lora_", 1)[0] for key in named}:
+        if f"{name}.lora_A.weight" not in named or f"{name}.lora_B.weight" not in named:
+            raise AdapterError(f"{path}: {name} has only one of its lora_A and lora_B matrices")
+    scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    return AdapterFile(rank, alpha, scale, named, base_model, use_rslora)
+
+
+def load_adapters(net: nn.Module, path: str | Path) -> list[str]:
+    """Attach the adapters saved at `path` (PEFT's format or dgemma's older one) to `net`, or copy
+    them into the adapters `net` already has; returns the adapted modules' names."""
+    path = Path(path)
+    adapter = read_adapters(path)
+    names = adapter.names
+    if not adapters(net):
+        linears = set(layer_linears(net))
+        for name in names:
+            if name not in linears:
+                raise AdapterError(f"{path}: the adapter targets {name}, which the model does not have as a Linear")
+        apply_lora(net, adapter.rank, adapter.alpha, tuple(names))
+    found = adapters(net)
+    if sorted(found) != sorted(names):
+        extra = sorted(set(names) ^ set(found), key=natural_key)[0]
+        raise AdapterError(f"{path}: adapters do not match the model's LoRA layers (first difference: {extra})")
+    with torch.no_grad():
+        for name, m in found.items():
+            a, b = adapter.tensors[f"{name}.lora_A.weight"], adapter.tensors[f"{name}.lora_B.weight"]
+            if a.shape != m.A.shape or b.shape != m.B.shape:
+                raise AdapterError(
+                    f"{path}: adapter {name} has shapes {tuple(a.shape)} and {tuple(b.shape)}, "
+                    f"the model needs {tuple(m.A.shape)} and {tuple(m.B.shape)}"
+                )
+            m.A.copy_(a)
+            m.B.copy_(b)
+            m.scale = adapter.scale
+    net.lora_config = {
+        "r": adapter.rank,
+        "lora_alpha": adapter.alpha,
+        "target_modules": names,
+        "use_rslora": adapter.use_rslora,
+    }
+    return names
 
 
 def merged_state_dict(state_dict: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -136,30 +440,6 @@ def merged_state_dict(state_dict: dict[str, torch.Tensor], scale: float) -> dict
         delta = state_dict[name + ".lora.B"].float() @ state_dict[key].float() * scale
         out[name + ".weight"] = (w.float() + delta).to(w.dtype)
     return out
-
-
-def load_adapters(net: nn.Module, path: str | Path) -> list[str]:
-    """Attach the adapters saved at `path` to `net` (same architecture as the one they were trained on)."""
-    path = Path(path)
-    try:
-        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-        tensors = load_file(str(path / ADAPTER_WEIGHTS))
-    except FileNotFoundError as e:
-        raise ValueError(f"no LoRA adapter in {path}: {e.filename} is missing") from None
-    names = cfg["target_modules"]
-    if not adapters(net):
-        apply_lora(net, int(cfg["r"]), float(cfg["lora_alpha"]), tuple(names))
-    found = adapters(net)
-    if sorted(found) != sorted(names):
-        raise ValueError(f"{path}: adapters do not match the model's LoRA layers")
-    with torch.no_grad():
-        for name, m in found.items():
-            a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
-            if a.shape != m.A.shape or b.shape != m.B.shape:
-                raise ValueError(f"{path}: adapter {name} has shape {tuple(a.shape)}, expected {tuple(m.A.shape)}")
-            m.A.copy_(a)
-            m.B.copy_(b)
-    return names
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ SIGTERM finishes the current step, saves, and exits.
 
 Output layout (`--out DIR`):
     DIR/config.json, model.safetensors, tokenizer.json, ...   the final model (HF layout)
-    DIR/adapter_config.json, adapter_model.safetensors        LoRA runs: the adapters alone
+    DIR/adapter_config.json, adapter_model.safetensors        LoRA runs: the adapters alone (PEFT's format)
     DIR/checkpoints/step-NNNNNN/                               resumable checkpoints (last `--keep`)
     DIR/log.jsonl                                              one line per logged step and eval
 """
@@ -412,9 +412,15 @@ class Trainer:
             if not final:
                 shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
-            if self.lora_mode:
-                config = {**self.net.lora_config, "base_model": str(Path(self.args.model).resolve())}
-                lora.write_adapters(tmp, lora.adapter_tensors(model_sd, prefix="net."), config)
+            if self.lora_mode:  # PEFT's format (lora.py), which PEFT, transformers and dgemma load
+                lora.write_adapters(
+                    tmp,
+                    lora.adapter_tensors(model_sd, prefix="net."),
+                    self.args.lora_rank,
+                    self.net.lora_config["lora_alpha"],
+                    base_model=lora.base_model_name(self.args.model),
+                    linears=lora.layer_linears(self.net),
+                )
             if not self.lora_mode or (final and self.args.merge):
                 net = cpu_net(self.net.config, model_sd, self.lora_scale)
                 template = self.tok.chat_template or DEFAULT_CHAT_TEMPLATE
