@@ -31,6 +31,7 @@ from .config import GLOBAL, SLIDING, ModelConfig
 from .engine.kv.budget import dtype_bytes
 from .engine.kv.paged_cache import KINDS, kv_bytes_per_token, sliding_blocks_held
 from .engine.turbo import canvas_kv_bytes
+from .quant import schemes
 
 if TYPE_CHECKING:
     from .parallel.plan import ShardPlan
@@ -123,17 +124,16 @@ def parameter_counts(config: ModelConfig) -> dict[str, dict[str, tuple[int, int,
 
 
 def matrix_bytes(rows: int, cols: int, scheme: str | None, group_size: int | None, dtype_size: int) -> int:
-    """Bytes of one [rows, cols] weight as the scheme stores it (formats.quantize: float32
-    per-channel scales, group scales in the model's dtype)."""
+    """Bytes of one [rows, cols] weight as the scheme stores it (quant/schemes.py's table: codes,
+    scales per channel or group, a global scale; unquantised: the model's dtype)."""
     if scheme is None:
         return rows * cols * dtype_size
-    if scheme in ("fp8", "int8"):  # a byte per value, a float32 scale per output channel
-        return rows * cols + rows * 4
-    if scheme == "int4":  # 8 values per int32, a scale per group
-        return rows * cols // 2 + rows * math.ceil(cols / (group_size or 64)) * dtype_size
-    if scheme == "nvfp4":  # 2 values per byte, an e4m3 scale per 16, a float32 global scale
-        return rows * cols // 2 + rows * math.ceil(cols / 16) + 4
-    raise ValueError(f"unknown quantisation scheme {scheme!r}")
+    return schemes.get(scheme).matrix_bytes(rows, cols, group_size, dtype_size)
+
+
+def _tensor_bytes(scheme: str | None) -> int:
+    """Bytes a quantised tensor stores once beside its matrices (int4's weight_shape)."""
+    return 0 if scheme is None else schemes.get(scheme).shape_bytes
 
 
 def weight_bytes(config: ModelConfig, scheme: str | None, group_size: int | None, dtype: torch.dtype) -> dict[str, int]:
@@ -149,9 +149,9 @@ def counted_bytes(
     for part, matrices in counts.items():
         quantised = scheme if part in QUANTISED else None
         out[part] = sum(
-            n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
+            n * matrix_bytes(r, c, quantised, group_size, size) + _tensor_bytes(quantised)
             for r, c, n in matrices.values()
-        )  # int4: its weight_shape (int32 [2]) once per tensor
+        )
     return out
 
 
@@ -229,16 +229,19 @@ def largest(plans: list[MemoryPlan]) -> MemoryPlan:
     return max(plans, key=lambda p: (p.total, -p.rank))
 
 
+def _group(scheme: str | None, group_size: int | None) -> int | None:
+    """Inputs per scale of `scheme`'s groups (None: unquantised, or a scale per output channel)."""
+    return None if scheme is None else schemes.get(scheme).group.inputs(group_size)
+
+
 def split_groups(full: dict, ranks: list[dict], scheme: str | None, group_size: int | None) -> tuple[str, ...]:
     """The quantised matrices whose column split leaves some rank a part of a quantisation group
     (int4's groups of `group_size`, nvfp4's of 16), as '<part> <matrix> (<cols> of <whole> columns)':
     a split the loader must replicate or refuse (the released 704 and 2112 halved are not multiples
     of 64). `full`: parameter_counts; `ranks`: each rank's rank_parameter_counts."""
-    from .quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP
-
-    if scheme not in ("int4", "nvfp4"):
+    group = _group(scheme, group_size)
+    if group is None:
         return ()
-    group = (group_size or DEFAULT_GROUP_SIZE) if scheme == "int4" else NVFP4_GROUP
     found: dict[str, None] = {}  # ordered, without repeats
     for counts in ranks:
         for part in QUANTISED:
@@ -252,13 +255,12 @@ def split_groups(full: dict, ranks: list[dict], scheme: str | None, group_size: 
 
 def split_note(full: dict, ranks: list[dict], scheme: str | None, group_size: int | None) -> tuple[str, ...]:
     """`split_groups` as a note for the plan, with an int4 group size that keeps every split whole."""
-    from .quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP
-
     broken = split_groups(full, ranks, scheme, group_size)
     if not broken:
         return ()
-    group = (group_size or DEFAULT_GROUP_SIZE) if scheme == "int4" else NVFP4_GROUP
-    smaller = [g for g in (32, 16, 8) if scheme == "int4" and g < group and not split_groups(full, ranks, scheme, g)]
+    group, rule = _group(scheme, group_size), schemes.get(scheme).group
+    sizes = [g for g in (32, 16, 8) if rule.choosable and g < group and g % rule.multiple == 0]
+    smaller = [g for g in sizes if not split_groups(full, ranks, scheme, g)]
     fix = f"; --group-size {smaller[0]} keeps them whole" if smaller else ""
     return (
         f"{scheme}'s groups of {group} do not divide what each rank holds of {', '.join(broken)}: the loader "
@@ -354,7 +356,7 @@ def rank_weight_bytes(plan: ShardPlan, rank: int, scheme: str | None, group_size
     for part, matrices in rank_parameter_counts(plan, rank).items():
         quantised = scheme if part in QUANTISED else None
         out[part] = sum(
-            n * matrix_bytes(r, c, quantised, group_size, size) + (8 if quantised == "int4" else 0)
+            n * matrix_bytes(r, c, quantised, group_size, size) + _tensor_bytes(quantised)
             for r, c, n in matrices.values()
         )
     return out

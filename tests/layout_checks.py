@@ -282,3 +282,71 @@ def import_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return sorted(cycles)
+
+
+# ------------------------------------------------------------------------------------ (f) scheme names outside quant/
+def scheme_names(root: Path = ROOT, package: str = "dgemma") -> set[str]:
+    """The schemes the table names: the first argument (or `name=`) of each `Scheme(...)` call in
+    `<package>/quant/schemes.py` that is a string literal."""
+    names = set()
+    for node in ast.walk(parse(root / package / "quant" / "schemes.py")):
+        if not isinstance(node, ast.Call) or (_dotted(node.func) or "").split(".")[-1] != "Scheme":
+            continue
+        given = [node.args[0]] if node.args else [k.value for k in node.keywords if k.arg == "name"]
+        names.update(a.value for a in given if isinstance(a, ast.Constant) and isinstance(a.value, str))
+    return names
+
+
+def scheme_name_literals(root: Path = ROOT, package: str = "dgemma", inside: str = "quant") -> list[str]:
+    """Code of `package` outside `<package>/<inside>/` that decides by a scheme's name written as a
+    string literal, instead of reading quant/schemes.py's table. What counts, a scheme name being
+    a string literal equal to a name of `scheme_names` (read from the AST, nothing imported):
+
+    - a comparison with one: an operand of `==`, `!=`, `in`, `not in`, `is`, ... that is the
+      literal, or a tuple / list / set literal holding it (`scheme == "int4"`,
+      `s in ("fp8", "int8")`, `"nvfp4" != s`);
+    - a `case` pattern that is one (`case "int4":`, `case "fp8" | "int8":`);
+    - a dict keyed by one (`{"int4": 0}`, `dict(int4=0)`): a lookup by name is a comparison;
+    - the list of schemes written out: a tuple / list / set literal holding two or more
+      (`choices=["fp8", "int8"]`, `(None, "fp8", "int8")`).
+
+    Not counted: one scheme name used as a value (`quantize(w, "int4")`, `["--quantization",
+    "int4"]`), names inside docstrings, f-strings and comments, and any other string. quant/ holds
+    the table and each scheme's maths, so it may name schemes; tests and scripts are not checked."""
+    names = scheme_names(root, package)
+
+    def named(node: ast.AST) -> list[str]:
+        """The scheme names `node` is, or a collection literal of which it holds."""
+        if isinstance(node, ast.Constant) and node.value in names:
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+        return []
+
+    found = []
+    for path in python_files(root / package):
+        if (root / package / inside) in path.parents:
+            continue
+        counted: set[int] = set()  # literals a comparison reported already (ast.walk: parents first)
+        here = []
+        for node in ast.walk(parse(path)):
+            what = None
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                hits = [n for o in operands for n in named(o)]
+                counted.update(id(o) for o in operands)
+                what = f"compares with {', '.join(map(repr, hits))}" if hits else None
+            elif isinstance(node, ast.MatchValue) and named(node.value):
+                what = f"matches {node.value.value!r}"
+            elif isinstance(node, ast.Dict) and (keys := [n for k in node.keys if k for n in named(k)]):
+                what = f"keys a dict by {', '.join(map(repr, keys))}"
+            elif isinstance(node, ast.Call) and _dotted(node.func) == "dict":
+                keys = [k.arg for k in node.keywords if k.arg in names]
+                what = f"keys a dict by {', '.join(map(repr, keys))}" if keys else None
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in counted:
+                listed = named(node)
+                what = f"writes out the schemes {', '.join(map(repr, listed))}" if len(listed) > 1 else None
+            if what:
+                here.append((node.lineno, f"{_where(root, path, node)}: {what}: read quant/schemes.py's table instead"))
+        found += [line for _, line in sorted(here)]
+    return found

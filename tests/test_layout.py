@@ -1,6 +1,6 @@
 """The tree's layout, checked without a model: tests import no test file and patch the module that
 defines a name; dgemma has no import cycles; the wheel ships the package data; README's test
-command is .ci/run's.
+command is .ci/run's; outside dgemma/quant/ no code decides by a scheme's name written as a string.
 
 Each static check also runs on a small made-up tree with a deliberate mistake, to show that it
 fails where it should.
@@ -196,3 +196,43 @@ def test_the_readme_tells_a_gpu_user_and_a_cpu_only_user_what_to_paste():
         and 'bash -c "$command"' in quickstart
         and ".ci/quickstart" in (ROOT / ".ci/run").read_text()
     )
+
+
+# ------------------------------------------------------------------------------------ (f) scheme names outside quant/
+def test_no_scheme_name_is_compared_outside_quant():
+    assert checks.scheme_names() >= {"fp8", "int8", "int4", "nvfp4"}
+    assert checks.scheme_name_literals() == []
+
+
+def test_the_scheme_name_check_fails_on_comparisons_keys_and_lists(tmp_path):
+    write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/quant/__init__.py": "",
+            "pkg/quant/schemes.py": 'A = Scheme("int4", bits=4)\nB = register(Scheme(name="fp8"))\n',
+            "pkg/quant/formats.py": 'def f(scheme):\n    return scheme == "int4"\n',  # quant/ may
+            "pkg/a.py": (
+                "def f(scheme, s, w):\n"
+                '    """scheme == "int4" in a docstring."""\n'
+                '    if scheme == "int4":\n'  # 3: bad
+                '        quantize(w, "int4")\n'  # 4: good, a value
+                '    if s.name in ("fp8", "bf16"):\n'  # 5: bad, one finding
+                '        table = {"int4": 0, "x": 1}\n'  # 6: bad, a key
+                '    order = (None, "fp8", "int4")\n'  # 7: bad, the list written out
+                '    argv = ["--quantization", "int4"]\n'  # 8: good, one name as a value
+                '    if scheme == "bf16" or f"{scheme}" == "int":\n'  # 9: good, not schemes
+                "        pass\n"
+                "    match scheme:\n"
+                '        case "fp8":\n'  # 12: bad
+                "            pass\n"
+                "    d = dict(int4=1, y=2)\n"  # 14: bad
+                '    return "fp8" != scheme\n'  # 15: bad
+            ),
+        },
+    )
+    assert checks.scheme_names(tmp_path, "pkg") == {"int4", "fp8"}
+    found = checks.scheme_name_literals(tmp_path, "pkg")
+    assert [line.split(":")[1] for line in found] == ["3", "5", "6", "7", "12", "14", "15"], found
+    assert found[0] == "pkg/a.py:3: compares with 'int4': read quant/schemes.py's table instead"
+    assert "writes out the schemes 'fp8', 'int4'" in found[3] and "keys a dict by 'int4'" in found[2]

@@ -48,6 +48,7 @@ from .common import (
     apply_threads,
     parallel_load_args,
     resolve_model,
+    scheme_choices,
     turbo_knobs,
 )
 
@@ -364,7 +365,7 @@ def add_cli(sub) -> None:
     add_device_flags(p)  # random --size weights on CUDA: --dtype auto is bfloat16, the released model's
     p.add_argument(
         "--quantization",
-        choices=["fp8", "int8", "int4", "nvfp4"],
+        choices=scheme_choices(),
         default=None,
         help="quantised weights; random --size models are built directly quantised (default: none)",
     )

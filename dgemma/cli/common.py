@@ -81,7 +81,19 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
 
 
 MODEL_HELP = "a checkpoint directory or a Hugging Face hub id (owner/name)"
-QUANTIZATION_CHOICES = ["auto", "fp8", "int8", "int4", "nvfp4"]
+
+
+def scheme_choices() -> list[str]:
+    """Every quantisation scheme of quant/schemes.py's table, in its order: asked when a parser
+    is built, so a scheme registered before then is a choice."""
+    from ..quant import schemes
+
+    return list(schemes.names())
+
+
+def quantization_choices() -> list[str]:
+    """--quantization's choices: auto (the best scheme whose plan fits) and every scheme."""
+    return ["auto", *scheme_choices()]
 
 
 def add_hub_flags(p: argparse.ArgumentParser) -> None:
@@ -135,7 +147,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_quantization_flags(p: argparse.ArgumentParser, help_text: str) -> None:
     """--quantization (`help_text` says what it does for the command) and int4's --group-size."""
-    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=help_text)
+    p.add_argument("--quantization", choices=quantization_choices(), default=None, help=help_text)
     p.add_argument("--group-size", type=int, default=None, help="inputs per scale for int4 (default: 64)")
 
 

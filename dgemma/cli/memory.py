@@ -5,7 +5,7 @@ that size holds, the largest rank deciding."""
 
 from __future__ import annotations
 
-from .common import CliError, parse_size
+from .common import CliError, parse_size, quantization_choices
 
 
 def print_memory_plan(config, args) -> int:
@@ -186,7 +186,7 @@ def add_cli(sub) -> None:
     mem.add_argument(
         "--quantization",
         default=None,
-        choices=["auto", "fp8", "int8", "int4", "nvfp4"],
+        choices=quantization_choices(),
         help="with --card: the scheme (auto: the best that fits)",
     )
     mem.add_argument("--group-size", type=int, default=None, help="with --card: int4's group size (default 64)")

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, load_model_config
+from ..quant import schemes
 from .errors import FitError, HubError
 
-AUTO_ORDER = (None, "fp8", "int8", "int4", "nvfp4")  # --quantization auto: the first whose plan fits
 DEVICE_MEMORY_ENV = "DGEMMA_DEVICE_MEMORY"
 SINGLE_REQUEST_CONTEXT = 8192  # run, chat, bench and dgemma.load plan one request of this many positions
 CPU_RESERVE = 2**29  # on a CPU, in place of the CUDA context: the interpreter, torch, the tokenizer
@@ -205,6 +205,13 @@ def read_json_file(path: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ plans
+def auto_order() -> tuple[str | None, ...]:
+    """What `--quantization auto` tries, the first whose plan fits: the unquantised weights, then
+    the schemes of quant/schemes.py's table that `auto` may pick, in its order (fp8, int8, int4,
+    nvfp4)."""
+    return (None, *schemes.auto_names())
+
+
 def device_memory(
     device: torch.device, override: int | None = None, source: str = DEVICE_MEMORY_ENV
 ) -> tuple[int | None, str]:
@@ -267,7 +274,7 @@ def rank_plans_for(facts: CheckpointFacts, dtype: torch.dtype, scheme: str | Non
     work = request.workload(scheme, facts.config)
     if facts.quant is not None and facts.tensors is not None:
         stored, known = stored_weight_bytes(facts.tensors, dtype), facts.quant.scheme
-        known = known if known in AUTO_ORDER else None  # "mixed": the unquantised shares
+        known = known if schemes.find(known) is not None else None  # "mixed": the unquantised shares
         plans = rank_plans(facts.config, dtype, replace(work, scheme=known, group_size=facts.quant.group_size))
         whole = sum(weight_bytes(facts.config, known, facts.quant.group_size, dtype).values())
         plans = [
@@ -318,10 +325,9 @@ def check_fit(facts: CheckpointFacts, request: FitRequest, force: bool = False) 
     """Plan `facts` for `request` on its device and pick the scheme; FitError (saying what would
     fit) when nothing asked for fits, unless `force` (then the Fit says so and loading goes on)."""
     if request.quantization not in (None, "auto"):  # a bad scheme or group size: the loader's own words
-        from ..quant.formats import DEFAULT_GROUP_SIZE, check_scheme
+        from ..quant.formats import check_scheme
 
-        int4 = request.quantization == "int4"
-        check_scheme(request.quantization, (request.group_size or DEFAULT_GROUP_SIZE) if int4 else None)
+        check_scheme(request.quantization, schemes.get(request.quantization).group.chosen(request.group_size))
     if request.tensor_parallel_size != 1:  # a size that cannot be split: one line, before anything else
         from ..parallel.plan import ShardPlan
 
@@ -334,11 +340,12 @@ def check_fit(facts: CheckpointFacts, request: FitRequest, force: bool = False) 
             f"{'--quantization' if request.flags else 'quantization'}"
         )
     if request.quantization == "auto" and facts.quant is None:
-        for scheme in AUTO_ORDER:  # the first whose plan fits
+        order = auto_order()
+        for scheme in order:  # the first whose plan fits
             plan = plan_for(facts, dtype, scheme, request)
             if memory is None or plan.total <= memory:
                 return Fit(plan, scheme, memory, where, True)
-        scheme = AUTO_ORDER[-1]
+        scheme = order[-1]
     else:
         scheme = None if facts.quant is not None else request.quantization
         plan = plan_for(facts, dtype, scheme, request)
@@ -354,8 +361,9 @@ def refusal(facts: CheckpointFacts, request: FitRequest, dtype: torch.dtype, pla
     """Why `plan` does not fit, and what would: a smaller scheme, a shorter context, fewer
     requests at once (only the knobs the caller has), or --force."""
     fixes = []
-    if facts.quant is None and request.has("quantization"):
-        for scheme in AUTO_ORDER[AUTO_ORDER.index(plan.scheme) + 1 :]:
+    order = auto_order()
+    if facts.quant is None and request.has("quantization") and plan.scheme in order:
+        for scheme in order[order.index(plan.scheme) + 1 :]:
             other = plan_for(facts, dtype, scheme, request)
             if other.total <= memory:
                 build = " or a pre-quantised build of it, a smaller download" if facts.from_hub else ""

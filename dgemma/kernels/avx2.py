@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from ..quant import formats
+from ..quant import formats, schemes
 from ..quant.formats import QTensor
 from . import native
 
@@ -59,45 +59,54 @@ def _native_target(out: torch.Tensor) -> bool:
     return out.device.type == "cpu" and out.dtype in OUT_DTYPES
 
 
+def _as_read(t: torch.Tensor) -> torch.Tensor:
+    """A part as the kernels take it: contiguous, float8 as its bytes."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _kernel_args(q: QTensor, k: int) -> list | None:
+    """A 2D weight's arguments to its native functions (`dequant_<cpu>` / `gemm_<cpu>` of the
+    scheme's table entry), in csrc's order: the codes, the scales, the group (a scheme whose group
+    size the caller chooses: the inputs per scale column, as the reference reads them), the
+    global scale (one number); None where the weight has more than one global scale."""
+    scheme, p = schemes.get(q.scheme), q.parts
+    scale = p["weight_scale"]
+    args = [_as_read(p[scheme.main_part]), _as_read(scale)]
+    if scheme.group.choosable:
+        groups = scale.shape[-1]
+        args.append(k // groups if groups and k % groups == 0 else (q.group_size or 0))
+    if scheme.global_scale:
+        global_scale = p[schemes.GLOBAL_SCALE]
+        if global_scale.numel() != 1:
+            return None
+        args.append(global_scale.item())
+    return args
+
+
 def _dequantize_2d(kernel: ModuleType, q: QTensor, out: torch.Tensor) -> None:
     """One 2D weight into a contiguous `out` (kept lean: a small tile's call is a few us)."""
-    p, scheme = q.parts, q.scheme
-    if scheme == "int4":
-        scale = p["weight_scale"]
-        # the group as the reference reads it: the inputs per scale column
-        groups, k = scale.shape[-1], out.shape[-1]
-        group = k // groups if groups and k % groups == 0 else (q.group_size or 0)
-        kernel.dequant_int4(p["weight_packed"].contiguous(), scale.contiguous(), group, out)
-    elif scheme == "nvfp4":
-        global_scale = p["weight_global_scale"]
-        if global_scale.numel() != 1:
-            raise RuntimeError(
-                f"dequantize_into: a 2D nvfp4 weight has one global scale, got {tuple(global_scale.shape)}"
-            )
-        scale = p["weight_scale"].contiguous().view(torch.uint8)
-        kernel.dequant_nvfp4(p["weight_packed"].contiguous(), scale, global_scale.item(), out)
-    elif scheme == "fp8":
-        kernel.dequant_fp8(p["weight"].contiguous().view(torch.uint8), p["weight_scale"].contiguous(), out)
-    elif scheme == "int8":
-        kernel.dequant_int8(p["weight"].contiguous(), p["weight_scale"].contiguous(), out)
-    else:
-        raise formats.QuantError(f"unknown quantization scheme {scheme!r}")
-
-
-_MAIN_PART = {"fp8": "weight", "int8": "weight", "int4": "weight_packed", "nvfp4": "weight_packed"}
-_SCALE_DTYPES = {
-    "fp8": (torch.float32, torch.bfloat16, torch.float16),
-    "int8": (torch.float32, torch.bfloat16, torch.float16),
-    "int4": (torch.float32, torch.bfloat16, torch.float16),
-    "nvfp4": (torch.float8_e4m3fn, torch.uint8),
-}
+    args = _kernel_args(q, out.shape[-1])
+    if args is None:
+        global_scale = q.parts[schemes.GLOBAL_SCALE]
+        raise RuntimeError(
+            f"dequantize_into: a 2D {q.scheme} weight has one global scale, got {tuple(global_scale.shape)}"
+        )
+    getattr(kernel, f"dequant_{schemes.get(q.scheme).kernels.cpu}")(*args, out)
 
 
 def _native_parts(q: QTensor) -> bool:
-    """Parts the kernel takes: on the CPU, scales in a dtype it reads (others: torch's path)."""
-    main, scale = q.parts.get(_MAIN_PART.get(q.scheme, "")), q.parts.get("weight_scale")
+    """Parts the kernel takes: a scheme it has functions for (the table's `kernels.cpu`), on the
+    CPU, scales in a dtype it reads (others: torch's path)."""
+    scheme = schemes.find(q.scheme)
+    if scheme is None or scheme.kernels.cpu is None:
+        return False
+    main, scale = q.parts.get(scheme.main_part), q.parts.get("weight_scale")
     return (
-        main is not None and scale is not None and main.device.type == "cpu" and scale.dtype in _SCALE_DTYPES[q.scheme]
+        main is not None
+        and scale is not None
+        and main.device.type == "cpu"
+        and scale.dtype in scheme.kernels.cpu_scale_dtypes
     )
 
 
@@ -196,24 +205,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QTensor) -> torch.Tensor | No
     if isinstance(weight, torch.Tensor):
         kernel.gemm_bf16(flat, weight.contiguous(), out)
         return out.view(*x.shape[:-1], n)
-    p, scheme = weight.parts, weight.scheme
-    if scheme == "int8":
-        kernel.gemm_int8(flat, p["weight"].contiguous(), p["weight_scale"].contiguous(), out)
-    elif scheme == "int4":
-        scale = p["weight_scale"]
-        groups = scale.shape[-1]
-        group = k // groups if groups and k % groups == 0 else (weight.group_size or 0)
-        kernel.gemm_int4(flat, p["weight_packed"].contiguous(), scale.contiguous(), group, out)
-    elif scheme == "fp8":
-        kernel.gemm_fp8(flat, p["weight"].contiguous().view(torch.uint8), p["weight_scale"].contiguous(), out)
-    elif scheme == "nvfp4":
-        global_scale = p["weight_global_scale"]
-        if global_scale.numel() != 1:
-            return None
-        scale = p["weight_scale"].contiguous().view(torch.uint8)
-        kernel.gemm_nvfp4(flat, p["weight_packed"].contiguous(), scale, global_scale.item(), out)
-    else:
+    args = _kernel_args(weight, k)
+    if args is None:
         return None
+    getattr(kernel, f"gemm_{schemes.get(weight.scheme).kernels.cpu}")(flat, *args, out)
     return out.view(*x.shape[:-1], n)
 
 

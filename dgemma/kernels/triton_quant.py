@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import torch
 
+from ..quant import schemes
 from ..quant.formats import QTensor
 from .triton_support import HAVE_TRITON, interpreted, round_if, runs_on, tl, triton
 
-SCHEMES = {"int4": 0, "int8": 1, "fp8": 2, "nvfp4": 3, "plain": 4}
+# `_gemm_kernel`'s decoders (its SCHEME constant): a scheme's is its table entry's `kernels.cuda`
+# (quant/schemes.py: int4 0, int8 1, fp8 2, nvfp4 3); a full-precision weight is read as it is
+PLAIN, PLAIN_CODE = "plain", 4
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAVE_TRITON:
@@ -360,35 +363,41 @@ def gemm_weight(weight: torch.Tensor | QTensor) -> GemmWeight:
     """The kernel's view of a weight: a full-precision tensor [(E,) N, K], or a QTensor
     (quant/formats.py, compressed-tensors layout)."""
     if isinstance(weight, torch.Tensor):
-        return GemmWeight("plain", tuple(weight.shape), weight)
+        return GemmWeight(PLAIN, tuple(weight.shape), weight)
     q = weight
+    scheme = schemes.find(q.scheme)
+    if scheme is None or scheme.kernels.cuda is None:
+        raise ValueError(f"unknown quantization scheme {q.scheme!r}")
     p, k = q.parts, q.shape[-1]
-    if q.scheme in ("int8", "fp8"):
-        data = p["weight"].view(torch.uint8) if q.scheme == "fp8" else p["weight"]
+    data = _as_bytes(p[scheme.main_part])
+    if scheme.group.per_channel:  # a scale per output channel, on the accumulator
         channel = p["weight_scale"].float().reshape(*q.shape[:-1])
         return GemmWeight(q.scheme, q.shape, data, channel=channel)
-    if q.scheme == "int4":
-        s = p["weight_scale"]
-        group = k // s.shape[-1]
+    s = p["weight_scale"]
+    s = s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s  # fp8 scales read as bytes
+    if scheme.global_scale:  # a fixed group; 1 / the global scale per channel on the accumulator
+        group = scheme.group.fixed
+        gs = p[schemes.GLOBAL_SCALE].float().reshape(*q.shape[:-2], 1)
+        channel = (1.0 / gs).expand(*q.shape[:-1]).contiguous()
+    else:  # groups of the size the scales' count says
+        group, channel = k // s.shape[-1], None
         if group * s.shape[-1] != k or group & (group - 1) or group < 8:
             raise ValueError(
-                f"int4 on the GPU needs a group size that is a power of two >= 8 dividing {k} (got {group})"
+                f"{q.scheme} on the GPU needs a group size that is a power of two >= 8 dividing {k} (got {group})"
             )
-        data = p["weight_packed"].view(torch.uint8)
-        return GemmWeight("int4", q.shape, data, group, _padded_scales(s, four_bit_k(group, s.element_size()) // group))
-    if q.scheme == "nvfp4":
-        s = p["weight_scale"].view(torch.uint8)
-        gs = p["weight_global_scale"].float().reshape(*q.shape[:-2], 1)
-        channel = (1.0 / gs).expand(*q.shape[:-1]).contiguous()
-        return GemmWeight(
-            "nvfp4",
-            q.shape,
-            p["weight_packed"].view(torch.uint8),
-            16,
-            _padded_scales(s, four_bit_k(16, 1) // 16),
-            channel,
-        )
-    raise ValueError(f"unknown quantization scheme {q.scheme!r}")
+    return GemmWeight(
+        q.scheme, q.shape, data, group, _padded_scales(s, four_bit_k(group, s.element_size()) // group), channel
+    )
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Stored codes as the kernel reads them: int8 as they are, any other (packed words, fp8) as bytes."""
+    return t if t.dtype in (torch.int8, torch.uint8) else t.view(torch.uint8)
+
+
+def _code(w: GemmWeight) -> int:
+    """The kernel's decoder (SCHEME) for `w`."""
+    return PLAIN_CODE if w.scheme == PLAIN else schemes.get(w.scheme).kernels.cuda
 
 
 def concat_weights(weights: list[GemmWeight]) -> GemmWeight:
@@ -422,9 +431,10 @@ def _blocks(w: GemmWeight, rows: int, dual: bool) -> tuple[int, int, int, int, i
     block_m = max(16, min(128, triton.next_power_of_2(max(rows, 1))))
     if INTERPRETED:
         block_m = min(block_m, 32)
-    four_bit = w.scheme in ("int4", "nvfp4")
+    scheme = None if w.scheme == PLAIN else schemes.get(w.scheme)
+    four_bit = scheme is not None and scheme.bits == 4
     block_k = four_bit_k(w.group, w.scales.element_size()) if four_bit else (128 if w.data.element_size() == 1 else 64)
-    fp8 = w.scheme == "fp8"
+    fp8 = scheme is not None and scheme.bits == 8 and scheme.kind == "float"  # e4m3 bytes decoded in registers
     # gate and up side by side: 16 columns each for packed and fp8 weights (whose bytes decode in
     # registers; fp8 gate|up at 32 columns spilled thousands of registers on sm80), else 32
     block_n = 16 if dual and (four_bit or fp8) else 32 if dual else 64
@@ -491,7 +501,7 @@ def gemm(
         rows, n_out, k, k // 2,
         x.stride(0), *ws, *ss, *cs, y.stride(0),
         GROUPED=w.stacked, GATHER=gather, SCATTER=scatter, TOP_K=top_k,
-        SCHEME=SCHEMES[w.scheme], GROUP=w.group, SCALE_BYTES=w.scales.element_size() if w.scales is not None else 1,
+        SCHEME=_code(w), GROUP=w.group, SCALE_BYTES=w.scales.element_size() if w.scales is not None else 1,
         SCALE_FP16=w.scales is not None and w.scales.dtype == torch.float16,
         CHANNEL_SCALE=w.channel is not None, DUAL=dual is not None,
         TANH=dual == "tanh", ROUND=x.dtype == torch.bfloat16, **dot_args(x.dtype),

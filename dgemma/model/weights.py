@@ -134,7 +134,7 @@ def load_weights(
         from ..quant.modules import quantize_layer
 
         group_size = group_size or DEFAULT_GROUP_SIZE
-        check_scheme(quantization, group_size if quantization == "int4" else None)
+        check_scheme(quantization, group_size)  # (a group size only a scheme that takes one checks)
     if shard is not None:  # (expected keeps the full model's names and shapes: what is on disk)
         model = shard.cut(model, (quantization, group_size) if quantization is not None else None, stored)
     pending_layer = None  # the layer whose tensors are being read, quantised once the next starts

@@ -60,7 +60,8 @@ from torch import nn
 
 from ..kernels.cpu import release_freed_memory
 from ..model.diffusion_gemma import DiffusionGemma, Experts
-from ..quant.formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP, check_scheme, quantize, scale_amax
+from ..quant import schemes
+from ..quant.formats import check_scheme, quantize, scale_amax
 from ..quant.modules import LINEAR_TARGETS, QuantExperts, QuantLinear, quantize_stacked
 from .group import ShardGroup
 from .plan import ShardError, ShardPlan
@@ -175,9 +176,11 @@ def no_groups(name: str, inputs: int) -> None:
 
 
 def scheme_groups(scheme: str, group_size: int | None) -> Groups:
-    """`Groups` of a model quantised to `scheme` while loading: int4's groups, nvfp4's 16 inputs;
-    fp8 and int8 scale whole output channels (a column split keeps them: `_whole_amax`)."""
-    inputs = (group_size or DEFAULT_GROUP_SIZE) if scheme == "int4" else NVFP4_GROUP if scheme == "nvfp4" else None
+    """`Groups` of a model quantised to `scheme` while loading (its group rule: int4's groups,
+    nvfp4's 16 inputs); a scheme with a scale per output channel (fp8, int8) has none: a column
+    split keeps its channels (`_whole_amax`)."""
+    known = schemes.find(scheme)  # an unknown name: refused where it is quantised, with the choices
+    inputs = known.group.inputs(group_size) if known is not None else None
     return (lambda name, full: (inputs, scheme)) if inputs else no_groups
 
 
@@ -189,13 +192,8 @@ def stored_groups(stored) -> Groups:
         if name not in stored:
             return None
         g = stored.group(name)
-        return (
-            (g.group_size or inputs, "int4")
-            if g.scheme == "int4"
-            else (NVFP4_GROUP, "nvfp4")
-            if g.scheme == "nvfp4"
-            else None
-        )
+        rule = schemes.get(g.scheme).group
+        return None if rule.per_channel else (rule.fixed or g.group_size or inputs, g.scheme)
 
     return groups
 
@@ -350,12 +348,10 @@ def _cut(net: DiffusionGemma, layout: RankLayout, group: ShardGroup) -> None:
 
 def _whole_amax(w: torch.Tensor, scheme: str, cut: Cut | None, group: ShardGroup) -> torch.Tensor | None:
     """`formats.scale_amax` of the whole weight this rank's `w` is `cut` from: the max of the ranks'
-    (one all-reduce) where the cut splits what it is taken over (fp8 / int8: the columns of an
-    output channel; nvfp4: any cut of a 2D weight); None where `w`'s own is the whole's (int4's
-    groups; whole experts; fp8 / int8 rows)."""
-    if cut is None or cut.whole or scheme == "int4" or cut.dim < w.dim() - 2:
-        return None
-    if scheme in ("fp8", "int8") and cut.dim != w.dim() - 1:
+    (one all-reduce) where the cut splits what it is taken over (the scheme's `amax_dims`: fp8 /
+    int8 the columns of an output channel; nvfp4 any cut of a 2D weight); None where `w`'s own
+    is the whole's (int4's groups; whole experts; fp8 / int8 rows)."""
+    if cut is None or cut.whole or cut.dim - w.dim() not in schemes.get(scheme).amax_dims:
         return None
     amax = scale_amax(w, scheme)
     return group.all_reduce(amax.reshape(-1).contiguous(), op="max").view(amax.shape)
@@ -415,7 +411,7 @@ def shard_model(
         raise ShardError("the model has kernel replacements: shard the loaded model, then choose its kernels")
     scheme, group_size = quantization if quantization is not None else (None, None)
     if scheme is not None:
-        group_size = (group_size or DEFAULT_GROUP_SIZE) if scheme == "int4" else None
+        group_size = schemes.get(scheme).group.chosen(group_size)
         check_scheme(scheme, group_size)
     plan = ShardPlan.build(net.config, group.size, expert_parallel)
     layout = RankLayout.build(plan, group.rank, scheme_groups(scheme, group_size) if scheme else no_groups)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..model.layout import WeightsError
+from . import schemes
 from .formats import QTensor, QuantError
 
 ROW_PARTS = ("weight", "weight_packed", "weight_scale")  # the parts with one row per output channel
@@ -116,11 +117,12 @@ def cut_qtensor(q: QTensor, dim: int, spans: tuple[tuple[int, int], ...]) -> QTe
     a group is refused). Per-channel and global scales stay whole where they do not have the dim."""
     rank = len(q.shape)
     dim = dim % rank
-    if dim == rank - 1 and q.scheme in ("int4", "nvfp4"):
+    scheme = schemes.get(q.scheme)
+    if dim == rank - 1 and not scheme.group.per_channel:
         unit = q.group_size
         if any(s % unit or (e % unit and e != q.shape[-1]) for s, e in spans):
             raise QuantError(f"columns {list(spans)} of a {q.scheme} weight cut its groups of {unit} inputs")
-    per = {"int4": 8, "nvfp4": 2}.get(q.scheme, 1)  # codes a stored element holds, along the input dim
+    per = scheme.codes_per_element  # codes a stored element holds, along the input dim
 
     def cut(name: str, t: torch.Tensor) -> torch.Tensor:
         if name == "weight_global_scale" and dim >= rank - 2:

@@ -15,19 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
-from .formats import DEFAULT_GROUP_SIZE, NVFP4_GROUP, QuantError, check_scheme
+from . import schemes
+from .formats import NVFP4_GROUP, QuantError, check_scheme
 
 log = logging.getLogger("dgemma")
 
 COMPRESSION_VERSION = "0.20.1"  # the compressed-tensors release whose config.json block is written
 QUANT_METHOD = "compressed-tensors"
-DISK_FORMATS = {
-    "fp8": "float-quantized",
-    "int8": "pack-quantized",
-    "int4": "pack-quantized",
-    "nvfp4": "nvfp4-pack-quantized",
-}
-EMBEDDING_FORMATS = {"fp8": "naive-quantized", "int8": "pack-quantized"}  # weight-only, as the library infers
+# the built-in schemes' formats, from the table (embeddings: weight-only, as the library infers)
+DISK_FORMATS = {name: schemes.get(name).disk_format for name in schemes.BUILTIN}
+EMBEDDING_FORMATS = {name: schemes.get(name).embedding_format for name in schemes.embedding_names()}
 CT_FORMATS = (
     "dense",
     "sparse-bitmask",
@@ -94,49 +91,28 @@ class QuantInfo:
 
 # ------------------------------------------------------------------------------ quantization_config
 def weight_args(scheme: str, group_size: int | None = None) -> dict:
-    """The `weights` QuantizationArgs of a scheme, as the library serialises them."""
-    args = {
-        "num_bits": 8,
-        "type": "int",
+    """The `weights` QuantizationArgs of a scheme, as the library serialises them (the table's)."""
+    s = schemes.get(scheme)
+    return {
+        "num_bits": s.bits,
+        "type": s.kind,
         "symmetric": True,
-        "group_size": None,
-        "strategy": "channel",
+        "group_size": s.group.inputs(group_size),
+        "strategy": s.strategy,
         "dynamic": False,
+        **s.extra_args,
     }
-    if scheme == "fp8":
-        return dict(args, type="float")
-    if scheme == "int4":
-        return dict(args, num_bits=4, group_size=group_size or DEFAULT_GROUP_SIZE, strategy="group")
-    if scheme == "nvfp4":
-        return dict(
-            args,
-            num_bits=4,
-            type="float",
-            group_size=NVFP4_GROUP,
-            strategy="tensor_group",
-            scale_dtype="torch.float8_e4m3fn",
-        )
-    return args
 
 
 def config_group(scheme: str, group_size: int | None, targets: list[str], fmt: str, activations: bool) -> dict:
     """One QuantizationScheme: FP8_DYNAMIC keeps its dynamic per-token fp8 activations; the others
     are weight-only (W8A16, W4A16, NVFP4A16): nothing here is calibrated, and NVFP4's W4A4 needs
     calibrated `input_global_scale`s."""
-    inputs = None
-    if activations and scheme == "fp8":
-        inputs = {
-            "num_bits": 8,
-            "type": "float",
-            "symmetric": True,
-            "group_size": None,
-            "strategy": "token",
-            "dynamic": True,
-        }
+    inputs = schemes.get(scheme).activations if activations else None
     return {
         "targets": targets,
         "weights": weight_args(scheme, group_size),
-        "input_activations": inputs,
+        "input_activations": None if inputs is None else dict(inputs),
         "output_activations": None,
         "format": fmt,
     }
@@ -148,10 +124,11 @@ def quantization_config(
     """config.json's `quantization_config` for a checkpoint `write_quantized` writes, key for key
     what `ModelCompressor.update_config` (compressed-tensors 0.20.1) writes."""
     group_size = check_group_size(scheme, group_size)
-    groups = {"group_0": config_group(scheme, group_size, ["Linear"], DISK_FORMATS[scheme], activations=True)}
+    fmt = schemes.get(scheme).disk_format
+    groups = {"group_0": config_group(scheme, group_size, ["Linear"], fmt, activations=True)}
     if embeddings is not None:
         groups["group_1"] = config_group(
-            embeddings, None, ["Embedding"], EMBEDDING_FORMATS[embeddings], activations=False
+            embeddings, None, ["Embedding"], schemes.get(embeddings).embedding_format, activations=False
         )
     formats = {g["format"] for g in groups.values()}
     block = {
@@ -171,17 +148,19 @@ def quantization_config(
 
 
 def check_group_size(scheme: str, group_size: int | None) -> int | None:
-    """The group size a scheme quantises with: int4's (default DEFAULT_GROUP_SIZE), nvfp4's fixed 16, else None."""
-    if scheme == "int4":
-        group_size = group_size or DEFAULT_GROUP_SIZE
+    """The group size a scheme quantises with (its group rule): one the caller chooses (int4's,
+    default 64), a fixed one (nvfp4's 16), else None (per channel)."""
+    rule = schemes.get(scheme).group
+    if rule.choosable:
+        group_size = rule.chosen(group_size)
         check_scheme(scheme, group_size)
         return group_size
-    check_scheme(scheme)
-    if group_size is not None and not (scheme == "nvfp4" and group_size == NVFP4_GROUP):
-        raise QuantError(
-            f"a group size applies to int4 only (nvfp4's groups are {NVFP4_GROUP}); got {group_size} for {scheme}"
-        )
-    return NVFP4_GROUP if scheme == "nvfp4" else None
+    if group_size is not None and group_size != rule.fixed:
+        table = [schemes.get(name) for name in schemes.names()]
+        choosable = " and ".join(s.name for s in table if s.group.choosable)
+        fixed = ", ".join(f"{s.name}'s groups are {s.group.fixed}" for s in table if s.group.fixed is not None)
+        raise QuantError(f"a group size applies to {choosable} only ({fixed}); got {group_size} for {scheme}")
+    return rule.fixed
 
 
 # ------------------------------------------------------------------------------ reading

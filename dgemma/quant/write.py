@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from ..model.layout import DECODER, INDEX_FILE, SINGLE_FILE, natural_key, save_safetensors
-from .formats import NVFP4_GROUP, QTensor, QuantError, quantize
+from . import schemes
+from .formats import QTensor, QuantError, quantize
 from .modules import LINEAR_TARGETS
 from .pack import disk_parts, split_rows
 from .quant_config import check_group_size, quantization_config
@@ -165,8 +166,9 @@ def write_quantized_from(
     called as the tensors are written (the CLI's progress line)."""
     out = Path(out_dir)
     group_size = check_group_size(scheme, group_size)
-    if quantize_embeddings not in (None, "int8", "fp8"):
-        raise QuantError(f"embeddings can be quantised to int8 or fp8, not {quantize_embeddings!r}")
+    if quantize_embeddings is not None and quantize_embeddings not in schemes.embedding_names():
+        choices = " or ".join(schemes.embedding_names())
+        raise QuantError(f"embeddings can be quantised to {choices}, not {quantize_embeddings!r}")
     check_output_dir(out)
     names = sorted(reader.files, key=natural_key)
     plan = _plan_linears(names)
@@ -199,8 +201,9 @@ def _is_experts(name: str) -> bool:
 
 
 def _check_input_sizes(reader: TensorReader, targets: list[str], scheme: str, group_size: int | None) -> None:
-    """Fail before writing anything when a group does not divide some target's input size."""
-    group = group_size if scheme == "int4" else NVFP4_GROUP if scheme == "nvfp4" else 1
+    """Fail before writing anything when a group (`check_group_size`'s: None per channel) does
+    not divide some target's input size."""
+    group = group_size or 1
     for name in targets:
         inputs = reader.shape(name)[-1]
         if inputs % group:
