@@ -35,6 +35,10 @@ printed after it ("[12.3 s] step table bf16"). It prints:
      whose weight bytes one eager step attributes to its kernel's name (Triton kernels; cuBLAS
      GEMMs only together, the others "n/a"); the replay's median time over 20 CUDA-event-timed
      replays after warm-up;
+   - with `--roofline FILE` (the JSON of `python scripts/roofline.py --json --kind step --batch 1`,
+     written on any machine with triton 3.9: the roofline PREDICTED from the sm90 compile), every
+     scheme is profiled and each kernel's measured time is printed beside its predicted one
+     (Triton kernels by name; cuBLAS's GEMMs together; torch's own kernels together);
    - engine decode tokens/s through `dgemma.benchmark.run_dgemma` (tokens after every row's first
      block over the time after it, as vLLM counts; 16 fixed steps, 512-token prompt, 512 new
      tokens; one engine reused, its graphs captured by an untimed warm-up): bf16's default, turbo
@@ -398,6 +402,7 @@ class Settings(NamedTuple):
     replays: int  # CUDA-event-timed graph replays of the profile (median)
     out: Path
     deadline: float  # time.perf_counter() past which the measurements not yet begun are skipped
+    roofline: dict | None = None  # scripts/roofline.py's JSON (--roofline): predicted times beside the profile's
 
     @property
     def cuda(self) -> bool:
@@ -430,6 +435,7 @@ def settings_from(args) -> Settings:
         replays=1 if smoke else 20,
         out=Path(args.out),
         deadline=time.perf_counter() + args.budget,
+        roofline=json.loads(Path(args.roofline).read_text()) if args.roofline else None,
     )
 
 
@@ -736,6 +742,79 @@ def profile_replay(engine: Engine, kv, buckets: DecoderGraphs, scheme, s: Settin
             f"= {library / (gemm_us * 1e-6) / 1e9:.0f} GB/s"
         )
     report["profile"][name_of(scheme)] = {"replay_ms": ms, "kernels": top, "weight_bytes_by_name": dict(reads.by_name)}
+    if s.roofline is not None:
+        scenario = f"step {name_of(scheme)} batch 1"
+        summary = next((x for x in s.roofline.get("scenarios", []) if x["scenario"] == scenario), None)
+        if summary is None:
+            print(f"  predicted: the roofline given has no '{scenario}'", flush=True)
+            return
+        rows = beside_prediction(kernels, summary)
+        print(
+            f"  measured beside the roofline's PREDICTION ({scenario}, prefix {summary['prefix']}; this replay's prefix {kv.length}):"
+        )
+        print(prediction_table(rows, ms, summary["predicted_ms"]), flush=True)
+        report["profile"][name_of(scheme)]["predicted"] = rows
+
+
+def roofline_group(name: str, predicted: dict) -> str:
+    """The roofline's name for a profiled kernel: a Triton kernel's own (its CUDA name starts with
+    it), "cuBLAS" for the library's GEMMs, "torch ops" for the rest (copies included)."""
+    triton_names = sorted((k for k in predicted if k.startswith("_")), key=len, reverse=True)
+    found = next((k for k in triton_names if name == k or name.startswith(k + "_") or name.startswith(k + "(")), None)
+    if found:
+        return found
+    return "cuBLAS" if GEMM_NAME.search(name) else "torch ops"
+
+
+def beside_prediction(kernels: list[tuple[str, int, float]], summary: dict) -> list[dict]:
+    """Measured microseconds per roofline kernel name (a profile's `kernel_times`) beside the
+    roofline's predicted ones (scripts/roofline.py's JSON for one step), most measured first."""
+    predicted = summary["predicted_us_by_kernel"]
+    launches: dict[str, int] = {}
+    for k in summary["kernels"]:
+        name = (
+            "cuBLAS"
+            if k["kernel"].startswith("cuBLAS")
+            else "torch ops"
+            if k["kernel"].startswith("torch")
+            else k["kernel"]
+        )
+        launches[name] = launches.get(name, 0) + k["launches"]
+    measured: dict[str, list] = {}
+    for name, count, us in kernels:
+        row = measured.setdefault(roofline_group(name, predicted), [0, 0.0])
+        row[0] += count
+        row[1] += us
+    names = sorted(
+        set(measured) | set(predicted), key=lambda n: -max(measured.get(n, [0, 0.0])[1], predicted.get(n, 0.0))
+    )
+    return [
+        dict(
+            kernel=n,
+            measured_count=measured.get(n, [0, 0.0])[0],
+            measured_us=measured.get(n, [0, 0.0])[1],
+            predicted_launches=launches.get(n, 0),
+            predicted_us=predicted.get(n),
+        )
+        for n in names
+    ]
+
+
+def prediction_table(rows: list[dict], replay_ms: float, predicted_ms: float) -> str:
+    lines = [
+        f"    {'kernel':28s} {'measured n':>10} {'ms':>8} {'predicted n':>11} {'predicted ms':>12} {'measured/predicted':>18}"
+    ]
+    for r in rows:
+        ratio = f"{r['measured_us'] / r['predicted_us']:.2f}" if r["predicted_us"] and r["measured_us"] else "-"
+        pred = f"{r['predicted_us'] / 1000:12.3f}" if r["predicted_us"] is not None else f"{'-':>12}"
+        lines.append(
+            f"    {r['kernel'][:28]:28s} {r['measured_count']:10d} {r['measured_us'] / 1000:8.3f} "
+            f"{r['predicted_launches']:11d} {pred} {ratio:>18}"
+        )
+    lines.append(
+        f"    {'the step':28s} {'':10s} {replay_ms:8.3f} {'':11s} {predicted_ms:12.3f} {replay_ms / predicted_ms:18.2f}"
+    )
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------ engine decode rates
@@ -945,7 +1024,8 @@ def measure(s: Settings, report: dict) -> None:
             buckets = DecoderGraphs(buckets=tuple(s.batches), capture=cuda_capture if s.cuda else eager_capture)
             with section(f"step table {name_of(scheme)}"):
                 prefixes = table_rows(engine, s, scheme, floor, buckets, report)
-            if scheme in (None, "nvfp4") and s.prompts[0] in prefixes and s.left() > 0:
+            profiled = scheme in (None, "nvfp4") or s.roofline is not None  # with predictions: every scheme
+            if profiled and s.prompts[0] in prefixes and s.left() > 0:
                 with section(f"profile {name_of(scheme)}"):
                     guarded_profile(engine, prefixes[s.prompts[0]], buckets, scheme, s, report)
             for kv in prefixes.values():
@@ -997,6 +1077,11 @@ def main() -> None:
         type=float,
         default=330.0,
         help="seconds after which measurements not yet begun are skipped, each with a line (default: 330)",
+    )
+    p.add_argument(
+        "--roofline",
+        default=None,
+        help="scripts/roofline.py's JSON (--json --kind step --batch 1): predicted times beside the profile's",
     )
     p.add_argument(
         "--hang-dump",

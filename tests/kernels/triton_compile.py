@@ -23,7 +23,11 @@ kept under `reports` by triton's own cache key of the compile (kernel source and
 functions it calls, constexprs, hints, options, triton and ptxas versions), so a rerun compiles
 only what changed.
 
-    python tests/kernels/triton_compile.py [--list | --all] [--json] [--reports DIR]
+`--sass` adds each variant's SASS K loop and MMA layout to its report (`sass_report`: nvdisasm from
+the triton wheel on the cubin, the TTGIR's warps; what scripts/roofline.py reads); `Launches.recorder`,
+where set, is called with every captured launch (the roofline's per-launch bytes and grids).
+
+    python tests/kernels/triton_compile.py [--list | --all] [--json] [--sass] [--reports DIR]
 """
 
 from __future__ import annotations
@@ -138,6 +142,113 @@ def k_loop(ptx: str) -> dict | None:
     )
 
 
+SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
+SASS_LABEL = re.compile(r"^(\.L_\w+):")
+SASS_BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+`?\(?(\.L_\w+)\)?")
+SASS_MMA = re.compile(r"^(?:HMMA|HGMMA|IMMA|IGMMA|QGMMA|HFMA2\.MMA)\b")
+SASS_WIDTH = re.compile(r"\.[US]?(8|16|32|64|128)\b")
+SASS_MATRICES = re.compile(r"\.(1|2|4)$")  # ldmatrix's .x1 / .x2 / .x4 (none: one)
+SASS_GMMA_SHAPE = re.compile(r"^[A-Z]+GMMA\.(\d+)x(\d+)x(\d+)\.\w+\.(\w+)")
+GMMA_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1, "S8": 1, "U8": 1}
+TTGIR_MMA = re.compile(
+    r"#ttg\.nvidia_mma<\{versionMajor = (\d+), versionMinor = \d+, warpsPerCTA = \[([\d, ]+)\]"
+    r"(?:, [^}]*?)?instrShape = \[([\d, ]+)\]"
+)
+TTGIR_WARPS = re.compile(r'"ttg\.num-warps" = (\d+)')
+SASS_REPORT = 1  # the version of `sass_report`'s reading: a cached report of another is compiled again
+
+
+def shared_bytes(op: str, line: str) -> float:
+    """Bytes of shared memory one warp's instruction reads or writes (ldmatrix: 128 bytes a
+    matrix; LDS / STS / LDGSTS: the width times 32 threads; a warpgroup MMA's shared operands: a
+    quarter of the warpgroup's, so a count per warp times num_warps is the CTA's)."""
+    if op.startswith("LDSM"):
+        m = SASS_MATRICES.search(op)
+        return 128 * (int(m.group(1)) if m else 1)
+    if op.split(".")[0] in ("LDS", "STS", "LDGSTS"):
+        widths = SASS_WIDTH.findall(op)
+        return 32 * (int(widths[-1]) if widths else 32) / 8
+    m = SASS_GMMA_SHAPE.match(op)
+    if m and "gdesc" in line:
+        rows, cols, depth, kind = int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(4)
+        size = GMMA_BYTES.get(kind, 2)
+        a_shared = re.search(r"GMMA\S*\s+R\d+,\s*gdesc", line) is not None  # A and B by descriptors
+        return ((rows * depth if a_shared else 0) + cols * depth) * size / 4
+    return 0.0
+
+
+def sass_k_loop(sass: str) -> dict | None:
+    """The innermost loop of an `nvdisasm -c` listing that holds an MMA instruction (a matmul's K
+    loop): its instructions (one K step, per warp), its MMA instructions and their opcodes, the
+    shared memory bytes it reads and writes (per warp). None where no loop holds one."""
+    ops: list[tuple[str, str]] = []  # (opcode, line) in order
+    labels: dict[str, int] = {}
+    branches: list[tuple[int, str]] = []
+    for line in sass.splitlines():
+        m = SASS_LABEL.match(line.strip())
+        if m:
+            labels[m.group(1)] = len(ops)
+            continue
+        m = SASS_INSTRUCTION.match(line)
+        if not m:
+            continue
+        b = SASS_BRANCH.search(line)
+        if b:
+            branches.append((len(ops), b.group(1)))
+        ops.append((m.group(1), line))
+    loops = [(labels[t], at + 1) for at, t in branches if t in labels and labels[t] <= at]
+    found = [(end - start, start, end) for start, end in loops if any(SASS_MMA.match(o) for o, _ in ops[start:end])]
+    if not found:
+        return None
+    _, start, end = min(found)
+    body = ops[start:end]
+    mma = [o for o, _ in body if SASS_MMA.match(o)]
+    return dict(
+        instructions=end - start,
+        mma=len(mma),
+        mma_ops=sorted(set(mma)),
+        shared_bytes=sum(shared_bytes(o, line) for o, line in body),
+    )
+
+
+def mma_layouts(ttgir: str) -> list[dict]:
+    """The TTGIR's tensor-core layouts: MMA version (2: mma.sync, 3: wgmma), warpsPerCTA and the
+    instruction shape, in the order they are declared."""
+    return [
+        dict(
+            version=int(m.group(1)),
+            warps=[int(x) for x in m.group(2).split(",")],
+            instr=[int(x) for x in m.group(3).split(",")],
+        )
+        for m in TTGIR_MMA.finditer(ttgir)
+    ]
+
+
+def sass_report(kernel) -> dict:
+    """What the roofline reads from a compiled kernel (its cubin disassembled by the wheel's
+    nvdisasm, its TTGIR): the SASS K loop, the count of all SASS instructions, the MMA layouts, the warps."""
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run(
+            [knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True, check=True
+        ).stdout
+    ttgir = kernel.asm["ttgir"]
+    warps = TTGIR_WARPS.search(ttgir)
+    return dict(
+        version=SASS_REPORT,
+        k_loop=sass_k_loop(sass),
+        instructions=sum(1 for line in sass.splitlines() if SASS_INSTRUCTION.match(line)),
+        mma_layouts=mma_layouts(ttgir),
+        num_warps=int(warps.group(1)) if warps else None,
+    )
+
+
 def _ptxas_report(log: str, name: str) -> dict:
     """Registers, spills, stack and static shared bytes of kernel `name` from a `ptxas -v` log."""
     out = {}
@@ -182,14 +293,16 @@ class Launches:
     """Stands in for the kernels' launcher: each launch is specialised as triton's JITFunction.run
     would (its own binder and _pack_args, for an sm90 target) and recorded, not run."""
 
-    def __init__(self, target, exact: bool = False):
+    def __init__(self, target, exact: bool = False, sass: bool = False):
         from triton.compiler import make_backend
 
         self.target = target
         self.backend = make_backend(target)
         self.exact = exact  # one variant per launcher specialisation, integer hints included
+        self.sass = sass  # each compile's report holds `sass_report` too
         self.variants: dict[str, dict] = {}
         self.label = ""
+        self.recorder = None  # called as recorder(key, fn, args, kwargs, grid) for every launch captured
 
     def capture(self, fn) -> None:
         from triton import knobs
@@ -226,6 +339,8 @@ class Launches:
                 entry["used_by"].append(self.label)
             g = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
             entry["grids"].setdefault(self.label, []).append([int(v) for v in g])
+            if self.recorder is not None:
+                self.recorder(key, fn, args, kwargs, [int(v) for v in g])
 
         fn.run = run
 
@@ -299,6 +414,8 @@ class Launches:
             k_loop=k_loop(ptx),
             arch=self.target.arch,
         )
+        if self.sass:
+            report["sass"] = sass_report(kernel)
         if os.environ.get(
             "DGEMMA_PTX_DIR"
         ):  # the PTX itself, for reading (gpu_check writes it under its output folder)
@@ -428,7 +545,9 @@ def _compile_all(launches: Launches, reports: str | None) -> list[dict]:
         path = key and os.path.join(reports, key + ".json")
         if path and os.path.exists(path):
             with open(path) as f:
-                found[index] = dict(json.load(f), cached=True)
+                cached = json.load(f)
+            if not launches.sass or cached.get("sass", {}).get("version") == SASS_REPORT:  # else compiled again
+                found[index] = dict(cached, cached=True)
     todo = [index for index in range(len(entries)) if index not in found]
     workers = min(MAX_WORKERS, len(os.sched_getaffinity(0)), len(todo))
     _LAUNCHES = launches
@@ -446,6 +565,12 @@ def _compile_all(launches: Launches, reports: str | None) -> list[dict]:
                 json.dump(report, f)
             os.replace(f"{path}.{os.getpid()}", path)  # whole or absent, for a concurrent reader
     return [dict(launches.summary(entry), **found[index]) for index, entry in enumerate(entries)]
+
+
+def compile_all(launches: Launches, reports: str | None = None) -> list[dict]:
+    """Every variant `launches` captured, compiled (or its report read from `reports`), in the
+    order captured: the public name of the driver's compile step (scripts/roofline.py calls it)."""
+    return _compile_all(launches, reports)
 
 
 def main(argv: list[str]) -> int:
@@ -475,7 +600,7 @@ def main(argv: list[str]) -> int:
         return 3
     arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
     only = argv[argv.index("--only") + 1] if "--only" in argv else None  # e.g. "_gemm_kernel:SCHEME=2"
-    launches = Launches(GPUTarget("cuda", arch, 32), exact="--all" in argv)
+    launches = Launches(GPUTarget("cuda", arch, 32), exact="--all" in argv, sass="--sass" in argv)
     _launch_released(launches)
     if only is not None:  # compile only the variants of one kernel (and constexpr) named
         kernel, _, constexpr = only.partition(":")
