@@ -112,7 +112,7 @@ def resolve_settings(args, canvas: int) -> None:
     if getattr(args, "turbo", None) and "turbo" not in args.peers:  # its row right after dgemma's
         at = args.peers.index("default") + 1 if "default" in args.peers else len(args.peers)
         args.peers = args.peers[:at] + ["turbo"] + args.peers[at:]
-    knob = next((flag for flag, dest, _, _ in TURBO_FLAGS[1:] if getattr(args, dest, None) is not None), None)
+    knob = next((k.flag for k in TURBO_FLAGS[1:] if getattr(args, k.name, None) is not None), None)
     if knob is not None and "turbo" not in args.peers:
         raise ValueError(f"{knob} sets the turbo row's freezing: it needs --turbo (or turbo in --peers)")
 

@@ -13,57 +13,18 @@ import re
 import sys
 from pathlib import Path
 
+from ..knobs import KNOBS, Knob
+
 
 class CliError(Exception):
     """A mistake in what the user typed: `dgemma` prints it as one line and exits with 2."""
 
 
-SAMPLER_FLAGS = (
-    ("--max-new-tokens", "max_new_tokens", int, "tokens to generate at most"),
-    ("--steps", "max_denoising_steps", int, "denoising steps per canvas at most"),
-    ("--entropy-bound", "entropy_bound", float, "entropy budget for accepting tokens per step"),
-    ("--t-min", "t_min", float, "temperature at the last step"),
-    ("--t-max", "t_max", float, "temperature at the first step"),
-    ("--stability-threshold", "stability_threshold", int, "steps the argmax must hold before stopping"),
-    ("--confidence-threshold", "confidence_threshold", float, "mean entropy below which a canvas may stop"),
-)
-# turbo denoising (engine/turbo.py): `--turbo` is a switch (absent: the checkpoint's default, off);
-# run and chat take them with the sampler flags, serve and bench on their own (add_turbo_flags)
-TURBO_FLAGS = (
-    (
-        "--turbo",
-        "turbo",
-        bool,
-        "turbo denoising: canvas positions that have converged stop being recomputed "
-        "(approximate, fewer positions per pass; docs/performance.md)",
-    ),
-    (
-        "--turbo-freeze-passes",
-        "turbo_freeze_passes",
-        int,
-        "with turbo: passes in a row a position's token must be accepted unchanged before it freezes",
-    ),
-    (
-        "--turbo-freeze-entropy",
-        "turbo_freeze_entropy",
-        float,
-        "with turbo: the entropy (nats) a position may have at most to freeze",
-    ),
-    (
-        "--turbo-refresh-every",
-        "turbo_refresh_every",
-        int,
-        "with turbo: recompute every position's keys and values each N passes (0: never)",
-    ),
-    (
-        "--turbo-dormant-entropy",
-        "turbo_dormant_entropy",
-        float,
-        "with turbo: a position still noise whose entropy "
-        "(nats) is above this is computed every other pass (0: every pass)",
-    ),
-)
-SAMPLER_FLAGS = SAMPLER_FLAGS + TURBO_FLAGS
+# the sampler's flags: the knobs of knobs.py's table that have one, in its order (run and chat take them all);
+# the turbo ones (`--turbo` first, a switch: absent is the checkpoint's default, off) serve and bench take on
+# their own (add_turbo_flags)
+SAMPLER_FLAGS: tuple[Knob, ...] = tuple(k for k in KNOBS if k.flag)
+TURBO_FLAGS: tuple[Knob, ...] = tuple(k for k in SAMPLER_FLAGS if k.turbo)
 
 # --device and --dtype of run, chat, serve and bench; `dgemma.devices.resolve_device` and
 # `resolve_dtype` decide what they mean (the one place "auto" is resolved)
@@ -286,18 +247,14 @@ def apply_chat_template_file(model, args, text: str | None = None) -> None:
     model.tokenizer.chat_template = text
 
 
-def _add_flags(p: argparse.ArgumentParser, table: tuple) -> None:
-    for flag, dest, kind, text in table:
-        if kind is bool:  # a switch: absent is None, so the checkpoint's default applies
+def _add_flags(p: argparse.ArgumentParser, table: tuple[Knob, ...]) -> None:
+    for k in table:
+        if k.kind is bool:  # a switch: absent is None, so the checkpoint's default applies
             p.add_argument(
-                flag,
-                dest=dest,
-                action="store_true",
-                default=None,
-                help=f"{text} (default: generation_config.json, else off)",
+                k.flag, dest=k.name, action="store_true", default=None, help=f"{k.help} (default: {k.default})"
             )
         else:
-            p.add_argument(flag, dest=dest, type=kind, default=None, help=f"{text} (default: generation_config.json)")
+            p.add_argument(k.flag, dest=k.name, type=k.kind, default=None, help=f"{k.help} (default: {k.default})")
 
 
 def add_sampler_flags(p: argparse.ArgumentParser) -> None:
@@ -311,7 +268,8 @@ def add_turbo_flags(p: argparse.ArgumentParser, switch: bool = True) -> None:
 
 
 def sampler_knobs(args) -> dict:
-    return {dest: getattr(args, dest) for _, dest, _, _ in SAMPLER_FLAGS}
+    """The GenerationConfig overrides the sampler flags give (None: not given), for Model.generate / stream."""
+    return {k.name: getattr(args, k.name) for k in SAMPLER_FLAGS}
 
 
 def turbo_knobs(args) -> dict:
@@ -319,7 +277,7 @@ def turbo_knobs(args) -> dict:
     (a ConfigError naming the field, which `dgemma` reports by its flag) before any loading."""
     from ..config import GenerationConfig
 
-    knobs = {dest: getattr(args, dest) for _, dest, _, _ in TURBO_FLAGS if getattr(args, dest, None) is not None}
+    knobs = {k.name: getattr(args, k.name) for k in TURBO_FLAGS if getattr(args, k.name, None) is not None}
     GenerationConfig().with_overrides(**knobs)
     return knobs
 
@@ -336,7 +294,7 @@ def refuse_turbo(args, why: str | None) -> None:
 def check_turbo_knobs(args, config) -> None:
     """Refuse turbo knobs where turbo is off in `config` (the generation config the flags give):
     they would change nothing."""
-    given = [flag for flag, dest, _, _ in TURBO_FLAGS[1:] if getattr(args, dest, None) is not None]
+    given = [k.flag for k in TURBO_FLAGS[1:] if getattr(args, k.name, None) is not None]
     if given and not config.turbo:
         raise CliError(f"{given[0]} is a knob of turbo denoising: it needs --turbo")
 
@@ -344,9 +302,9 @@ def check_turbo_knobs(args, config) -> None:
 def flag_names(message: str, args) -> str:
     """`message` with the sampler fields the user set by flag named as those flags
     (`max_denoising_steps` -> `--steps`)."""
-    for flag, dest, _, _ in SAMPLER_FLAGS:
-        if getattr(args, dest, None) is not None:
-            message = re.sub(rf"\b{dest}\b", flag, message)
+    for k in SAMPLER_FLAGS:
+        if getattr(args, k.name, None) is not None:
+            message = re.sub(rf"\b{k.name}\b", k.flag, message)
     return message
 
 

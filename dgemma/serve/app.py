@@ -1,15 +1,17 @@
 """`create_app`: the FastAPI app of `dgemma serve`, an OpenAI-compatible HTTP server over the engine.
 
-Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`,
-`GET /metrics` (Prometheus text), the playground page at `GET /` (playground/), and an
-ollama-compatible API under `/api/` over the same engine (ollama/routes.py). One request's path: its body
-is read (http/connection.py) and checked, strictly, so that anything a client sends gets a 4xx with an
-OpenAI-style error body naming the problem (openai/protocol.py, errors.py); its prompt is rendered
-(prompts.py); it runs on the engine (pipeline.py, service.py) and its answer is shaped, whole or
-streamed (openai/responses.py). Chat messages may carry images and video (media/: where they
-may come from; the checkpoint's processor: what they become), tools (tools/) and Gemma 4's
-thinking (reasoning.py). See docs/server.md for the fields and the streaming extension,
-docs/media.md for media, and "Client compatibility" for other clients' fields.
+Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (openai/routes.py),
+`GET /health`, `GET /metrics` (Prometheus text), the playground page at `GET /` (playground/), and an
+ollama-compatible API under `/api/` over the same engine (ollama/routes.py). Here: the middleware (the
+access guard, counting, the request log), the error handlers (each API's error shape), and the routes
+registered. One request's path: its body is read (http/connection.py) and checked, strictly, so that
+anything a client sends gets a 4xx with an OpenAI-style error body naming the problem
+(openai/protocol.py, errors.py); its prompt is rendered (prompts.py); it runs on the engine
+(pipeline.py, service.py) and its answer is shaped, whole or streamed (openai/responses.py). Chat
+messages may carry images and video (media/: where they may come from; the checkpoint's processor:
+what they become), tools (tools/) and Gemma 4's thinking (reasoning.py). See docs/server.md for the
+fields and the streaming extension, docs/media.md for media, and "Client compatibility" for other
+clients' fields.
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ from .. import __version__
 from ..engine.engine import EngineOptions
 from .errors import ApiError, error_response, json_response
 from .http.access import Access, AccessGuard
-from .http.connection import ClientGone, read_json
+from .http.connection import ClientGone
 from .http.listener import Limits
 from .http.request_log import RequestLog
 from .media.policy import MediaPolicy
 from .metrics import Metrics
 from .ollama.routes import add_ollama_routes, is_ollama_path, ollama_error_response
-from .openai.protocol import Budgets, ChatParams, CompletionParams
-from .openai.responses import Responder, insertion_response
-from .pipeline import parse_params, prepare
+from .openai.protocol import Budgets
+from .openai.routes import add_openai_routes
 from .playground import add_playground
 from .service import Service
 
@@ -162,85 +163,14 @@ def create_app(
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    gen = service.defaults
-    defaults = {k: getattr(gen, k) for k in ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "turbo")}
-
-    def model_card() -> dict:  # OpenAI's fields, vLLM's max_model_len, and what the playground shows
-        return {
-            "id": service.name,
-            "object": "model",
-            "created": service.created,
-            "owned_by": "dgemma",
-            "max_model_len": service.context,
-            "canvas_length": model.config.canvas_length,
-            "vision": model.supports_images,
-            "sampler_defaults": defaults,
-        }
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
-
-    @app.get("/v1/models/{name:path}")
-    async def model_info(name: str) -> Response:
-        service.check_model(name)
-        return json_response(model_card())
-
+    add_openai_routes(app, service, limits.read_timeout)  # /v1/* (openai/routes.py)
     if ui:
         add_playground(app)
     add_ollama_routes(app, service, limits.read_timeout, ui)  # /api/*, and HEAD / (ollama/routes.py)
-
-    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
-    async def completions(request: Request) -> Response:
-        return await answer(service, request, limits.read_timeout, chat=False)
-
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"))
-    async def chat_completions(request: Request) -> Response:
-        return await answer(service, request, limits.read_timeout, chat=True)
-
-    app.openapi = lambda: _openapi(app, service.name)
     return app
-
-
-async def answer(service: Service, request: Request, read_timeout: float, chat: bool) -> Response:
-    """One completion (`chat` False) or chat completion request, from its body to its answer
-    (pipeline.py runs it; openai/responses.py shapes the answer)."""
-    deadline = service.budgets.deadline()
-    params = parse_params(await read_json(request, read_timeout), chat)
-    run = await prepare(service, request, params, chat, deadline)
-    if run.inserted:
-        return insertion_response(service, params, run.prompt, run.insertion)
-    return await Responder(service, chat, run.prompt, run.gens, params, run.spec, run.thinking).respond(request)
 
 
 API_DESCRIPTION = (
     "OpenAI-compatible completions and chat completions served by dgemma's block-diffusion engine; "
     "fields and extensions: docs/server.md. With --api-key, send 'Authorization: Bearer KEY'."
 )
-
-
-def _body_schema(name: str) -> dict:
-    """The route's declared JSON body (the routes read raw JSON, so FastAPI cannot see it)."""
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
-        }
-    }
-
-
-def _openapi(app: FastAPI, served_model_name: str) -> dict:
-    """The app's OpenAPI description with the request bodies' schemas from their pydantic models
-    (`model`: the one model this server serves)."""
-    from fastapi.openapi.utils import get_openapi
-
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for name, model in (("CompletionRequest", CompletionParams), ("ChatCompletionRequest", ChatParams)):
-            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(body.pop("$defs", {}))
-            body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
-            components[name] = body
-        app.openapi_schema = schema
-    return app.openapi_schema

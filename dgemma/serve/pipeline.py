@@ -1,7 +1,7 @@
 """One request's way from a checked body to its running generation, whatever API it came in by.
 
-The OpenAI routes (app.py) and the ollama ones (ollama/routes.py) differ in their bodies and answers
-only: each turns its body into `ChatParams` / `CompletionParams` (openai/protocol.py), and `prepare`
+The OpenAI routes (openai/routes.py) and the ollama ones (ollama/routes.py) differ in their bodies
+and answers only: each turns its body into `ChatParams` / `CompletionParams` (openai/protocol.py), and `prepare`
 does the rest the same way for both (the checks, the prompt, the grammar, the engine requests),
 so that the same request gets the same prompt, sampler settings and text on either API.
 """

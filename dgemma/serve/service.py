@@ -40,6 +40,7 @@ from .openai.protocol import (
     RequestParams,
     parse_stop,
     request_top_logprobs,
+    sampler_overrides,
 )
 from .prompts import PromptBuilder
 from .reasoning import keeping_channel
@@ -227,22 +228,11 @@ class Service:
             )
         if steps is None and defaults.max_denoising_steps > limit:
             steps = limit
+        # the client's knobs (None: the server's default, e.g. turbo's: dgemma serve --turbo), with the two
+        # fitted above: max_tokens to the context, the steps to --max-denoising-steps
+        fitted = {"max_new_tokens": max_tokens, "max_denoising_steps": steps}
         try:
-            return defaults.with_overrides(
-                max_new_tokens=max_tokens,
-                max_denoising_steps=steps,
-                entropy_bound=params.entropy_bound,
-                t_min=params.t_min,
-                t_max=params.t_max,
-                stability_threshold=params.stability_threshold,
-                confidence_threshold=params.confidence_threshold,
-                eos_token_ids=() if params.ignore_eos else None,
-                turbo=params.turbo,  # None: the server's default (dgemma serve --turbo); false turns it off
-                turbo_freeze_passes=params.turbo_freeze_passes,
-                turbo_freeze_entropy=params.turbo_freeze_entropy,
-                turbo_refresh_every=params.turbo_refresh_every,
-                turbo_dormant_entropy=params.turbo_dormant_entropy,
-            )
+            return defaults.with_overrides(**(sampler_overrides(params) | fitted))
         except ConfigError as e:
             raise ApiError(400, str(e), None, "invalid_value") from None
 

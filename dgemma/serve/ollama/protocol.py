@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ...knobs import KNOBS
 from ..errors import ApiError, excerpt, validation_error
 from ..openai.protocol import ChatParams, CompletionParams, RequestParams
 
@@ -106,8 +107,9 @@ def parse_body(kind: type[_Body], body: dict) -> Any:
 
 # ------------------------------------------------------------------------------------ options
 INT, FLOAT, BOOL, STRINGS = "integer", "float", "boolean", "array of strings"
-# ollama's options and their JSON types (api/types.go: Options and Runner), then dgemma's sampler knobs
-OPTION_TYPES = {
+# ollama's own options and their JSON types (api/types.go: Options and Runner); num_predict, seed and stop
+# keep ollama's meaning, the others are type-checked and ignored
+OLLAMA_OPTIONS = {
     **dict.fromkeys(
         (
             "num_keep",
@@ -158,31 +160,16 @@ OPTION_TYPES = {
         BOOL,
     ),
     "stop": STRINGS,
-    # dgemma's own (docs/server.md, "Request fields"), by their OpenAI-route names
-    **dict.fromkeys(
-        ("max_denoising_steps", "stability_threshold", "max_soft_tokens", "turbo_freeze_passes", "turbo_refresh_every"),
-        INT,
-    ),
-    **dict.fromkeys(
-        ("entropy_bound", "t_min", "t_max", "confidence_threshold", "turbo_freeze_entropy", "turbo_dormant_entropy"),
-        FLOAT,
-    ),
-    **dict.fromkeys(("ignore_eos", "turbo"), BOOL),
 }
-KNOBS = (
-    "max_denoising_steps",
-    "stability_threshold",
-    "entropy_bound",
-    "t_min",
-    "t_max",
-    "confidence_threshold",
-    "ignore_eos",
-    "turbo",
-    "turbo_freeze_passes",
-    "turbo_freeze_entropy",
-    "turbo_refresh_every",
-    "turbo_dormant_entropy",
-)
+# dgemma's sampler knobs (knobs.py's table; docs/server.md, "Request fields"): option -> the OpenAI request
+# field it sets (the same name)
+KNOB_OPTIONS = {k.ollama: k.openai for k in KNOBS if k.ollama and k.ollama not in OLLAMA_OPTIONS}
+JSON_TYPES = {int: INT, float: FLOAT, bool: BOOL}
+OPTION_TYPES = {
+    **OLLAMA_OPTIONS,
+    **{k.ollama: JSON_TYPES[k.kind] for k in KNOBS if k.ollama in KNOB_OPTIONS},
+    "max_soft_tokens": INT,  # a chat's soft tokens per image
+}
 
 
 def _typed(name: str, value: Any, kind: str) -> Any:
@@ -218,7 +205,9 @@ def sampler_fields(options: dict[str, Any] | None, chat: bool) -> dict[str, Any]
             out["seed"] = value
         elif name == "stop" and value:
             out["stop"] = value
-        elif name in KNOBS or name == "max_soft_tokens" and chat:
+        elif name in KNOB_OPTIONS:
+            out[KNOB_OPTIONS[name]] = value
+        elif name == "max_soft_tokens" and chat:
             out[name] = value
     return out
 
@@ -236,7 +225,8 @@ class OllamaNames:
         (r"max_(?:completion_)?tokens", "options.num_predict"),
         (r"seed", "options.seed"),
         (r"stop", "options.stop"),
-        *((k, f"options.{k}") for k in (*KNOBS, "max_soft_tokens")),
+        *((re.escape(sent), f"options.{option}") for option, sent in KNOB_OPTIONS.items()),
+        ("max_soft_tokens", "options.max_soft_tokens"),
         (r"response_format(?:\.json_schema\.schema)?|guided_json", "format"),
         (r"reasoning_effort|chat_template_kwargs\.enable_thinking", "think"),
     ]

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.request import SEED_MAX
 from ...inputs.model_inputs import MediaError
+from ...knobs import KNOBS, knob
 from ..errors import ApiError, excerpt
 from ..media.policy import check_soft_tokens
 from ..structured.formats import GUIDED_FIELDS, OutputFormat, StructuredError, request_format
@@ -95,11 +96,18 @@ def _num(lo: float | None = None, hi: float | None = None, gt: float | None = No
     return Field(None, ge=lo, le=hi, gt=gt, allow_inf_nan=False)
 
 
+def _knob(name: str) -> Any:
+    """The request field of the GenerationConfig field `name`: null (the server's default) or a value
+    within knobs.py's bounds (numbers finite)."""
+    k = knob(name)
+    return _num(k.lo, k.hi, k.above) if k.kind is float else Field(None, ge=k.lo, le=k.hi, gt=k.above)
+
+
 class RequestParams(_Strict):
     """Fields shared by both endpoints: OpenAI ones, then the diffusion knobs (extra body fields)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    max_tokens: int | None = _knob("max_new_tokens")
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: Any = None
     stream: bool = False
@@ -116,21 +124,21 @@ class RequestParams(_Strict):
     top_k: int | None = None
     min_p: float | None = _num(0, 1)
     repetition_penalty: float | None = _num(gt=0)
-    # dgemma extensions
-    max_denoising_steps: int | None = Field(None, ge=1, le=4096)
-    entropy_bound: float | None = _num(hi=1e6, gt=0)
-    t_min: float | None = _num(0, 100)
-    t_max: float | None = _num(0, 100)
-    stability_threshold: int | None = Field(None, ge=0, le=4096)
-    confidence_threshold: float | None = _num(hi=1e6, gt=0)
+    # dgemma extensions: the sampler's knobs (knobs.py's table: their bounds, and the fields they set)
+    max_denoising_steps: int | None = _knob("max_denoising_steps")
+    entropy_bound: float | None = _knob("entropy_bound")
+    t_min: float | None = _knob("t_min")
+    t_max: float | None = _knob("t_max")
+    stability_threshold: int | None = _knob("stability_threshold")
+    confidence_threshold: float | None = _knob("confidence_threshold")
     ignore_eos: bool = False
     stream_drafts: bool = False
     # turbo denoising (engine/turbo.py): null takes the server's default (`dgemma serve --turbo`)
     turbo: bool | None = None
-    turbo_freeze_passes: int | None = Field(None, ge=1, le=4096)
-    turbo_freeze_entropy: float | None = _num(0, 1e6)
-    turbo_refresh_every: int | None = Field(None, ge=0, le=4096)
-    turbo_dormant_entropy: float | None = _num(0, 1e6)
+    turbo_freeze_passes: int | None = _knob("turbo_freeze_passes")
+    turbo_freeze_entropy: float | None = _knob("turbo_freeze_entropy")
+    turbo_refresh_every: int | None = _knob("turbo_refresh_every")
+    turbo_dormant_entropy: float | None = _knob("turbo_dormant_entropy")
     # structured output (structured/formats.py): OpenAI's response_format, vLLM's guided_* fields
     response_format: Any = None
     guided_json: Any = None
@@ -152,7 +160,7 @@ class CompletionParams(RequestParams):
 
 class ChatParams(RequestParams):
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = _knob("max_new_tokens")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: Any = None  # checked by tools.tool_spec, for messages that name the problem
@@ -208,6 +216,13 @@ def refuse_unsupported(params: RequestParams) -> None:
     for name, bad, why in checks:
         if bad:
             raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
+
+
+def sampler_overrides(params: RequestParams) -> dict[str, Any]:
+    """The GenerationConfig fields the request's knob fields set, by knobs.py's table (None where it sent
+    none: the server's default holds). The service fits max_new_tokens to the context and
+    max_denoising_steps to its budget over these."""
+    return {k.name: k.config_value(getattr(params, k.openai)) for k in KNOBS if k.openai}
 
 
 def request_top_logprobs(params: RequestParams) -> int | None:
