@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dgemma.kernels.choice import native_bf16  # noqa: E402
-from dgemma.kernels.native import _cpu_flags, cpu_model  # noqa: E402
+from dgemma.kernels.native import cpu_flags, cpu_model  # noqa: E402
 
 EMULATE_AVX2 = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or "float32" not in rows:
         p.error(f"--rows takes {', '.join(ROWS)} and must include float32 (got {args.rows!r})")
 
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if native_bf16() and not args.emulate_avx2:
         print(
             "note: this CPU has native bf16 (AVX-512 BF16 or AMX): these are its own figures, not an AVX2-only "

@@ -27,8 +27,8 @@ from oracle import build_reference  # noqa: E402
 # Markers that follow from a fixture a test uses (the rest are set in the test files).
 FIXTURE_MARKERS = {
     "browser": "browser",  # test_playground.py: Debian's chromium
-    "tls_host": "subprocess",  # hostile/test_hostile_media.py: openssl writes its certificate
-    "tiny_server": "subprocess",  # hostile/conftest.py: `dgemma serve` in a subprocess
+    "tls_host": "subprocess",  # serve/hostile/test_hostile_media.py: openssl writes its certificate
+    "tiny_server": "subprocess",  # serve/hostile/conftest.py: `dgemma serve` in a subprocess
 }
 
 

@@ -1,4 +1,5 @@
-"""Static checks of the source tree, read with `ast` (nothing is imported): used by tests/test_layout.py.
+"""Static checks of the source tree, read with `ast` (nothing is imported) and, for the paths docs
+name, as text: used by tests/test_layout.py.
 
 Each check returns a list of readable findings ("file:line: what is wrong"); an empty list passes.
 They take the tree's root as an argument, so tests/test_layout.py also runs them on small made-up
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Mapping
+import io
+import re
+import tokenize
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,4 +353,189 @@ def scheme_name_literals(root: Path = ROOT, package: str = "dgemma", inside: str
             if what:
                 here.append((node.lineno, f"{_where(root, path, node)}: {what}: read quant/schemes.py's table instead"))
         found += [line for _, line in sorted(here)]
+    return found
+
+
+# ---------------------------------------------------------------------------------- (g) no private name across modules
+def _private(name: str) -> bool:
+    """`_name` is private; a dunder (`__version__`, `__all__`) is not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _of_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def private_imports(root: Path = ROOT, package: str = "dgemma") -> list[str]:
+    """Modules of `package` that use another module's private name: a name that belongs to one
+    module is public where it is shared (or moves to the module that uses it). What counts, read
+    from the AST (nothing imported), anywhere in a module of `package` (functions and
+    `if TYPE_CHECKING:` blocks too):
+
+    - `from X import _name` (or `from X import a, _b`), relative or absolute, X another module of
+      `package` (a package's `__init__` is a module of its own: `from .sub import _x` in it counts);
+    - `X._name` where X is bound to another module of `package` by an import (`from . import cpu`
+      then `cpu._swap_in`, `import pkg.a as a` then `a._f`, `pkg.a._f`).
+
+    A private name starts with `_` and is not a dunder (`__version__`, `__all__`, `__file__` are
+    fine); a private module (`from . import _impl`) counts like any private name. Not counted:
+    private names of other packages (`torch._dynamo`), attributes of objects that are not modules
+    (`module._modules`, `self._x`), `getattr(m, "_x")`. tests/ and scripts/ are not checked: tests
+    may pin and patch internals (the patch check above asks them to patch a private helper where
+    it is defined), and scripts are tools that measure them."""
+    found = []
+    for path in python_files(root / package):
+        tree = parse(path)
+        here = module_name(root, path)
+        aliases = _module_aliases(root, path, tree)
+        lines = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _absolute(root, path, node)
+                names = [a.name for a in node.names if _private(a.name)]
+                if names and _of_package(source, package) and source != here:
+                    lines.append((node.lineno, f"{_where(root, path, node)}: imports {', '.join(names)} from {source}"))
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                dotted = _dotted(node.value)
+                head, *rest = (dotted or "").split(".")
+                if head not in aliases:
+                    continue
+                module = ".".join([aliases[head], *rest])
+                if _of_package(module, package) and module != here and module_file(root, module):
+                    lines.append((node.lineno, f"{_where(root, path, node)}: reads {node.attr} of {module}"))
+        found += [line for _, line in sorted(lines)]
+    return found
+
+
+# ------------------------------------------------------------------------------------ (h) every path a doc names exists
+# The engine's move (a branch that merges soon) renames these paths and adds these files: until it
+# has merged, a path passes under its old name or its new one. Delete both after the merge (and
+# fix what the check then finds).
+RENAMES_IN_FLIGHT = {
+    "dgemma/engine/device/": "dgemma/engine/fused/",
+    "dgemma/kernels/gpu.py": "dgemma/kernels/fused.py",
+    "dgemma/engine/turbo_step.py": "dgemma/engine/host/turbo.py",
+}
+NEW_IN_FLIGHT = frozenset(
+    {"dgemma/engine/host/step.py", "dgemma/engine/step_ops.py", "dgemma/engine/paths.py", "tests/engine/test_paths.py"}
+)
+
+# Files of other projects that docs and comments cite (with the project named beside them).
+OTHER_PROJECTS = frozenset({"utils/_validators.py", "utils/_http.py", "transformers/cli/serving/utils.py"})
+
+# a word ending in one of the suffixes (`named_paths` keeps those with a slash), not part of a longer word or path
+PATH = re.compile(r"(?<![\w/.:@<>{}$*~-])((?:\.\.?/)*\.?[\w*][\w.*-]*(?:/[\w.*-]+)*\.(?:py|md|json|toml|sh))(?![\w/-])")
+PLACEHOLDER = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def _docstrings(body: list[ast.stmt]) -> Iterator[ast.Constant]:
+    """The docstrings of the definitions in a body, nested ones too (statements only: no expression
+    is walked)."""
+    for stmt in body:
+        if isinstance(stmt, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            if ast.get_docstring(stmt, clean=False) is not None:
+                yield stmt.body[0].value
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(stmt, field, None)
+            if isinstance(inner, list):
+                yield from _docstrings([s for s in inner if isinstance(s, ast.AST)])
+
+
+def _written(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of what a person wrote in the file for people: all of a Markdown file; the
+    comments and docstrings (module, class, function) of a Python file."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        return [(1, text)]
+    if "/" not in text or not PATH.search(text):  # nothing to read: spares tokenizing most files
+        return []
+    texts = []
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            texts.append((token.start[0], token.string))
+    tree = parse(path)
+    module = [tree.body[0].value] if ast.get_docstring(tree, clean=False) is not None else []
+    texts += [(docstring.lineno, docstring.value) for docstring in module + list(_docstrings(tree.body))]
+    return texts
+
+
+def named_paths(path: Path) -> list[tuple[int, str]]:
+    """(line, path) for each path of this repo `path`'s text names (see `stale_paths`)."""
+    found = []
+    for line, text in _written(path):
+        for match in PATH.finditer(text):
+            named = match.group(1)
+            if "/" not in named:
+                continue
+            folders = [f for f in named.split("/")[:-1] if f not in (".", "..")]
+            host = bool(folders) and "." in folders[0].lstrip(".")
+            if named in OTHER_PROJECTS or host or any(PLACEHOLDER.fullmatch(f) for f in folders):
+                continue
+            found.append((line + text.count("\n", 0, match.start()), named))
+    return found
+
+
+def _exists(root: Path, bases: list[Path], named: str, renames: Mapping[str, str], new: frozenset[str]) -> bool:
+    for base in bases:
+        candidate = (base / named).resolve()
+        if not candidate.is_relative_to(root):
+            continue
+        relative = candidate.relative_to(root).as_posix()
+        names = {relative}
+        for old, renamed in renames.items():
+            for a, b in ((old, renamed), (renamed, old)):
+                if relative.startswith(a):
+                    names.add(b + relative[len(a) :])
+        for name in names:
+            if name in new or ("*" in name and any(root.glob(name))) or (root / name).exists():
+                return True
+    return False
+
+
+def _same_name(root: Path, name: str) -> list[str]:
+    """Files named `name` in dgemma/, tests/, scripts/ or docs/: where a stale path's file may have moved."""
+    if "*" in name:
+        return []
+    folders = [root / folder for folder in ("dgemma", "tests", "scripts", "docs")]
+    return sorted(
+        p.relative_to(root).as_posix() for f in folders for p in f.rglob(name) if "__pycache__" not in p.parts
+    )
+
+
+def stale_paths(
+    root: Path = ROOT,
+    renames: Mapping[str, str] = RENAMES_IN_FLIGHT,
+    new: frozenset[str] = NEW_IN_FLIGHT,
+) -> list[str]:
+    """Paths that README.md, a doc under docs/, or a comment or docstring of a module in dgemma/,
+    tests/ or scripts/ names, and that do not exist. What counts as a path: a word with a slash
+    that ends in .py, .md, .json, .toml or .sh (`dgemma/engine/runner.py`, `engine/runner.py`,
+    `kernels/cpu.py`, `../docs/server.md`, `tests/parallel/checks_*.py` as a glob, a test id's
+    file before its `::`). It exists when it names a file (or a glob matches one) resolved against
+    the repo's root, dgemma/, tests/, docs/, or the folder of the file that names it or any folder
+    above it (a comment under dgemma/serve/ may leave out the `dgemma/serve/` in front).
+
+    Not counted: URLs and absolute paths (`https://host/a/b.py`, `/openapi.json`, `github.com/a/b.py`:
+    a path that starts after `/`, `:` or `@`, or whose first folder has a dot in its name),
+    placeholders (a folder in capitals, `DIR/config.json`, `OUT/adapter_config.json`, or one
+    written with `<>`, `{}`, `$`, `~`: `<package>/quant/schemes.py`), a file in the folder an
+    option names (`--out/gpu_check.json`), files of other projects (`OTHER_PROJECTS`), string
+    literals in code, and other file types. Hub ids (owner/name) end in none of those suffixes.
+    `renames` and `new` are the paths in flight (`RENAMES_IN_FLIGHT`, `NEW_IN_FLIGHT`): a path
+    passes under either name of a rename."""
+    root = root.resolve()
+    sources = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    sources += [p for folder in ("dgemma", "tests", "scripts") for p in python_files(root / folder)]
+    found = []
+    for source in sources:
+        if not source.is_file():
+            continue
+        bases = [root, root / "dgemma", root / "tests", root / "docs"]
+        bases += [folder for folder in source.parents if folder.is_relative_to(root)]
+        for line, named in named_paths(source):
+            if _exists(root, bases, named, renames, new):
+                continue
+            elsewhere = _same_name(root, named.split("/")[-1])
+            hint = f" (now {' or '.join(elsewhere)}?)" if elsewhere else ""
+            found.append(f"{source.relative_to(root)}:{line}: names {named}, which does not exist{hint}")
     return found

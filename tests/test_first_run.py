@@ -1,7 +1,7 @@
 """The first run on a fresh machine (issue 48): `dgemma run` and `dgemma chat` start on torch's
 kernels while the native ones build in the background (the other commands build them first);
 what runs is said as what runs, the same by `serve` and `bench` (kernels/cpu.py `describe`).
-The build machinery itself: tests/test_native_build.py; the figure: scripts/first_run.py."""
+The build machinery itself: tests/kernels/test_native_build.py; the figure: scripts/first_run.py."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_the_first_run_prints_its_text_while_the_kernels_build(tmp_path):
     """On empty caches `dgemma run` answers on torch's kernels and says that the native ones build
     in the background (and, when it ends first, that they still do: the next run has them). Not
     timed: scripts/first_run.py measures the first text and the longest silence."""
-    if not (avx2.KERNELS.cpu_flags <= native._cpu_flags() or native.KERNELS.cpu_flags <= native._cpu_flags()):
+    if not (avx2.KERNELS.cpu_flags <= native.cpu_flags() or native.KERNELS.cpu_flags <= native.cpu_flags()):
         pytest.skip("no native kernels for this CPU (no AVX2/FMA/F16C)")
     extensions = tmp_path / "extensions"
     env = {**os.environ, "HOME": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(extensions)}

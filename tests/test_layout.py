@@ -1,6 +1,7 @@
 """The tree's layout, checked without a model: tests import no test file and patch the module that
 defines a name; dgemma has no import cycles; the wheel ships the package data; README's test
-command is .ci/run's; outside dgemma/quant/ no code decides by a scheme's name written as a string.
+command is .ci/run's; outside dgemma/quant/ no code decides by a scheme's name written as a string;
+no module of dgemma uses another's private name; every path a doc, comment or docstring names exists.
 
 Each static check also runs on a small made-up tree with a deliberate mistake, to show that it
 fails where it should.
@@ -236,3 +237,103 @@ def test_the_scheme_name_check_fails_on_comparisons_keys_and_lists(tmp_path):
     assert [line.split(":")[1] for line in found] == ["3", "5", "6", "7", "12", "14", "15"], found
     assert found[0] == "pkg/a.py:3: compares with 'int4': read quant/schemes.py's table instead"
     assert "writes out the schemes 'fp8', 'int4'" in found[3] and "keys a dict by 'int4'" in found[2]
+
+
+# ---------------------------------------------------------------------------------- (g) no private name across modules
+def test_no_module_uses_a_private_name_of_another():
+    assert checks.private_imports() == []
+
+
+def test_the_private_name_check_fails_on_imports_and_reads_across_modules(tmp_path):
+    write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from .a import _helper\n",  # 1: bad: the package is a module of its own
+            "pkg/a.py": "_helper = 1\n__version__ = '1'\ndef _f():\n    return _helper\npublic = _f()\n",
+            "pkg/b.py": (
+                "from pkg.a import _helper, public\n"  # 1: bad
+                "from .a import __version__\n"  # 2: good, a dunder
+                "from . import a\n"
+                "import pkg.a as aa\n"
+                "import pkg.a\n"
+                "from os import _exit\n"  # 6: good, another package's
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from .a import _T\n"  # 9: bad, type-checking imports too
+                "def f(self):\n"
+                "    from .sub.c import _g\n"  # 11: bad, in a function, relative
+                "    return a._f(), aa._f(), pkg.a._helper, self._x, a.__name__, a.public\n"  # 12: bad x3
+            ),
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/c.py": "from .. import _top\nfrom pkg.sub.c import _g\ndef _g():\n    pass\n",  # 1: bad; 2: itself
+        },
+    )
+    found = checks.private_imports(tmp_path, "pkg")
+    assert [line.split(": ")[0] for line in found] == [
+        "pkg/__init__.py:1",
+        "pkg/b.py:1",
+        "pkg/b.py:9",
+        "pkg/b.py:11",
+        "pkg/b.py:12",
+        "pkg/b.py:12",
+        "pkg/b.py:12",
+        "pkg/sub/c.py:1",
+    ], found
+    assert found[1] == "pkg/b.py:1: imports _helper from pkg.a"
+    assert found[3] == "pkg/b.py:11: imports _g from pkg.sub.c"
+    assert found[4:7] == ["pkg/b.py:12: reads _f of pkg.a"] * 2 + ["pkg/b.py:12: reads _helper of pkg.a"]
+    assert found[7] == "pkg/sub/c.py:1: imports _top from pkg"
+
+
+# ------------------------------------------------------------------------------------ (h) every path a doc names exists
+def test_every_path_a_doc_or_a_comment_names_exists():
+    assert checks.stale_paths() == []
+
+
+def test_the_path_check_fails_on_stale_paths_in_docs_comments_and_docstrings(tmp_path):
+    write(
+        tmp_path,
+        {
+            "README.md": "See docs/a.md, then docs/gone.md.\n",  # 1: the second is stale
+            "docs/a.md": (
+                "Here: `dgemma/engine/runner.py`, `engine/runner.py`, `kernels/cpu.py`, scripts/s.py.\n"
+                "Moved: `tests/test_old.py::test_it` and `engine/gone.py`.\n"  # 2: two stale
+                "Not paths: https://example.com/a/b.py, /openapi.json, github.com/o/r/x.py, DIR/config.json,\n"
+                "<package>/quant/schemes.py, --out/gpu_check.json, utils/_http.py, google/gemma-4, a/b.txt.\n"
+                "Globs: `tests/engine/test_*.py` and `tests/nothing/test_*.py`.\n"  # 5: the second matches nothing
+                "Relative: ../dgemma/kernels/cpu.py and ../README.md.\n"
+                "In flight: dgemma/old/x.py, dgemma/new/x.py, dgemma/new/y.py, dgemma/added.py,"  # 7: the third: stale
+                " dgemma/old/w.py.\n"
+            ),
+            "dgemma/engine/runner.py": "",
+            "dgemma/old/x.py": "",
+            "dgemma/new/w.py": "",
+            "dgemma/kernels/cpu.py": (
+                '"""Packs weights (engine/runner.py calls it)."""\n'
+                'X = "tests/missing.py"  # a string in code: not read\n'
+                "# relative: ../engine/runner.py, openai/z.py\n"  # 3: the second is stale
+                "class C:\n"
+                "    def f(self):\n"
+                '        """Reads scripts/gone.py."""\n'  # 6: stale
+            ),
+            "tests/engine/test_old.py": "",
+            "tests/engine/test_a.py": "# tests/engine/test_old.py, engine/test_a.py\n",
+            "scripts/s.py": "",
+        },
+    )
+    found = checks.stale_paths(tmp_path, renames={"dgemma/old/": "dgemma/new/"}, new=frozenset({"dgemma/added.py"}))
+    assert found == [
+        "README.md:1: names docs/gone.md, which does not exist",
+        "docs/a.md:2: names tests/test_old.py, which does not exist (now tests/engine/test_old.py?)",
+        "docs/a.md:2: names engine/gone.py, which does not exist",
+        "docs/a.md:5: names tests/nothing/test_*.py, which does not exist",
+        "docs/a.md:7: names dgemma/new/y.py, which does not exist",
+        "dgemma/kernels/cpu.py:3: names openai/z.py, which does not exist",
+        "dgemma/kernels/cpu.py:6: names scripts/gone.py, which does not exist",
+    ], found
+    without = checks.stale_paths(tmp_path, renames={}, new=frozenset())  # the in-flight names pass only by the lists
+    assert [f for f in without if f not in found] == [
+        "docs/a.md:7: names dgemma/new/x.py, which does not exist (now dgemma/old/x.py?)",
+        "docs/a.md:7: names dgemma/added.py, which does not exist",
+        "docs/a.md:7: names dgemma/old/w.py, which does not exist (now dgemma/new/w.py?)",
+    ], without

@@ -110,7 +110,7 @@ def test_serve_answers_its_first_request_without_the_test_extras():
         assert reply.json()["choices"][0]["text"]
         assert server.alive and "Traceback" not in server.output
         tokens = reply.json()["usage"]["completion_tokens"]
-        # the server's line a request (http/request_log.py), on by default
+        # the server's line a request (serve/http/request_log.py), on by default
         assert wait_until(
             lambda: re.search(rf"127\.0\.0\.1 POST /v1/completions 200 {tokens} tokens [\d.]+ s", server.output)
         )

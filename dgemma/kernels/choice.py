@@ -57,7 +57,7 @@ def native_bf16() -> bool:
     not, to run (and measure) the widened path on a machine that has it."""
     if os.environ.get("DGEMMA_CPU_BF16", "1") == "0":
         return False
-    return bool({"avx512_bf16", "amx_bf16"} & native._cpu_flags())
+    return bool({"avx512_bf16", "amx_bf16"} & native.cpu_flags())
 
 
 def cpu_network(dtype: torch.dtype) -> str:

@@ -175,12 +175,12 @@ def release_freed_memory() -> bool:
         return False
 
 
-def _tree_copy(module: nn.Module) -> nn.Module:
+def tree_copy(module: nn.Module) -> nn.Module:
     """A copy of the module tree that shares every parameter and buffer with the original."""
     clone = copy.copy(module)
     clone._parameters = dict(module._parameters)
     clone._buffers = dict(module._buffers)
-    clone._modules = {name: _tree_copy(child) for name, child in module._modules.items()}
+    clone._modules = {name: tree_copy(child) for name, child in module._modules.items()}
     return clone
 
 
@@ -216,18 +216,18 @@ def _fast_module(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def _has_hooks(module: nn.Module) -> bool:
+def has_hooks(module: nn.Module) -> bool:
     """Something (a LoRA adapter, a user's hook) acts on this module's calls: keep it as it is."""
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def _swap_in(module: nn.Module, replacement=_fast_module) -> None:
+def swap_in(module: nn.Module, replacement=_fast_module) -> None:
     """Replace children in place by `replacement(child)` where it gives one; a replaced module's
     own children are not visited (nor packed twice)."""
     for name, child in module._modules.items():
-        fast = None if _has_hooks(child) else replacement(child)
+        fast = None if has_hooks(child) else replacement(child)
         if fast is None:
-            _swap_in(child, replacement)
+            swap_in(child, replacement)
         else:
             module._modules[name] = fast
 
@@ -235,8 +235,8 @@ def _swap_in(module: nn.Module, replacement=_fast_module) -> None:
 @torch.no_grad()
 def packed_modules(module: nn.Module) -> nn.Module:
     """A copy of a module tree with packed linears, MLPs, experts and norms (sharing the weights)."""
-    fast = _tree_copy(module)
-    _swap_in(fast)
+    fast = tree_copy(module)
+    swap_in(fast)
     return fast
 
 
@@ -256,8 +256,8 @@ def _widened_module(module: nn.Module) -> nn.Module | None:
 def widened_copy(net: DiffusionGemma) -> DiffusionGemma:
     """A bf16 model run in float32 with its weights left in bf16 (kernels/widened.py): what a CPU
     without native bf16 runs instead of torch's slow bf16 GEMMs or a float32 copy of the model."""
-    fast = _tree_copy(net)
-    _swap_in(fast, _widened_module)
+    fast = tree_copy(net)
+    swap_in(fast, _widened_module)
     fast.embed_tokens = widened.WidenedEmbedding(net.embed_tokens)
     fast.lm_head_kernel = widened.WidenedLinear(net.embed_tokens.weight)
     fast.soft_embed_kernel = widened.WidenedSoftEmbed(net.embed_tokens.weight)

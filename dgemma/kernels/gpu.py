@@ -36,7 +36,7 @@ from torch import nn
 
 from ..model.diffusion_gemma import Attention, DiffusionGemma, Experts, Layer
 from . import triton_layer, triton_moe, triton_norms, triton_quant
-from .cpu import _has_hooks, _swap_in, _tree_copy
+from .cpu import has_hooks, swap_in, tree_copy
 
 
 # ------------------------------------------------------------------- the unfused swaps (LoRA)
@@ -172,7 +172,7 @@ def fusable(net: DiffusionGemma) -> bool:
 
     kinds = (nn.Linear, QuantLinear)
     for layer in net.layers:
-        if type(layer) is not Layer or any(_has_hooks(m) for m in layer.modules()):
+        if type(layer) is not Layer or any(has_hooks(m) for m in layer.modules()):
             return False
         a, mlp = layer.self_attn, layer.mlp
         if type(a) is not Attention or type(mlp) is not DenseMLP or type(layer.experts) not in (Experts, QuantExperts):
@@ -184,7 +184,7 @@ def fusable(net: DiffusionGemma) -> bool:
             return False
     sc = net.self_conditioning
     return (
-        not _has_hooks(net)
+        not has_hooks(net)
         and type(sc) is SelfConditioning
         and all(type(m) is nn.Linear for m in (sc.gate_proj, sc.up_proj, sc.down_proj))
     )
@@ -222,7 +222,7 @@ class FusedLayer(nn.Module):
         layer, a = self.layer, self.layer.self_attn
         spec, eps = self.spec, layer.input_layernorm.eps
         cos, sin, rope_col = tables
-        # a pass whose keys and values the q|k|v kernel writes into the pool (engine/ar.py's one token a row)
+        # a pass whose keys and values the q|k|v kernel writes into the pool (engine/device/ar.py's one token a row)
         pools = cache_pass.pool_writes(index, spec.kind) if hasattr(cache_pass, "pool_writes") else None
         q, k, v = triton_layer.qkv_norm_rope(
             linear(x, self.qkv),
@@ -339,7 +339,7 @@ class FusedGemma(DiffusionGemma):
 @torch.no_grad()
 def fused_network(net: DiffusionGemma) -> FusedGemma:
     """The fused copy of `net` (sharing every tensor; q|k|v and gate|up fused in place)."""
-    fast = _tree_copy(net)
+    fast = tree_copy(net)
     fast.__class__ = FusedGemma  # the same module tree, the fused encode / decode
     fast._rope_side_by_side = {}
     norms = [layer.input_layernorm.weight for layer in net.layers[1:]] + [net.norm.weight]
@@ -356,7 +356,7 @@ def triton_modules(net: DiffusionGemma) -> DiffusionGemma:
     modules with hooks (LoRA adapters) stay as they are."""
     if fusable(net):
         return fused_network(net)
-    fast = _tree_copy(net)
+    fast = tree_copy(net)
     for layer in fast.layers:
-        _swap_in(layer, _triton_module)
+        swap_in(layer, _triton_module)
     return fast

@@ -87,7 +87,7 @@ def cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or "unknown CPU"
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     """The CPU's feature flags. `DGEMMA_CPU_ISA=avx2` hides AVX-512 and AMX, so that dgemma picks
     every kernel as on an AVX2-only CPU (to measure that path on a newer one: scripts/cpu_speed.py)."""
     flags = set((_cpuinfo("flags") or "").split())
@@ -302,7 +302,7 @@ class OnDemand:
         """One step towards the kernels: import a built library, build it here, start or look at
         the background builder. Called under the lock."""
         if self._builder is None:
-            missing = self.cpu_flags - _cpu_flags()
+            missing = self.cpu_flags - cpu_flags()
             if missing:  # (debug: what runs is what is said, cpu.describe; not what does not)
                 log.debug("dgemma's %s do not run here: this CPU lacks %s", self.what, ", ".join(sorted(missing)))
             if missing or build_policy() == "off":
@@ -475,7 +475,7 @@ def amx(wait: bool | None = None) -> ModuleType | None:
 @functools.cache
 def amx_runs(module: ModuleType) -> bool:
     """This CPU has AMX and the OS grants this process its tile state (asked once)."""
-    if AMX_FLAGS - _cpu_flags():
+    if AMX_FLAGS - cpu_flags():
         return False
     if not module.amx_init():
         log.warning("AMX kernels off: the OS refused AMX tile state to this process")

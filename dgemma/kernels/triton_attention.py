@@ -229,7 +229,7 @@ def pick_blocks(rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int,
     D <= 128: 64 x 64, 4 warps, 3 stages (~230 registers, 112 KiB shared at D = 128);
     D = 256: 64 x 32, 8 warps, 3 stages (177-191 registers, 128 KiB); D = 512: 32 x 32, 8 warps,
     2 stages (174-186, 98 KiB; 64 rows spill: 232 bytes at 255 registers, and 192 KiB shared).
-    tests/test_triton_compile.py compiles the released model's (D = 256 and 512, each split
+    tests/kernels/test_triton_compile.py compiles the released model's (D = 256 and 512, each split
     count) for sm90 and fails on a spill. float32 (ieee products, no tensor cores: a correctness
     path) 16 x 16. tl.dot needs every dimension >= 16; the interpreter uses 16 x 16."""
     if INTERPRETED:

@@ -22,7 +22,7 @@ Rounding. Every value torch rounds to the model's dtype is rounded here at the s
 round to nearest even in float32, then an exact cast), and computed in float32 between, as torch
 computes each op in float32 and rounds its result. So a bf16 output equals torch's chain but for
 float32 rounding inside a norm (a sum's order, rsqrt vs pow): within 1 bf16 ulp in practice
-(tests/test_triton_norms.py). float32 models round nowhere.
+(tests/kernels/test_triton_norms.py). float32 models round nowhere.
 
 Rows are `BLOCK_H` = next_power_of_two(hidden) wide (4096 for the released 2816, masked).
 """

@@ -183,4 +183,4 @@ def rank_main(load: Callable, spec: str) -> int:
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # gloo's threads can abort the interpreter's teardown (tests/fsdp_worker.py says why)
+    os._exit(0)  # gloo's threads can abort the interpreter's teardown (tests/train/fsdp_worker.py says why)

@@ -315,7 +315,7 @@ def test_what_the_kernel_does_not_take_goes_to_torch(dtype):
 
 
 def test_extension_is_off_without_avx2_or_when_switched_off(monkeypatch, caplog):
-    monkeypatch.setattr(avx512, "_cpu_flags", lambda: {"avx", "sse4_2", "f16c"})  # native.py: where avx2.py asks
+    monkeypatch.setattr(avx512, "cpu_flags", lambda: {"avx", "sse4_2", "f16c"})  # native.py: where avx2.py asks
     with caplog.at_level("DEBUG", logger="dgemma"):
         assert dataclasses.replace(avx2.KERNELS).module(wait=True) is None
     assert "lacks avx2, fma" in caplog.text  # at debug level only: what runs is what is said (cpu.describe)

@@ -194,7 +194,7 @@ def test_a_failed_build_or_dgemma_native_0_falls_back_with_one_line(monkeypatch,
     import torch.utils.cpp_extension as cpp
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # not the session's build (imported as it is)
-    monkeypatch.setattr(native, "_cpu_flags", lambda: native.AVX512_FLAGS | native.AMX_FLAGS)
+    monkeypatch.setattr(native, "cpu_flags", lambda: native.AVX512_FLAGS | native.AMX_FLAGS)
 
     def broken_build(*args, **kwargs):
         raise RuntimeError(
@@ -214,9 +214,9 @@ def test_dgemma_cpu_isa_avx2_picks_kernels_as_an_avx2_only_cpu(monkeypatch):
     AVX2 kernels' flags kept."""
     from dgemma.kernels import avx2, choice
 
-    real = native._cpu_flags()
+    real = native.cpu_flags()
     monkeypatch.setenv("DGEMMA_CPU_ISA", "avx2")
-    flags = native._cpu_flags()
+    flags = native.cpu_flags()
     assert not {f for f in flags if f.startswith(("avx512", "amx"))}
     assert (real & avx2.CPU_FLAGS) <= flags  # the AVX2 dequantisation / GEMM kernels still run
     assert dataclasses.replace(native.KERNELS).module(wait=True) is None and not choice.native_bf16()
