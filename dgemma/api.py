@@ -112,12 +112,12 @@ class Model:
         eos_token_ids: tuple[int, ...],
     ):
         """AR mode's events (a `Block` of one token per row per step): on the engine's Triton path
-        (a GPU) the device loop of engine/device/ar.py, one captured graph a token; elsewhere
+        (a GPU) the device loop of engine/fused/ar.py, one captured graph a token; elsewhere
         dense/ar.py's loop on the engine's network."""
         self._outside_the_engine("mode='ar'")
         on_gpu_path = self.engine_options.triton or (self.engine_options.triton is None and self.device.type == "cuda")
         if on_gpu_path and self.engine.runner.triton:
-            from .engine.device.ar import device_ar_events
+            from .engine.fused.ar import device_ar_events
 
             return device_ar_events(self.engine, prompt_ids, max_new_tokens, temperature, seeds, eos_token_ids)
         from .dense.ar import ar_events
@@ -134,7 +134,7 @@ class Model:
     @property
     def engine_input_net(self) -> DiffusionGemma:
         """The network an Engine with this model's options is given: the model's own on the Triton
-        path (which makes its own fused copy, kernels/gpu.py; a CPU's widened copy computes in
+        path (which makes its own fused copy, kernels/fused.py; a CPU's widened copy computes in
         float32 what the kernels read in bf16), `engine_net` otherwise."""
         return self.net if self.engine_options.triton else self.engine_net
 

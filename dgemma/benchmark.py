@@ -306,7 +306,7 @@ class _RunClock:
 def _run_ar(model, prompts, new_tokens: int, progress: Callable[[int], None] | None) -> RunResult:
     """One timed AR generation (greedy, one token per row per step: every step is an encoder
     pass, so `encoder_seconds` is 0 and ms_per_step the time a token takes), through
-    Model.ar_events: on a GPU the captured device loop (engine/device/ar.py)."""
+    Model.ar_events: on a GPU the captured device loop (engine/fused/ar.py)."""
     device = model.device
     clock = _RunClock(device, len(prompts), progress)
     _reset_peak(device)

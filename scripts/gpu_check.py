@@ -91,9 +91,9 @@ from dgemma.benchmark import BenchEngine, bench_kv_memory, random_weights, run_d
 from dgemma.config import GenerationConfig  # noqa: E402
 from dgemma.dense.kv_cache import DenseKVCache  # noqa: E402
 from dgemma.engine import sampler  # noqa: E402
-from dgemma.engine.device.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
-from dgemma.engine.device.step import eager_step, run_step  # noqa: E402
 from dgemma.engine.engine import Engine, EngineOptions  # noqa: E402
+from dgemma.engine.fused.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
+from dgemma.engine.fused.step import eager_step, run_step  # noqa: E402
 from dgemma.engine.options import DEFAULT_PREFILL_CHUNK  # noqa: E402
 from dgemma.engine.prefill import prefill  # noqa: E402
 from dgemma.kernels import triton_layer, triton_step  # noqa: E402
@@ -258,7 +258,7 @@ def compare(got, want) -> tuple[float, float]:
 
 
 def requests_at(net, kvs, canvas, soft, seed: int) -> list:
-    """Requests as the device step reads them (engine/device/inputs.py, device_step.py): row i of
+    """Requests as the device step reads them (engine/fused/inputs.py, device_step.py): row i of
     `canvas` / `soft` after prefix kvs[i], mid-block, no history, nothing fixed."""
     gen = GenerationConfig(max_denoising_steps=16)
     return [
@@ -308,8 +308,8 @@ def paged_vs_gathered(device: torch.device) -> tuple[float, float]:
         canvas = torch.randint(0, cfg.vocab_size, (n, c), generator=g).to(device)
         soft = (torch.randn(n, c, cfg.hidden_size, generator=g) * 0.1).to(device)
         temps = (torch.rand(n * c, 1, generator=g) + 0.2).to(device)
-        paged = runner.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(c, group))
-        found.append(compare(paged, runner.decoder_step(canvas, soft, temps, runner.cache.plan_decoder(c, group))))
+        paged = runner.ops.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(c, group))
+        found.append(compare(paged, runner.ops.decoder_step(canvas, soft, temps, runner.cache.plan_decoder(c, group))))
     return min(a for a, _ in found), max(d for _, d in found)
 
 
@@ -343,16 +343,16 @@ def engine_step_and_graphs(device: torch.device) -> None:
         soft = (torch.randn(n, c, cfg.hidden_size, generator=g) * 0.1).to(device, net.dtype)
         allowed = random_masks(n * c, cfg.vocab_size, g).to(device) if masked else None
         reqs = requests_at(net, group, canvas, soft, k)
-        out = graphs.run(runner, reqs, allowed)
+        out = graphs.run(runner.ops, reqs, allowed)
         if out is None:  # a FAIL with the capture's error, not a comparison with nothing
             reason = graphs.failures.get((bucket, masked))
             missing[masked] = f"the {bucket}-row {'masked ' if masked else ''}bucket did not capture: {reason}"
             continue
         replayed = device_outputs([t.clone() for t in out], n, c)
-        own.append(compare(replayed, device_outputs(eager_step(runner, reqs, allowed), n, c)))
+        own.append(compare(replayed, device_outputs(eager_step(runner.ops, reqs, allowed), n, c)))
         if device.type == "cuda" or masked:
             entry = graphs.steps[(bucket, masked)]
-            same.append(compare(replayed, device_outputs(run_step(runner, entry.static), n, c)))
+            same.append(compare(replayed, device_outputs(run_step(runner.ops, entry.static), n, c)))
         if masked:
             picked = replayed[0].reshape(-1).cpu()
             banned = int((((allowed.cpu()[torch.arange(n * c), picked // 32] >> (picked % 32)) & 1) == 0).sum())
@@ -503,7 +503,7 @@ def median_ms(step, iters: int, device: torch.device, seconds: float = 0.0) -> f
 def step_ms(
     engine: Engine, kv, batch: int, graphs: bool, iters: int, buckets: DecoderGraphs | None = None, seconds: float = 0.0
 ) -> float:
-    """Median ms per decoder step (engine/device/step.py: its inputs' copy, the pass, LM head,
+    """Median ms per decoder step (engine/fused/step.py: its inputs' copy, the pass, LM head,
     statistics, self-conditioning input, sampling and decisions) of `batch` canvases after the
     prefix `kv` (rows share it: a decoder pass only reads the cache), eager or replaying a CUDA graph (`buckets`' graph of that batch, captured on first use; a
     capture that fails raises with its reason: never a timing of nothing)."""
@@ -527,7 +527,7 @@ def decoder_step(engine: Engine, kv, batch: int, graphs: bool, buckets: DecoderG
         )
 
         def step():
-            out = buckets.run(runner, group)
+            out = buckets.run(runner.ops, group)
             if out is None:  # not a timing of nothing
                 key = (buckets.bucket(batch), False)
                 raise RuntimeError(f"no CUDA graph for batch {batch}: {buckets.failures.get(key, 'not captured')}")
@@ -536,7 +536,7 @@ def decoder_step(engine: Engine, kv, batch: int, graphs: bool, buckets: DecoderG
         return step
 
     def step():
-        return eager_step(runner, group, None)
+        return eager_step(runner.ops, group, None)
 
     if device.type == "cuda":
         without_host_sync(step, f"the eager step at batch {batch}")

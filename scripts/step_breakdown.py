@@ -65,9 +65,10 @@ def main() -> None:
         engine.step()
     totals: dict[str, float] = {}
     net.decode = timed(totals, "decoder pass", net.decode)
-    engine.runner.decoder_step = timed(totals, "decoder step", engine.runner.decoder_step)
-    engine.runner._decide = timed(totals, "sampler decisions", engine.runner._decide)  # on the device
-    engine.runner._results = timed(totals, "sampler decisions", engine.runner._results)  # the host's read
+    ops, host = engine.runner.ops, engine.runner.host
+    ops.decoder_step = timed(totals, "decoder step", ops.decoder_step)
+    host.decide = timed(totals, "sampler decisions", host.decide)  # on the device
+    host.results = timed(totals, "sampler decisions", host.results)  # the host's read
     module_kinds = ("self_attn", "mlp", "router", "experts") if args.modules else ()
     for layer in net.layers:
         for kind in module_kinds:

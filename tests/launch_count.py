@@ -206,7 +206,7 @@ def count_launches(net=None):
     launches = Launches()
     counter = _Counter(launches)
     hooks = []
-    if net is not None:  # the fused network's layers (kernels/gpu.py) or the torch ones
+    if net is not None:  # the fused network's layers (kernels/fused.py) or the torch ones
         for i, layer in enumerate(getattr(net, "fused_layers", None) or net.layers):
             hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "region", f"layer {i}")))
             hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "region", "outside")))
@@ -403,9 +403,9 @@ def encode_launches(net, prompt: int = 512) -> Launches:
 
 
 def ar_token_launches(net, prompt: int = 512, rows: int = 1) -> Launches:
-    """The launches of one AR token on the device path (engine/device/ar.py): the captured step
+    """The launches of one AR token on the device path (engine/fused/ar.py): the captured step
     (one replay) and the host's work of a read-back batch of one token (block tables up, the read)."""
-    from dgemma.engine.device.ar import device_ar_events
+    from dgemma.engine.fused.ar import device_ar_events
     from host_sync import count_host_reads
 
     with h200():
@@ -440,7 +440,7 @@ PINNED = {
     ("int4", 1): (14, 19, 439),
     ("nvfp4", 1): (14, 19, 439),
 }
-# a turbo pass on the device path (engine/device/turbo.py), its row bucket C/8 (what the meta
+# a turbo pass on the device path (engine/fused/turbo.py), its row bucket C/8 (what the meta
 # device's zero reads give): at batch 8 the attention splits the prefix of the fewer query rows
 # (+1 a layer, the splits' combine)
 TURBO_PINNED = {1: (13, 28, 418), 8: (14, 28, 448)}

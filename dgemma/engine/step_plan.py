@@ -1,6 +1,6 @@
 """What one engine step hands between the scheduler and the runner: the scheduler's `StepPlan`
 (the encoder work, then the canvases that take a decoder pass), the runner's `DecodeResult` for
-each canvas, and the `EngineStats` both count into. scheduler.py, runner.py and turbo_step.py
+each canvas, and the `EngineStats` both count into. scheduler.py, runner.py and the decode paths
 import these; none of them imports another for them.
 """
 

@@ -57,7 +57,7 @@ class TurboState:
     passes: int = 0
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     rested: torch.Tensor | None = None
-    slot: int | None = None  # on the device path: its canvas K/V slot (engine/device/turbo.py)
+    slot: int | None = None  # on the device path: its canvas K/V slot (engine/fused/turbo.py)
     active: tuple[int, int] | None = None  # ... and the next pass's computed positions, resting allowed and not
 
     @classmethod

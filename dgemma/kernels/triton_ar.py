@@ -1,4 +1,4 @@
-"""AR mode's kernels on a GPU (engine/device/ar.py's captured token step): the greedy token,
+"""AR mode's kernels on a GPU (engine/fused/ar.py's captured token step): the greedy token,
 each row's one-token pass over the paged pool, and the step's advance, all on the device so the
 host reads tokens only once a read-back batch."""
 

@@ -1,7 +1,7 @@
 """The MoE block of the fused layer in Triton: router top-k and expert alignment; the expert GEMMs
 are kernels/triton_quant.py's `gemm` (every weight format), with rows gathered and scattered in place.
 
-The block of a layer in four launches (kernels/gpu.py calls `router_topk`, then `moe`):
+The block of a layer in four launches (kernels/fused.py calls `router_topk`, then `moe`):
 
     router_topk   router logits (the [T, H] x [H, E] GEMM, rounded as torch's output), float32
                   softmax, top-k (the largest first, the lower expert id first among equals),

@@ -1,5 +1,5 @@
-"""The sampler's full-vocabulary work on a GPU, in Triton: what `runner.decoder_step` and
-`runner._decide` do with torch ops over the [rows, vocab] logits.
+"""The sampler's full-vocabulary work on a GPU, in Triton: what `StepOps.decoder_step` and
+host/step.py's `decide` do with torch ops over the [rows, vocab] logits.
 
 Each denoising step reads the LM head's output (rows = canvas positions, vocab 262144 on the
 released model: 256 MB per canvas in float32) and needs, per row, the argmax, the entropy at the
@@ -232,7 +232,7 @@ if HAVE_TRITON:
         C, vocab,
         HAS_FIXED: tl.constexpr, MAX_STABILITY: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
-        """One request's sampler decisions after its pass (runner._decide, sampler.py): entropy-bound
+        """One request's sampler decisions after its pass (engine/host/step.py's `decide`, sampler.py): entropy-bound
         acceptance over the free positions, the next canvas (accepted: the sampled token; else its
         Philox noise token; fixed: the fixed one), the stopping rule (stable over the last
         `stability` argmax canvases, mean entropy of the free positions below the threshold) and
@@ -449,7 +449,7 @@ def decide(
     history: torch.Tensor,
     vocab: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The sampler's decisions for n canvases in one launch: runner._decide's entropy-bound
+    """The sampler's decisions for n canvases in one launch: host/step.py's `decide`: its entropy-bound
     acceptance, re-noising (each request's Philox noise tokens, as `philox_draws`), fixed
     positions and stopping rule. entropy [n, C] float32, argmax / sampled [n, C] int64, fixed
     [n, C] int (-1 free) or None, bounds / confidence [n] float32, stability [n] int32 (at most

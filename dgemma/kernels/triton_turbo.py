@@ -1,7 +1,7 @@
-"""Turbo denoising's decisions on a GPU (engine/device/turbo.py's captured step): which canvas
+"""Turbo denoising's decisions on a GPU (engine/fused/turbo.py's captured step): which canvas
 positions a pass computes, and the sampler's and the freeze rule's decisions after it, one
 program a canvas, no host sync. The rules are engine/turbo.py's (`dormant`, `freeze`) and
-engine/turbo_step.py's (`_decide`), written over [C] vectors in one kernel each:
+engine/host/step.py's (`decide`, with engine/host/turbo.py's `decide_request`), written over [C] vectors in one kernel each:
 
 - `turbo_plan`: the positions resting this pass (`dormant`: still noise, above the request's
   rest threshold, not resting last pass; none when every position not frozen would), those

@@ -158,7 +158,7 @@ def test_sampling_every_position_gives_the_same_tokens(ref_gqa):
     outs = []
     for sample_all in (False, True):
         engine = Engine(model.net)
-        engine.runner.sample_all_positions = sample_all
+        engine.runner.ops.sample_all_positions = sample_all
         finished = run_engine(engine, [Request(p, cfg, seed) for seed, p in enumerate(PROMPTS[:2])])
         outs.append([finished[i].tokens for i in range(2)])
     assert outs[0] == outs[1]

@@ -67,12 +67,12 @@ def test_bench_flags_say_their_defaults_and_explicit_flags_beat_the_preset():
 @pytest.mark.slow
 @pytest.mark.triton
 def test_encoder_seconds_cover_every_prefill_and_commit_pass_of_the_triton_network(monkeypatch):
-    """With the Triton kernels the runner runs a copy of the model (kernels/gpu.py): a timer on
+    """With the Triton kernels the runner runs a copy of the model (kernels/fused.py): a timer on
     `engine_net.encode` never fired and encoder_seconds was 0, so ms_per_step held prefill and
     the commits. Every encode pass the runner makes is now inside encoder_seconds."""
     model = random_model("test", "cpu", torch.bfloat16)
     model.configure_engine(triton=True, batch_invariant=False)
-    from dgemma.kernels.gpu import FusedGemma
+    from dgemma.kernels.fused import FusedGemma
 
     passes = []
 
@@ -85,7 +85,7 @@ def test_encoder_seconds_cover_every_prefill_and_commit_pass_of_the_triton_netwo
 
         return timed_encode
 
-    # the runner's copy: the fused network where the fused layers serve the model (kernels/gpu.py),
+    # the runner's copy: the fused network where the fused layers serve the model (kernels/fused.py),
     # else the model's class with the Triton modules swapped in
     for cls in (DiffusionGemma, FusedGemma):
         monkeypatch.setattr(cls, "encode", timed(cls.__dict__["encode"]))

@@ -1,4 +1,4 @@
-"""AR mode on the engine's GPU path (engine/device/ar.py), on CPU: the fused network and the Triton
+"""AR mode on the engine's GPU path (engine/fused/ar.py), on CPU: the fused network and the Triton
 kernels under the interpreter, the captured step replayed eagerly; host syncs and launches proved
 on the meta device at the released size (tests/host_sync.py, tests/launch_count.py)."""
 
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.triton
 
 import dgemma  # noqa: E402
 from dgemma.dense.ar import ar_events  # noqa: E402
-from dgemma.engine.device import ar as device_ar  # noqa: E402
-from dgemma.engine.device.ar import device_ar_events  # noqa: E402
 from dgemma.engine.events import Block  # noqa: E402
+from dgemma.engine.fused import ar as device_ar  # noqa: E402
+from dgemma.engine.fused.ar import device_ar_events  # noqa: E402
 from host_sync import count_host_reads, no_host_sync, stub_triton_launches  # noqa: E402
 from launch_count import PINNED, ar_token_launches, counting_capture, h200, meta_engine, released_net  # noqa: E402
 

@@ -191,8 +191,8 @@ def test_fixed_tokens_never_change_and_masked_tokens_are_never_sampled(ref_gqa, 
     )
     engine = Engine(model.engine_net)
     if statistics == "torch":
-        engine.runner.native = None
-    elif engine.runner.native is None:
+        engine.runner.ops.native = None
+    elif engine.runner.ops.native is None:
         pytest.skip("the native kernels do not run on this CPU (no AVX-512 BF16); the torch case covers the rest")
     # every free position is accepted every step (huge bound): the canvas after a step is all samples
     req = Request(

@@ -1,4 +1,4 @@
-"""engine/device/graphs.py on a CPU: the CUDA-graph buckets of the decoder step.
+"""engine/fused/graphs.py on a CPU: the CUDA-graph buckets of the decoder step.
 
 A real capture needs CUDA (scripts/gpu_check.py). Here `cuda_capture` runs against fakes of
 torch.cuda's stream, graph and pool calls (enough to show which stream is current after a capture
@@ -15,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dgemma.engine.device.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
+from dgemma.engine.fused.graphs import DecoderGraphs, cuda_capture, eager_capture  # noqa: E402
 
 
 # ------------------------------------------------------------------ cuda_capture against fakes
@@ -200,7 +200,7 @@ def engine():
 
 
 def requests(engine, kvs, seed: int, allowed: torch.Tensor | None = None) -> list:
-    """Requests mid-canvas as the device step reads them (engine/device/inputs.py, device_step.py):
+    """Requests mid-canvas as the device step reads them (engine/fused/inputs.py, device_step.py):
     a random canvas and self-conditioning input, their own seeds, steps and stop histories."""
     from dgemma.config import GenerationConfig
 
@@ -256,9 +256,9 @@ def assert_same(replayed, eager, n: int):
 
 
 def eager_step(engine, group, allowed=None):
-    from dgemma.engine.device.step import eager_step as step
+    from dgemma.engine.fused.step import eager_step as step
 
-    return step(engine.runner, group, allowed)
+    return step(engine.runner.ops, group, allowed)
 
 
 @pytest.mark.slow
@@ -267,7 +267,7 @@ def test_a_failed_bucket_runs_eagerly_and_the_others_keep_replaying(engine, capl
     """A capture that fails for the 2-row bucket only: that bucket returns None (eager) for good,
     logged once with the reason and recorded in `failures`; bucket 1 keeps replaying, and its
     replay is the eager device step (decisions and histories included)."""
-    runner, rows = engine.runner, engine.rows
+    runner, rows = engine.runner.ops, engine.rows
     attempts = []
 
     def flaky(step, graphs):
@@ -296,7 +296,7 @@ def test_masked_and_unmasked_steps_replay_in_their_own_graphs(engine):
     """A request with allowed-token masks replays a masked graph (its padded row allows every
     token) and equals the eager masked step; an unmasked group in the same bucket afterwards gets
     its own graph and equals the eager unmasked step (padding rows: other groups' sizes)."""
-    runner, rows = engine.runner, engine.rows
+    runner, rows = engine.runner.ops, engine.rows
     graphs = DecoderGraphs(buckets=(2,), capture=eager_capture)
     c = runner.config.canvas_length
     allowed = random_masks(engine, c, 5)

@@ -24,8 +24,8 @@ pytest.importorskip("triton", reason="triton is an optional (Linux) test depende
 
 from dgemma.config import GenerationConfig
 from dgemma.engine.constraints import CanvasConstraints
-from dgemma.engine.device.graphs import DecoderGraphs, eager_capture
 from dgemma.engine.engine import Engine, EngineOptions, Request
+from dgemma.engine.fused.graphs import DecoderGraphs, eager_capture
 from dgemma.engine.step_plan import DecodeResult
 from dgemma.model.checkpoint import make_config
 from dgemma.model.diffusion_gemma import DiffusionGemma
@@ -72,7 +72,7 @@ def add_requests(engine: Engine) -> list[Request]:
 
 
 def forced_results(group, decisions) -> list[DecodeResult]:
-    """What `Runner._results` gives, with every block ending (the meta device holds no values):
+    """What `HostPath.results` gives, with every block ending (the meta device holds no values):
     the next step then encodes each committed block."""
     c = decisions.canvas.shape[1]
     return [
@@ -96,17 +96,17 @@ def test_engine_steps_make_no_host_sync(scheme):
             with no_host_sync("non_blocking") as guard:
                 runner._encode(plan.encode)
                 results = []
-                for group in runner._groups(plan.decode):
+                for _, group in runner.groups(plan.decode):
                     canvas = torch.stack([r.canvas for r in group])
                     temps, soft, allowed = (
-                        runner.temperatures(group),
-                        runner._soft_inputs(group),
-                        runner.allowed_masks(group),
+                        runner.ops.temperatures(group),
+                        runner.ops.soft_inputs(group),
+                        runner.ops.allowed_masks(group),
                     )
                     pass_plan = runner.cache.plan_canvas(engine.runner.config.canvas_length, [r.kv for r in group])
                     with no_host_sync("none"):  # the captured part
-                        outputs = runner.decoder_step(canvas, soft, temps, pass_plan, allowed)
-                    results += forced_results(group, runner._decide(group, *outputs))
+                        outputs = runner.ops.decoder_step(canvas, soft, temps, pass_plan, allowed)
+                    results += forced_results(group, runner.host.decide(group, *outputs))
             assert guard.h2d_copies > 0  # the guard saw the step's inputs go to the device
             encoded += len(plan.encode)
             decoded += len(results)
@@ -134,7 +134,7 @@ def test_prefix_encode_and_masked_decoder_step_make_no_host_sync(scheme):
             temps = torch.full((2 * c, 1), 0.7).to(DEVICE, non_blocking=True)
             soft = torch.zeros(2, c, cfg.hidden_size, dtype=torch.bfloat16, device=DEVICE)
         with no_host_sync("none"):
-            argmax, entropy, weights, total, soft_next = runner.decoder_step(canvas, soft, temps, plan, allowed)
+            argmax, entropy, weights, total, soft_next = runner.ops.decoder_step(canvas, soft, temps, plan, allowed)
     assert argmax.shape == (2, c) and weights.shape == (2 * c, cfg.vocab_size) and soft_next.dtype == torch.bfloat16
 
 
@@ -187,20 +187,20 @@ def assert_steady_reads(engine: Engine, per_step: int) -> None:
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_turbo_step_on_the_device_reads_once_and_its_pass_never_syncs(monkeypatch, graphs):
-    """Turbo requests on the device path (engine/device/turbo.py): the pass (what a graph
+    """Turbo requests on the device path (engine/fused/turbo.py): the pass (what a graph
     captures: the plan, the fused network over the computed rows, statistics, sampling, the
     decisions) makes no sync and no copy from the host, and a whole engine step reads the device
     once (stop flags and the next pass's counts together), whatever the batch."""
-    from dgemma.engine.device import turbo as device_turbo
+    from dgemma.engine.fused import turbo as device_turbo
 
     engine = meta_engine(None)
     if graphs:
         engine.runner.graphs = DecoderGraphs(buckets=(1, 2), capture=eager_capture)  # groups of 2 and 1
     real = device_turbo.run_turbo_step
 
-    def guarded(runner, step, active):
+    def guarded(ops, pool, step, active):
         with no_host_sync("none"):
-            return real(runner, step, active)
+            return real(ops, pool, step, active)
 
     monkeypatch.setattr(device_turbo, "run_turbo_step", guarded)
     cfg = engine.runner.config
@@ -246,16 +246,16 @@ def test_a_grammar_request_adds_only_its_own_reads():
             engine.step()  # prompts encoded, first passes (the grammar reads its first draft)
         for _ in range(2):
             plan = engine.scheduler.schedule()
-            groups = list(runner._groups(plan.decode))
+            groups = [group for _, group in runner.groups(plan.decode)]
             assert [[r.refines for r in g] for g in groups] == [[True], [False] * 3]  # the walk decides on the host
             group = groups[0]
             with no_host_sync("non_blocking"):
-                canvas, allowed = torch.stack([r.canvas for r in group]), runner.allowed_masks(group)
-                temps, soft = runner.temperatures(group), runner._soft_inputs(group)
+                canvas, allowed = torch.stack([r.canvas for r in group]), runner.ops.allowed_masks(group)
+                temps, soft = runner.ops.temperatures(group), runner.ops.soft_inputs(group)
                 pass_plan = runner.cache.plan_canvas(c, [r.kv for r in group])
             assert allowed is not None
             with no_host_sync("none"):
-                runner.decoder_step(canvas, soft, temps, pass_plan, allowed)
+                runner.ops.decoder_step(canvas, soft, temps, pass_plan, allowed)
             with count_host_reads() as reads:  # the whole step: the plain rows' stop flags, the grammar's own reads
                 engine.scheduler.update(plan, runner.run(plan))
             assert 3 <= reads.count <= 4, reads.where
@@ -265,14 +265,14 @@ def test_a_grammar_request_adds_only_its_own_reads():
 ROOT = Path(__file__).resolve().parents[2] / "dgemma"
 STEP_MODULES = [
     "engine/runner.py",
-    "engine/device/graphs.py",
+    "engine/fused/graphs.py",
     "engine/sampler.py",
     "engine/kv/paged_cache.py",
     "engine/prefill.py",
     "model/diffusion_gemma.py",
     "model/rope.py",
     "model/attention.py",
-    "kernels/gpu.py",
+    "kernels/fused.py",
     "kernels/triton_step.py",
     "kernels/triton_canvas.py",
     "kernels/triton_layer.py",
@@ -280,33 +280,37 @@ STEP_MODULES = [
     "kernels/triton_quant.py",
     "quant/modules.py",
     "engine/turbo.py",
-    "engine/turbo_step.py",
-    "engine/device/step.py",
-    "engine/device/inputs.py",
-    "engine/device/ar.py",
+    "engine/host/turbo.py",
+    "engine/host/step.py",
+    "engine/step_ops.py",
+    "engine/paths.py",
+    "engine/fused/step.py",
+    "engine/fused/inputs.py",
+    "engine/fused/ar.py",
     "kernels/triton_ar.py",
     "kernels/triton_turbo.py",
-    "engine/device/turbo.py",
+    "engine/fused/turbo.py",
     "kernels/triton_norms.py",
     "kernels/triton_moe.py",
 ]
 HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "bincount", "unique", "masked_select"}
 # (module, function): why it may read the device on the host
 ALLOWED = {
-    ("engine/runner.py", "_results"): "the step's one read: the stop flags",
-    ("engine/device/step.py", "device_group"): "the device step's one read: the stop flags",
-    ("engine/device/turbo.py", "turbo_group"): "the turbo step's one read: stop flags, the next pass's counts",
-    ("engine/device/ar.py", "_generate"): "AR: the prompt's first tokens, then one read of tokens per read-back batch",
-    ("engine/runner.py", "_refine"): "a grammar's walk runs on the host: constrained requests only",
-    ("engine/runner.py", "_sample"): "the CPU path samples only the accepted positions (nonzero on the host)",
+    ("engine/host/step.py", "results"): "the step's one read: the stop flags",
+    ("engine/fused/step.py", "run"): "the device step's one read: the stop flags",
+    ("engine/fused/turbo.py", "run"): "the turbo step's one read: stop flags, the next pass's counts",
+    ("engine/fused/ar.py", "_generate"): "AR: the prompt's first tokens, then one read of tokens per read-back batch",
+    ("engine/host/step.py", "_refine"): "a grammar's walk runs on the host: constrained requests only",
+    ("engine/host/step.py", "_sample"): "the CPU path samples only the accepted positions (nonzero on the host); "
+    "turbo: the sampled rows",
     ("model/diffusion_gemma.py", "grouped_matmul"): "torch's loop fallback where F.grouped_mm has no kernel (float32)",
     ("engine/sampler.py", "row_logprobs"): "log probabilities: only for requests asking (block ends, turbo freezes)",
     # turbo is opt-in and eager: its active rows set the pass's shapes, so the host must know them each pass
     ("engine/turbo.py", "query_rows"): "turbo: the rows this pass computes (a shape)",
     ("engine/turbo.py", "freeze"): "turbo: where a frozen end of answer lies",
-    ("engine/turbo_step.py", "turbo_step"): "turbo: the rows the sampler decides (their count is a shape)",
-    ("engine/turbo_step.py", "_decide"): "turbo: the sampled rows, the stop flag, the positions that froze",
-    ("engine/turbo_step.py", "_full_weights"): "turbo with a grammar: the frozen rows of the walk's weights",
+    ("engine/host/turbo.py", "turbo_step"): "turbo: the rows the sampler decides (their count is a shape)",
+    ("engine/host/turbo.py", "decide_request"): "turbo: the stop flag, the positions that froze",
+    ("engine/host/step.py", "turbo_rows"): "turbo with a grammar: the frozen rows of the walk's weights",
 }
 
 

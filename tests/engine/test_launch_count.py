@@ -3,8 +3,8 @@
 launches; block sizes, grids and split counts as on an H200), per layer and outside the layers.
 
 Each count is pinned as a ceiling (the counts of this commit): a change that adds a launch to the
-step fails here, and says where. Before the fused layer (kernels/gpu.py) and the device step
-(engine/device/step.py) a bf16 step took 3,452 launches at batch 1 (111-112 a layer, 97 outside)
+step fails here, and says where. Before the fused layer (kernels/fused.py) and the device step
+(engine/fused/step.py) a bf16 step took 3,452 launches at batch 1 (111-112 a layer, 97 outside)
 and 3,778 at batch 8; fp8 5,632; int4 and nvfp4 4,892.
 """
 

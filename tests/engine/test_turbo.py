@@ -11,11 +11,11 @@ import torch
 
 import dgemma
 from dgemma.config import ConfigError, TurboSettings
-from dgemma.engine import turbo_step as turbo_step_module
 from dgemma.engine.client import EngineClient
 from dgemma.engine.constraints import CanvasConstraints
 from dgemma.engine.engine import Engine, EngineOptions, Request
 from dgemma.engine.events import Block, Draft
+from dgemma.engine.host import turbo as host_turbo
 from dgemma.engine.kv.paged_cache import PagedKVCache, SequenceBlocks
 from dgemma.engine.prefill import prefill
 from dgemma.engine.turbo import TurboPass, TurboState, canvas_kv_bytes, dormant, freeze
@@ -252,15 +252,15 @@ def test_dormant_rule():
 def _recorded_decisions(monkeypatch):
     """Every turbo decision as (request, resting [C], result, (frozen before, a full pass, the block's
     last allowed pass))."""
-    seen, decide = [], turbo_step_module._decide
+    seen, decide = [], host_turbo.decide_request
 
-    def spy(runner, r, live, resting, *args):
+    def spy(ops, r, live, resting, *args):
         before = (r.turbo.frozen.clone(), r.turbo.passes == 0, r.block_ends(False))
-        res = decide(runner, r, live, resting, *args)
+        res = decide(ops, r, live, resting, *args)
         seen.append((r, resting.clone(), res, before))
         return res
 
-    monkeypatch.setattr(turbo_step_module, "_decide", spy)
+    monkeypatch.setattr(host_turbo, "decide_request", spy)
     return seen
 
 

@@ -124,11 +124,11 @@ def test_engine_step_with_native_statistics_matches_the_torch_step(ref_gqa):
     for use_native in (True, False):
         engine = Engine(net)
         runner = engine.runner
-        assert runner.native is not None
-        runner.native = runner.native if use_native else None
+        assert runner.ops.native is not None
+        runner.ops.native = runner.ops.native if use_native else None
         kv = engine.encode_prefix(prompt)
         plan = runner.cache.plan_decoder(model.config.canvas_length, [kv])
-        outputs.append(runner.decoder_step(canvas, soft, temps, plan))
+        outputs.append(runner.ops.decoder_step(canvas, soft, temps, plan))
     (argmax, entropy, weights, total, soft_next), (argmax_t, entropy_t, weights_t, total_t, soft_next_t) = outputs
     assert torch.allclose(total, total_t, rtol=1e-5)
     assert torch.equal(argmax, argmax_t)

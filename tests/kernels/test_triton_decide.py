@@ -1,7 +1,7 @@
 """The sampler's decisions in Triton (kernels/triton_step.py `decide`, `sample_drawn`), run on CPU
 by Triton's interpreter, against the torch code they replace in the runner: entropy-bound
 acceptance, sampling from the request's Philox stream, re-noising, fixed positions, the stopping
-rule and its history (engine/sampler.py, runner._decide)."""
+rule and its history (engine/sampler.py, engine/host/step.py's `decide`)."""
 
 import os
 
@@ -35,7 +35,7 @@ def test_sample_drawn_is_philox_draws_then_sample_rows():
 
 
 def torch_decisions(entropy, argmax, sampled, noise, fixed, bounds, conf, stability, histories):
-    """runner._decide's torch code for each request (no grammar): what the kernel must give."""
+    """host/step.py's `decide` (torch) for each request (no grammar): what the kernel must give."""
     free = None if fixed is None else fixed < 0
     accepted = sampler.entropy_bound_accept(entropy if free is None else entropy * free, bounds[:, None])
     if free is not None:

@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton is an optional (Linux) test depende
 pytestmark = pytest.mark.triton
 
 import dgemma  # noqa: E402
-from dgemma.engine.device.graphs import DecoderGraphs, eager_capture  # noqa: E402
+from dgemma.engine.fused.graphs import DecoderGraphs, eager_capture  # noqa: E402
 from dgemma.kernels import triton_canvas  # noqa: E402
 from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
@@ -77,7 +77,7 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
     each time, with padded rows) equal the eager device step on the same requests; its attention
     reading the pool in place equals gathered SDPA."""
     from dgemma.config import GenerationConfig
-    from dgemma.engine.device.step import eager_step
+    from dgemma.engine.fused.step import eager_step
 
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     engine = model.engine
@@ -105,8 +105,8 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
             )
             for i, kv in enumerate(group)
         ]
-        replayed = graphs.run(runner, reqs)
-        eager = eager_step(runner, reqs, None)
+        replayed = graphs.run(runner.ops, reqs)
+        eager = eager_step(runner.ops, reqs, None)
         for a, b in zip(replayed, eager):
             a = a[: b.shape[0]]
             assert a.shape == b.shape
@@ -116,13 +116,13 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
                 assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
         canvas = torch.stack([r.canvas for r in reqs])
         temps = torch.full((len(group) * c, 1), 0.7)
-        paged = runner.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(c, group))
-        gathered = runner.decoder_step(canvas, soft, temps, runner.cache.plan_decoder(c, group))
+        paged = runner.ops.decoder_step(canvas, soft, temps, runner.cache.plan_canvas(c, group))
+        gathered = runner.ops.decoder_step(canvas, soft, temps, runner.cache.plan_decoder(c, group))
         # vs SDPA: float32 rounding of another attention order (a near-tie of this random model may flip a token)
         assert (paged[0] == gathered[0]).float().mean() > 0.95
         assert torch.allclose(paged[4], gathered[4], rtol=1e-3, atol=1e-4 * max(1.0, gathered[4].abs().max().item()))
     assert list(graphs.captured) == [4]  # one capture served both groups
-    assert graphs.run(runner, [SimpleNamespace(kv=rows[0])] * 5) is None  # larger than the bucket: eager
+    assert graphs.run(runner.ops, [SimpleNamespace(kv=rows[0])] * 5) is None  # larger than the bucket: eager
     for kv in rows:
         engine.release_prefix(kv)
 
@@ -133,8 +133,8 @@ def test_a_chunks_decisions_survive_the_next_replay(model, monkeypatch):
     chunk's decisions (canvas, argmax, the drafts' entropies, self-conditioning) are copied out
     of the graph's outputs, so the next chunk's replay does not overwrite what its drafts show."""
     from dgemma.config import GenerationConfig
-    from dgemma.engine.device import step as device_step
     from dgemma.engine.engine import Request
+    from dgemma.engine.fused.step import FusedPath
 
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     engine, c = model.engine, model.config.canvas_length
@@ -144,14 +144,14 @@ def test_a_chunks_decisions_survive_the_next_replay(model, monkeypatch):
     for k, prompt in enumerate([PROMPTS[0], PROMPTS[2], [20, 21, 22]]):
         engine.add(Request(prompt, gen, 11 + k, drafts=True))
     seen = []
-    real = device_step.device_group
+    real = FusedPath.run
 
-    def noting(runner, group, copy_out):  # each chunk's results as they were when it ran
-        results = real(runner, group, copy_out)
+    def noting(path, group, copy_out=False):  # each chunk's results as they were when it ran
+        results = real(path, group, copy_out)
         seen.append([[t.clone() for t in (r.canvas, r.argmax, r.entropy, r.soft)] for r in results])
         return results
 
-    monkeypatch.setattr(device_step, "device_group", noting)
+    monkeypatch.setattr(FusedPath, "run", noting)
     plan = engine.scheduler.schedule()
     results = runner.run(plan)
     assert [len(chunk) for chunk in seen] == [2, 1]  # both replay the 2-row graph

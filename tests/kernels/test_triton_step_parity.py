@@ -1,4 +1,4 @@
-"""The engine's Triton decoder step in bf16 (the fused network of kernels/gpu.py: every kernel of
+"""The engine's Triton decoder step in bf16 (the fused network of kernels/fused.py: every kernel of
 a layer, run on CPU by Triton's interpreter) against the float32 reference (the torch modules in
 float32): the shipped dgemma-tiny, prompts and canvases of real Python source (its training
 domain, so positions have confident predictions), prompts encoded through the same paths.

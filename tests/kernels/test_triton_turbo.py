@@ -1,8 +1,8 @@
-"""Turbo denoising on the device path (engine/device/turbo.py, kernels/triton_turbo.py), on a CPU
+"""Turbo denoising on the device path (engine/fused/turbo.py, kernels/triton_turbo.py), on a CPU
 by Triton's interpreter: the plan kernel against engine/turbo.py's rules, the attention's canvas
 keys read by slot and the sampler's uniforms at a turbo pass's positions against the torch code
 they replace, and whole generations: the device pass (eager, and replaying bucketed graphs as
-fake CUDA graphs) gives the eager turbo step's tokens (engine/turbo_step.py) and skips the same
+fake CUDA graphs) gives the eager turbo step's tokens (engine/host/turbo.py) and skips the same
 positions."""
 
 import os
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.triton
 
 import dgemma  # noqa: E402
 from dgemma.config import TurboSettings  # noqa: E402
-from dgemma.engine.device import turbo as device_turbo  # noqa: E402
-from dgemma.engine.device.graphs import DecoderGraphs, eager_capture  # noqa: E402
+from dgemma.engine.fused import turbo as device_turbo  # noqa: E402
+from dgemma.engine.fused.graphs import DecoderGraphs, eager_capture  # noqa: E402
 from dgemma.engine.turbo import TurboState  # noqa: E402
 from dgemma.kernels import triton_attention, triton_canvas, triton_step, triton_turbo  # noqa: E402
 from dgemma.model.checkpoint import byte_tokenizer, make_config, random_model, save_checkpoint  # noqa: E402
@@ -132,22 +132,22 @@ def generate(model):
 @pytest.mark.slow
 def test_the_device_turbo_pass_gives_the_eager_turbo_steps_tokens(model, monkeypatch):
     """The device pass, eager and replaying bucketed graphs (fake CUDA graphs: a graph a request,
-    several replaying in a step, several row buckets as positions freeze and rest), gives engine/turbo_step.py's tokens and
+    several replaying in a step, several row buckets as positions freeze and rest), gives engine/host/turbo.py's tokens and
     computes the same positions, fewer than every position of every pass."""
     c = model.config.canvas_length
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     device = generate(model)
-    pool = model.engine.runner.turbo_pool
+    pool = model.engine.runner.fused_turbo.pool
     assert pool is not None and pool.slots == DecoderGraphs.BUCKETS[-1]  # the requests held canvas K/V slots
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     graphs = model.engine.runner.graphs = DecoderGraphs(buckets=(1,), capture=eager_capture)  # a graph a request
     replayed = generate(model)
     assert len({a for _, a in graphs.turbo_steps}) > 1  # row buckets as positions froze and rested
     assert not graphs.failures
-    monkeypatch.setattr(device_turbo, "decides_turbo_on_device", lambda runner, r: False)
+    monkeypatch.setattr(device_turbo, "fits_the_device", lambda r: False)
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     eager = generate(model)
-    assert model.engine.runner.turbo_pool is None
+    assert model.engine.runner.fused_turbo.pool is None
     assert device.sequences == replayed.sequences == eager.sequences
     assert device.decoder_positions == replayed.decoder_positions == eager.decoder_positions
     assert sum(device.decoder_positions) < sum(device.decoder_passes) * c

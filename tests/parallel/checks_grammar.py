@@ -11,10 +11,9 @@ import torch
 from checks_engine import PROMPTS, _sharded, _tiny
 
 from dgemma.engine.constraints.grammar import CANDIDATES, held_rows, pass_rows
+from dgemma.engine.host.step import turbo_rows
 from dgemma.engine.sampler import pack_token_mask
 from dgemma.engine.sharded import sampling
-from dgemma.engine.turbo import TurboState
-from dgemma.engine.turbo_step import _full_weights
 from dgemma.parallel.group import ShardGroup
 from dgemma.parallel.plan import vocab_shard
 
@@ -84,7 +83,7 @@ def check_grammar_generate_turbo(group: ShardGroup) -> None:
 def check_grammar_walk_on_random_weights(group: ShardGroup) -> None:
     """`refine` on random weights (the fallback runs too) reads the same tokens from the sharded
     `PassRows` as from the full rows, and turbo's held rows equal the [C, V] weights
-    `_full_weights` builds; the fallback alone: ties across the shards to the lower id, None
+    `turbo_rows` builds; the fallback alone: ties across the shards to the lower id, None
     where no allowed token weighs, and ranks asking for different positions raise."""
     model = _tiny()
     c, vocab = model.config.canvas_length, model.config.vocab_size
@@ -134,9 +133,9 @@ def _random_walks(group, model, grammar, c, vocab, start, end, g) -> None:
         # turbo: positions frozen on their tokens, the others computed this pass
         frozen = torch.rand(c, generator=g) < 0.4
         live = (~frozen).nonzero().squeeze(-1)
-        state = TurboState(frozen, torch.zeros(c, dtype=torch.long), argmax.clone(), torch.zeros(c))
-        want = model.grammars.canvas(grammar, c).refine(argmax, _full_weights(full[live], live, state, c))
-        rows = _full_weights(sampling.sharded_pass_rows(local[live], group, start), live, state, c)
+        frozen_tokens = (frozen, argmax.clone())
+        want = model.grammars.canvas(grammar, c).refine(argmax, turbo_rows(full[live], live, frozen_tokens, c))
+        rows = turbo_rows(sampling.sharded_pass_rows(local[live], group, start), live, frozen_tokens, c)
         assert torch.equal(model.grammars.canvas(grammar, c).refine(argmax, rows), want), trial
         held = held_rows(pass_rows(full[live]), live.tolist(), {int(p): int(argmax[p]) for p in frozen.nonzero()}, c)
         assert torch.equal(model.grammars.canvas(grammar, c).refine(argmax, held), want), trial

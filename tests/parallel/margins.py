@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dgemma.engine import runner as runner_module
-from dgemma.engine import sampler, turbo, turbo_step
+from dgemma.engine import sampler, turbo
+from dgemma.engine.host import turbo as host_turbo
 
 FLOOR = 1e-4
 
@@ -139,7 +140,7 @@ def measured() -> Iterator[Margins]:
         (sampler, "stable_and_confident"),
         (sampler, "temperature"),
         (sampler, "reference_entropy"),
-        (turbo_step, "freeze"),
+        (host_turbo, "freeze"),
         (turbo, "dormant"),
     ]
     originals = {(owner, name): getattr(owner, name) for owner, name in saved}
@@ -188,7 +189,7 @@ def measured() -> Iterator[Margins]:
         return originals[(sampler, "reference_entropy")](processed)
 
     def freeze(frozen, streak, previous, argmax, accepted, entropy, settings, **kw):
-        out = originals[(turbo_step, "freeze")](frozen, streak, previous, argmax, accepted, entropy, settings, **kw)
+        out = originals[(host_turbo, "freeze")](frozen, streak, previous, argmax, accepted, entropy, settings, **kw)
         deciding = ~frozen & (out[1] >= settings.freeze_passes)
         m.add("freeze", (entropy[deciding].double() - settings.freeze_entropy).abs())
         return out

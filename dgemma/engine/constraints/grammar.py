@@ -297,7 +297,7 @@ def held_rows(rows: PassRows, computed: list[int], held: dict[int, int], c: int)
     """`rows` (R rows, of canvas positions `computed`) read as C positions, where each position of
     `held` (position: token) has all its weight on its token (turbo's frozen positions) and any
     other position none: the walk on it equals the walk on the [C, V] weights so built
-    (`turbo_step._full_weights`), with no [C, V] tensor."""
+    (`host.step.turbo_rows`), with no [C, V] tensor."""
     row_of = {p: k for k, p in enumerate(computed)}
 
     def weightless(p: int) -> tuple[list[float], list[int]]:

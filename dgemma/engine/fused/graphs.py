@@ -1,4 +1,4 @@
-"""CUDA graphs of the device step (engine/device/step.py: the pass, statistics, sampling and the
+"""CUDA graphs of the device step (engine/fused/step.py: the pass, statistics, sampling and the
 sampler's decisions): one per batch-size bucket (and per mask: with or without allowed-token
 masks), captured once and replayed for any group of up to its size at any prefix lengths (the
 paged attention reads the block tables on the device)."""
@@ -16,16 +16,16 @@ from .step import DeviceStep, run_step, stack_state
 
 if TYPE_CHECKING:
     from ..request import Request
-    from .step import Runner
+    from ..step_ops import StepOps
 
 log = logging.getLogger("dgemma")
 
 
 class DecoderGraphs:
-    """CUDA graphs of `device_step.run_step`, one per batch-size bucket (1, 2, 4, 8) and mask kind,
+    """CUDA graphs of `fused.step.run_step`, one per batch-size bucket (1, 2, 4, 8) and mask kind,
     each captured once, the first time a group needs it.
 
-    A captured step reads static inputs: the packed step inputs (engine/device/inputs.py: block
+    A captured step reads static inputs: the packed step inputs (engine/fused/inputs.py: block
     tables, key ranges, positions, temperatures, seeds, pass counts, the sampler's knobs, fixed
     tokens) as one device buffer, the canvases, self-conditioning inputs and stop histories, and,
     in the masked variant, the packed allowed-token masks. Before each replay they are
@@ -76,8 +76,8 @@ class DecoderGraphs:
         """The bucket a group of `rows` requests replays in (None: larger than `largest`)."""
         return next((b for b in self.buckets if b >= rows), None)
 
-    def run(self, runner: Runner, group: list[Request], allowed: torch.Tensor | None = None):
-        """`device_step.run_step` of the group by a graph replay: its outputs (views of the graph's
+    def run(self, ops: StepOps, group: list[Request], allowed: torch.Tensor | None = None):
+        """`fused.step.run_step` of the group by a graph replay: its outputs (views of the graph's
         output tensors, valid until the next replay), or None where the group must run eagerly
         (larger than `largest`, or the capture failed)."""
         size = self.bucket(len(group))
@@ -85,16 +85,16 @@ class DecoderGraphs:
             return None
         key = (size, allowed is not None)
         what = f"decoder step for {size} rows{' with allowed-token masks' if key[1] else ''}"
-        entry = self._entry(self.steps, key, key, lambda: _CapturedStep(runner, size, self, masked=key[1]), what)
-        return None if entry is None else entry.replay(runner, group, allowed)
+        entry = self._entry(self.steps, key, key, lambda: _CapturedStep(ops, size, self, masked=key[1]), what)
+        return None if entry is None else entry.replay(ops, group, allowed)
 
-    def captured_turbo(self, key: tuple[int, int], capture, runner: Runner, group: list[Request]):
-        """A turbo step (engine/device/turbo.py) of the group by a graph replay: the step under
+    def captured_turbo(self, key: tuple[int, int], capture, ops: StepOps, group: list[Request]):
+        """A turbo step (engine/fused/turbo.py) of the group by a graph replay: the step under
         `key` ((batch bucket, rows a canvas)), captured with `capture()` the first time; None where
         that capture failed (then and for good: those run eagerly)."""
         what = f"turbo step for {key[0]} rows of {key[1]} positions"
         entry = self._entry(self.turbo_steps, key, ("turbo", *key), capture, what)
-        return None if entry is None else entry.replay(runner, group)
+        return None if entry is None else entry.replay(ops, group)
 
     def _entry(self, store: dict, key: tuple, failure: tuple, capture, what: str):
         if failure in self.failures:
@@ -114,40 +114,40 @@ class DecoderGraphs:
 class _CapturedStep:
     """One bucket's captured device step: its static inputs and outputs."""
 
-    def __init__(self, runner: Runner, size: int, graphs: DecoderGraphs, masked: bool = False):
-        cfg, device = runner.config, runner.net.device
+    def __init__(self, ops: StepOps, size: int, graphs: DecoderGraphs, masked: bool = False):
+        cfg, device = ops.config, ops.net.device
         c = cfg.canvas_length
         self.size, self.masked = size, masked
-        width = -(-cfg.max_position_embeddings // runner.cache.block_size)  # any sequence's table fits
+        width = -(-cfg.max_position_embeddings // ops.cache.block_size)  # any sequence's table fits
         self.layout = StepLayout(size, c, width)
         self.host = host_buffer(self.layout, device)
-        fill(self.layout, self.host, runner.cache, [])  # every row padding
+        fill(self.layout, self.host, ops.cache, [])  # every row padding
         self.buffer = self.host.to(device)
-        blank = runner.blank_state()
+        blank = ops.blank_state()
         words = -(-cfg.vocab_size // 32)
         self.static = DeviceStep(
-            StepTensors.of(self.layout, self.buffer, runner.cache, []),
+            StepTensors.of(self.layout, self.buffer, ops.cache, []),
             canvas=blank["canvas"].repeat(size, 1),
             soft=blank["soft"].repeat(size, 1, 1),
             history=blank["history"].repeat(size, 1, 1),
             allowed=torch.full((size * c, words), -1, dtype=torch.int32, device=device) if masked else None,
         )
-        self._replay, self.outputs = graphs.capture(lambda: run_step(runner, self.static), graphs)
+        self._replay, self.outputs = graphs.capture(lambda: run_step(ops, self.static), graphs)
 
     @property
     def allowed(self) -> torch.Tensor | None:
         return self.static.allowed
 
-    def replay(self, runner: Runner, group: list[Request], allowed: torch.Tensor | None = None):
+    def replay(self, ops: StepOps, group: list[Request], allowed: torch.Tensor | None = None):
         if (allowed is not None) != self.masked:
             raise ValueError(
                 f"a {'masked' if self.masked else 'mask-free'} graph needs {'' if self.masked else 'no '}allowed masks"
             )
-        n, c = len(group), runner.config.canvas_length
-        fill(self.layout, self.host, runner.cache, group)
+        n, c = len(group), ops.config.canvas_length
+        fill(self.layout, self.host, ops.cache, group)
         self.buffer.copy_(self.host, non_blocking=True)
         self.static.inputs.plan.rows = [r.kv for r in group]
-        stack_state(runner, group, self.size, out=self.static)
+        stack_state(ops, group, self.size, out=self.static)
         if allowed is not None:
             self.static.allowed[: n * c].copy_(allowed)
             if n < self.size:

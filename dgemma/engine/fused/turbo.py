@@ -10,9 +10,11 @@ the request's slot of `TurboCanvasPool` (the q|k|v kernel's pool write) and atte
 paged prefix and the slot's C canvas keys (no per-layer copies), then the statistics, sampling at
 each row's canvas position (an exact pass's uniforms), and `triton_turbo.turbo_decide`.
 
-Requests with a grammar, log probabilities, canvas constraints, more than MAX_EOS end tokens or
-a longer stop history than MAX_STABILITY, and those left without a slot, take the eager turbo
-step (engine/turbo_step.py); a request that changes path starts a pass over every position.
+`FusedTurboPath` takes the turbo requests that hold a slot (`assign_slots`, before the step's
+paths are chosen). Requests with a grammar, log probabilities, canvas constraints, more than
+MAX_EOS end tokens or a longer stop history than MAX_STABILITY, and those left without a slot,
+take the host's turbo step (engine/host/turbo.py); a request that changes path starts a pass
+over every position.
 """
 
 from __future__ import annotations
@@ -32,26 +34,20 @@ from .step import stack_state
 if TYPE_CHECKING:
     from ..kv.paged_cache import PagedPass
     from ..request import Request
+    from ..step_ops import StepOps
     from .graphs import DecoderGraphs
-    from .step import Runner
 
 
-def decides_turbo_on_device(runner: Runner, r: Request) -> bool:
-    """Whether `r`'s turbo passes can run whole on the device (see the module)."""
+def fits_the_device(r: Request) -> bool:
+    """Whether `r`'s turbo passes can run whole on the device (see the module), given a slot."""
     return (
-        runner.triton
-        and r.turbo is not None
+        r.turbo is not None
         and not r.refines
         and r.top_logprobs is None
         and r.active_constraints is None
         and r.config.stability_threshold <= triton_step.MAX_STABILITY
         and len(r.config.eos_token_ids) <= MAX_EOS
     )
-
-
-def holds_slot(r: Request) -> bool:
-    """Whether `r`'s turbo passes run on the device this step (it holds a canvas K/V slot)."""
-    return r.turbo is not None and r.turbo.slot is not None
 
 
 def active_bucket(count: int, canvas_length: int) -> int:
@@ -137,12 +133,12 @@ class TurboStep:
     rested: torch.Tensor
 
 
-def run_turbo_step(runner: Runner, step: TurboStep, active: int) -> tuple[torch.Tensor, ...]:
+def run_turbo_step(ops: StepOps, pool: TurboCanvasPool, step: TurboStep, active: int) -> tuple[torch.Tensor, ...]:
     """One turbo pass of the step's rows at `active` rows a canvas, no host sync (what a graph
     captures): (canvas, argmax [n, C], history, kept [n, C], entropy [n, C], frozen [n, C],
     streak [n, C], flags [n, 3] (stop, the next pass's counts), resting [n, C], soft [n, C, H])."""
     n, c = step.canvas.shape
-    v, pool = step.inputs, runner.turbo_pool
+    v = step.inputs
     plan = triton_turbo.turbo_plan(
         (step.frozen, step.streak, step.entropy, step.rested),
         v["full"],
@@ -152,10 +148,10 @@ def run_turbo_step(runner: Runner, step: TurboStep, active: int) -> tuple[torch.
         active,
     )
     rows, _, live, resting, writes, positions, temps, canvas = plan
-    h = runner.config.hidden_size
+    h = ops.config.hidden_size
     soft_in = None if step.soft is None else step.soft.gather(1, rows[..., None].expand(n, active, h))
-    hidden = runner.net.decode(canvas, TurboCanvasPass(v.plan, positions, writes, v["slot"], pool), soft_in)
-    argmax, entropy, probs, _, soft_next = runner.statistics(hidden, temps, None)
+    hidden = ops.net.decode(canvas, TurboCanvasPass(v.plan, positions, writes, v["slot"], pool), soft_in)
+    argmax, entropy, probs, _, soft_next = ops.statistics(hidden, temps, None)
     sampled = triton_step.sample_drawn(probs, v["seeds"], v["passes"], c, positions=rows)
     state = (step.tokens, step.entropy, step.frozen, step.streak)
     decided = triton_turbo.turbo_decide(
@@ -166,7 +162,7 @@ def run_turbo_step(runner: Runner, step: TurboStep, active: int) -> tuple[torch.
         state,
         v.views,
         step.history,
-        runner.config.vocab_size,
+        ops.config.vocab_size,
     )
     base = step.soft if step.soft is not None else soft_next.new_zeros(n, c, h)
     soft = torch.where(
@@ -175,12 +171,12 @@ def run_turbo_step(runner: Runner, step: TurboStep, active: int) -> tuple[torch.
     return (*decided, resting, soft)
 
 
-def stack_turbo_state(runner: Runner, group: list[Request], rows: int, out: TurboStep | None = None) -> tuple:
+def stack_turbo_state(ops: StepOps, group: list[Request], rows: int, out: TurboStep | None = None) -> tuple:
     """`stack_state` and the group's TurboState tensors stacked into [rows, C] (padding rows:
     nothing frozen, no streak, no tokens), into `out`'s tensors when given. Returns (canvas, soft,
     history, frozen, streak, tokens, entropy, rested)."""
     pad = rows - len(group)
-    blank = runner.blank_state()
+    blank = ops.blank_state()
     parts = {
         "frozen": [r.turbo.frozen for r in group],
         "streak": [r.turbo.streak for r in group],
@@ -188,7 +184,7 @@ def stack_turbo_state(runner: Runner, group: list[Request], rows: int, out: Turb
         "entropy": [r.turbo.entropy for r in group],
         "rested": [r.turbo.rested if r.turbo.rested is not None else blank["rested"] for r in group],
     }
-    common = stack_state(runner, group, rows, out=out)
+    common = stack_state(ops, group, rows, out=out)
     if out is None:
         return (*common, *(torch.stack(p + [blank[k]] * pad) for k, p in parts.items()))
     for k, p in parts.items():
@@ -196,39 +192,41 @@ def stack_turbo_state(runner: Runner, group: list[Request], rows: int, out: Turb
     return (*common, *(getattr(out, k) for k in parts))
 
 
-def eager_turbo_step(runner: Runner, group: list[Request], active: int) -> tuple[torch.Tensor, ...]:
+def eager_turbo_step(
+    ops: StepOps, pool: TurboCanvasPool, group: list[Request], active: int
+) -> tuple[torch.Tensor, ...]:
     """`run_turbo_step` for a group outside any graph: its inputs copied up and stacked, then the pass."""
-    c = runner.config.canvas_length
+    c = ops.config.canvas_length
     width = max([1] + [len(r.kv.tables[kind]) for r in group for kind in r.kv.tables])
     layout = StepLayout(len(group), c, width, turbo=True)
-    host = host_buffer(layout, runner.net.device)
-    fill(layout, host, runner.cache, group, runner.turbo_pool.scratch)
-    inputs = StepTensors.of(layout, runner.to_device(host), runner.cache, group)
-    return run_turbo_step(runner, TurboStep(inputs, *stack_turbo_state(runner, group, len(group))), active)
+    host = host_buffer(layout, ops.net.device)
+    fill(layout, host, ops.cache, group, pool.scratch)
+    inputs = StepTensors.of(layout, ops.to_device(host), ops.cache, group)
+    return run_turbo_step(ops, pool, TurboStep(inputs, *stack_turbo_state(ops, group, len(group))), active)
 
 
 class CapturedTurbo:
     """One (batch bucket, rows a canvas) turbo step captured: its static inputs and outputs."""
 
-    def __init__(self, runner: Runner, size: int, active: int, graphs: DecoderGraphs):
-        cfg, device = runner.config, runner.net.device
-        width = -(-cfg.max_position_embeddings // runner.cache.block_size)  # any sequence's table fits
-        self.size, self.active = size, active
+    def __init__(self, ops: StepOps, pool: TurboCanvasPool, size: int, active: int, graphs: DecoderGraphs):
+        cfg, device = ops.config, ops.net.device
+        width = -(-cfg.max_position_embeddings // ops.cache.block_size)  # any sequence's table fits
+        self.size, self.active, self.pool = size, active, pool
         self.layout = StepLayout(size, cfg.canvas_length, width, turbo=True)
         self.host = host_buffer(self.layout, device)
-        fill(self.layout, self.host, runner.cache, [], runner.turbo_pool.scratch)  # every row padding
+        fill(self.layout, self.host, ops.cache, [], pool.scratch)  # every row padding
         self.buffer = self.host.to(device)
-        inputs = StepTensors.of(self.layout, self.buffer, runner.cache, [])
-        canvas, _, history, *state = stack_turbo_state(runner, [], size)
-        soft = runner.blank_state()["soft"].repeat(size, 1, 1)
+        inputs = StepTensors.of(self.layout, self.buffer, ops.cache, [])
+        canvas, _, history, *state = stack_turbo_state(ops, [], size)
+        soft = ops.blank_state()["soft"].repeat(size, 1, 1)
         self.static = TurboStep(inputs, canvas, soft, history, *state)
-        self._replay, self.outputs = graphs.capture(lambda: run_turbo_step(runner, self.static, active), graphs)
+        self._replay, self.outputs = graphs.capture(lambda: run_turbo_step(ops, pool, self.static, active), graphs)
 
-    def replay(self, runner: Runner, group: list[Request]) -> tuple[torch.Tensor, ...]:
-        fill(self.layout, self.host, runner.cache, group, runner.turbo_pool.scratch)
+    def replay(self, ops: StepOps, group: list[Request]) -> tuple[torch.Tensor, ...]:
+        fill(self.layout, self.host, ops.cache, group, self.pool.scratch)
         self.buffer.copy_(self.host, non_blocking=True)
         self.static.inputs.plan.rows = [r.kv for r in group]
-        stack_turbo_state(runner, group, self.size, out=self.static)
+        stack_turbo_state(ops, group, self.size, out=self.static)
         self._replay()
         return self.outputs
 
@@ -243,33 +241,86 @@ def computed_positions(r: Request) -> int:
     return state.active[0] if may_rest(r) else state.active[1]
 
 
-def turbo_group(runner: Runner, group: list[Request], copy_out: bool) -> list[DecodeResult]:
-    """One turbo pass of `group` on the device (a graph replay where one is captured), then the
-    step's one read (stop flags and the next pass's counts). `copy_out`: the outputs are copied
-    out of the graph's tensors (another turbo group replays this step)."""
-    c = runner.config.canvas_length
-    counts = [computed_positions(r) for r in group]
-    active = active_bucket(max(counts), c)
-    out = None
-    if runner.graphs is not None:
-        size = runner.graphs.bucket(len(group))
-        if size is not None:
-            out = runner.graphs.captured_turbo(
-                (size, active), lambda: CapturedTurbo(runner, size, active, runner.graphs), runner, group
+class FusedTurboPath:
+    """Turbo passes whole on the device (see the module): a graph of (batch bucket, rows a
+    canvas) replayed a group where one is captured (`graphs`, None: eager). The canvas K/V pool is
+    made on the first turbo request that fits the device."""
+
+    name = "fused turbo"
+
+    def __init__(self, ops: StepOps, graphs: DecoderGraphs | None):
+        self.ops, self.graphs = ops, graphs
+        self.pool: TurboCanvasPool | None = None
+
+    def assign_slots(self, requests: list[Request]) -> None:
+        """Canvas K/V slots for the step's turbo requests that fit the device (the pool made on
+        first use: as many slots as the default graph buckets' largest, 8, ~55 MB each at the
+        released size; more turbo requests at once take the host's turbo step). A request that
+        held a slot and no longer fits gives it up (and starts a pass over every position)."""
+        if not self.ops.triton:
+            return
+        fitting = [r for r in requests if fits_the_device(r)]
+        for r in requests:
+            if r.turbo is not None and r.turbo.slot is not None and not fits_the_device(r):
+                r.turbo.slot, r.turbo.passes, r.turbo.active = None, 0, None
+                r.turbo.keys, r.turbo.values = [], []
+                r.history = None
+        if not fitting:
+            return
+        if self.pool is None:
+            from .graphs import DecoderGraphs
+
+            slots = DecoderGraphs.BUCKETS[-1]
+            self.pool = TurboCanvasPool(self.ops.kv_config, slots, self.ops.net.dtype, self.ops.net.device)
+        self.pool.assign(fitting)
+
+    def accepts(self, r: Request) -> bool:
+        """Whether `r`'s turbo pass runs on the device this step (it holds a canvas K/V slot)."""
+        return r.turbo is not None and r.turbo.slot is not None
+
+    def graph_key(self, group: list[Request]) -> tuple | None:
+        """Every turbo group may replay a graph another replays this step (their rows a canvas are
+        known only as they run): one key for them all."""
+        return ("turbo",) if self.graphs is not None else None
+
+    def run(self, group: list[Request], copy_out: bool = False) -> list[DecodeResult]:
+        """One turbo pass of `group` on the device (a graph replay where one is captured), then the
+        step's one read (stop flags and the next pass's counts). `copy_out`: the outputs are copied
+        out of the graph's tensors (another turbo group replays this step)."""
+        ops, pool, graphs = self.ops, self.pool, self.graphs
+        c = ops.config.canvas_length
+        counts = [computed_positions(r) for r in group]
+        active = active_bucket(max(counts), c)
+        out = None
+        if graphs is not None:
+            size = graphs.bucket(len(group))
+            if size is not None:
+                out = graphs.captured_turbo(
+                    (size, active), lambda: CapturedTurbo(ops, pool, size, active, graphs), ops, group
+                )
+        if out is None:
+            out = eager_turbo_step(ops, pool, group, active)
+        elif copy_out:
+            out = tuple(t.clone() for t in out)
+        canvas, argmax, history, kept, entropy, frozen, streak, flags, resting, soft = out
+        read = flags[: len(group)].tolist()  # the step's one read: stop flags, the next pass's counts
+        results = []
+        for i, (r, (stop, rest, no_rest)) in enumerate(zip(group, read)):
+            s = r.turbo
+            state = TurboState(
+                frozen[i],
+                streak[i],
+                argmax[i],
+                entropy[i],
+                [],
+                [],
+                s.passes + 1,
+                {},
+                resting[i],
+                s.slot,
+                (rest, no_rest),
             )
-    if out is None:
-        out = eager_turbo_step(runner, group, active)
-    elif copy_out:
-        out = tuple(t.clone() for t in out)
-    canvas, argmax, history, kept, entropy, frozen, streak, flags, resting, soft = out
-    read = flags[: len(group)].tolist()  # the step's one read: stop flags, the next pass's counts
-    results = []
-    for i, (r, (stop, rest, no_rest)) in enumerate(zip(group, read)):
-        s = r.turbo
-        state = TurboState(
-            frozen[i], streak[i], argmax[i], entropy[i], [], [], s.passes + 1, {}, resting[i], s.slot, (rest, no_rest)
-        )
-        result = DecodeResult(r, canvas[i], argmax[i], soft[i], history[i], bool(stop), None, kept[i], entropy[i])
-        result.positions, result.turbo = counts[i], state
-        results.append(result)
-    return results
+            result = DecodeResult(r, canvas[i], argmax[i], soft[i], history[i], bool(stop), None, kept[i], entropy[i])
+            result.positions, result.turbo = counts[i], state
+            results.append(result)
+        return results

@@ -15,7 +15,7 @@ replays from fixed addresses anyway).
     stability    [n]       int32    stability_threshold
     fixed        [n, C]    int32    the canvas constraints' fixed tokens (-1: free)
 
-and for a turbo step (`StepLayout.turbo`; engine/device/turbo.py):
+and for a turbo step (`StepLayout.turbo`; engine/fused/turbo.py):
 
     slot             [n]     int32    the request's canvas K/V slot (padding: the scratch slot)
     full             [n]     int32    1: the pass computes every position (a canvas's first, a refresh)
