@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dgemma.engine import runner as runner_module
 from dgemma.engine import sampler, turbo
 from dgemma.engine.host import turbo as host_turbo
+from dgemma.engine.step_ops import StepOps
 
 FLOOR = 1e-4
 
@@ -134,8 +134,8 @@ def measured() -> Iterator[Margins]:
     on exit). Runs made inside it must be the whole model's, in one process."""
     m = Margins()
     saved = [
-        (runner_module.Runner, "statistics"),
-        (runner_module.Runner, "sample_rows"),
+        (StepOps, "statistics"),
+        (StepOps, "sample_rows"),
         (sampler, "entropy_bound_accept"),
         (sampler, "stable_and_confident"),
         (sampler, "temperature"),
@@ -147,7 +147,7 @@ def measured() -> Iterator[Margins]:
     temperature_now = [None]
 
     def statistics(self, hidden, temps, allowed=None):
-        out = originals[(runner_module.Runner, "statistics")](self, hidden, temps, allowed)
+        out = originals[(StepOps, "statistics")](self, hidden, temps, allowed)
         weights = out[2]
         gaps = argmax_gaps(weights)
         m.add("argmax", gaps)
@@ -157,7 +157,7 @@ def measured() -> Iterator[Margins]:
 
     def sample_rows(self, weights, total, uniforms):
         m.add("sample", cdf_margins(weights, uniforms))
-        return originals[(runner_module.Runner, "sample_rows")](self, weights, total, uniforms)
+        return originals[(StepOps, "sample_rows")](self, weights, total, uniforms)
 
     def entropy_bound_accept(entropy, bound):
         cut, order = accept_margins(entropy, bound)
