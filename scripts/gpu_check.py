@@ -258,7 +258,7 @@ def compare(got, want) -> tuple[float, float]:
 
 
 def requests_at(net, kvs, canvas, soft, seed: int) -> list:
-    """Requests as the device step reads them (engine/fused/inputs.py, device_step.py): row i of
+    """Requests as the device step reads them (engine/fused/inputs.py, engine/fused/step.py): row i of
     `canvas` / `soft` after prefix kvs[i], mid-block, no history, nothing fixed."""
     gen = GenerationConfig(max_denoising_steps=16)
     return [

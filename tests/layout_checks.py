@@ -408,18 +408,6 @@ def private_imports(root: Path = ROOT, package: str = "dgemma") -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ (h) every path a doc names exists
-# The engine's move (a branch that merges soon) renames these paths and adds these files: until it
-# has merged, a path passes under its old name or its new one. Delete both after the merge (and
-# fix what the check then finds).
-RENAMES_IN_FLIGHT = {
-    "dgemma/engine/device/": "dgemma/engine/fused/",
-    "dgemma/kernels/gpu.py": "dgemma/kernels/fused.py",
-    "dgemma/engine/turbo_step.py": "dgemma/engine/host/turbo.py",
-}
-NEW_IN_FLIGHT = frozenset(
-    {"dgemma/engine/host/step.py", "dgemma/engine/step_ops.py", "dgemma/engine/paths.py", "tests/engine/test_paths.py"}
-)
-
 # Files of other projects that docs and comments cite (with the project named beside them).
 OTHER_PROJECTS = frozenset({"utils/_validators.py", "utils/_http.py", "transformers/cli/serving/utils.py"})
 
@@ -475,20 +463,14 @@ def named_paths(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def _exists(root: Path, bases: list[Path], named: str, renames: Mapping[str, str], new: frozenset[str]) -> bool:
+def _exists(root: Path, bases: list[Path], named: str) -> bool:
     for base in bases:
         candidate = (base / named).resolve()
         if not candidate.is_relative_to(root):
             continue
         relative = candidate.relative_to(root).as_posix()
-        names = {relative}
-        for old, renamed in renames.items():
-            for a, b in ((old, renamed), (renamed, old)):
-                if relative.startswith(a):
-                    names.add(b + relative[len(a) :])
-        for name in names:
-            if name in new or ("*" in name and any(root.glob(name))) or (root / name).exists():
-                return True
+        if ("*" in relative and any(root.glob(relative))) or (root / relative).exists():
+            return True
     return False
 
 
@@ -502,11 +484,7 @@ def _same_name(root: Path, name: str) -> list[str]:
     )
 
 
-def stale_paths(
-    root: Path = ROOT,
-    renames: Mapping[str, str] = RENAMES_IN_FLIGHT,
-    new: frozenset[str] = NEW_IN_FLIGHT,
-) -> list[str]:
+def stale_paths(root: Path = ROOT) -> list[str]:
     """Paths that README.md, a doc under docs/, or a comment or docstring of a module in dgemma/,
     tests/ or scripts/ names, and that do not exist. What counts as a path: a word with a slash
     that ends in .py, .md, .json, .toml or .sh (`dgemma/engine/runner.py`, `engine/runner.py`,
@@ -520,9 +498,7 @@ def stale_paths(
     placeholders (a folder in capitals, `DIR/config.json`, `OUT/adapter_config.json`, or one
     written with `<>`, `{}`, `$`, `~`: `<package>/quant/schemes.py`), a file in the folder an
     option names (`--out/gpu_check.json`), files of other projects (`OTHER_PROJECTS`), string
-    literals in code, and other file types. Hub ids (owner/name) end in none of those suffixes.
-    `renames` and `new` are the paths in flight (`RENAMES_IN_FLIGHT`, `NEW_IN_FLIGHT`): a path
-    passes under either name of a rename."""
+    literals in code, and other file types. Hub ids (owner/name) end in none of those suffixes."""
     root = root.resolve()
     sources = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     sources += [p for folder in ("dgemma", "tests", "scripts") for p in python_files(root / folder)]
@@ -533,7 +509,7 @@ def stale_paths(
         bases = [root, root / "dgemma", root / "tests", root / "docs"]
         bases += [folder for folder in source.parents if folder.is_relative_to(root)]
         for line, named in named_paths(source):
-            if _exists(root, bases, named, renames, new):
+            if _exists(root, bases, named):
                 continue
             elsewhere = _same_name(root, named.split("/")[-1])
             hint = f" (now {' or '.join(elsewhere)}?)" if elsewhere else ""

@@ -1,10 +1,10 @@
 """The decode paths: how one request's denoising step runs this step, and how the step batches them.
 
     path             module                   runs                                  takes
-    FusedTurboPath   engine/fused/turbo.py    the pass and decisions on the device,  turbo requests holding a canvas
+    FusedTurboPath   engine/fused/paths.py    the pass and decisions on the device,  turbo requests holding a canvas
                                               one captured graph a group (GPU)      K/V slot
     HostTurboPath    engine/host/turbo.py     eager; decisions on the host path      the other turbo requests
-    FusedPath        engine/fused/step.py     the step on the device, one captured  the rest, unless their decisions
+    FusedPath        engine/fused/paths.py    the step on the device, one captured  the rest, unless their decisions
                                               graph a group (GPU)                    need the host (a grammar's walk)
     HostPath         engine/host/step.py      eager; decisions on the host path      everything else (every request
                                                                                      on a CPU)

@@ -26,8 +26,7 @@ from ..kernels.choice import plan_kernels
 from ..model.diffusion_gemma import DiffusionGemma
 from . import prefill as prefill_pass
 from .fused.graphs import DecoderGraphs
-from .fused.step import FusedPath
-from .fused.turbo import FusedTurboPath
+from .fused.paths import FusedPath, FusedTurboPath
 from .host.step import HostPath
 from .host.turbo import HostTurboPath
 from .kv.paged_cache import PagedKVCache

@@ -222,7 +222,7 @@ class FusedLayer(nn.Module):
         layer, a = self.layer, self.layer.self_attn
         spec, eps = self.spec, layer.input_layernorm.eps
         cos, sin, rope_col = tables
-        # a pass whose keys and values the q|k|v kernel writes into the pool (engine/device/ar.py's one token a row)
+        # a pass whose keys and values the q|k|v kernel writes into the pool (engine/fused/ar.py's one token a row)
         pools = cache_pass.pool_writes(index, spec.kind) if hasattr(cache_pass, "pool_writes") else None
         q, k, v = triton_layer.qkv_norm_rope(
             linear(x, self.qkv),

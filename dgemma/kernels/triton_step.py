@@ -1,5 +1,5 @@
 """The sampler's full-vocabulary work on a GPU, in Triton: what `StepOps.decoder_step` and
-host/step.py's `decide` do with torch ops over the [rows, vocab] logits.
+engine/host/step.py's `decide` do with torch ops over the [rows, vocab] logits.
 
 Each denoising step reads the LM head's output (rows = canvas positions, vocab 262144 on the
 released model: 256 MB per canvas in float32) and needs, per row, the argmax, the entropy at the
@@ -449,7 +449,7 @@ def decide(
     history: torch.Tensor,
     vocab: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The sampler's decisions for n canvases in one launch: host/step.py's `decide`: its entropy-bound
+    """The sampler's decisions for n canvases in one launch: engine/host/step.py's `decide`: its entropy-bound
     acceptance, re-noising (each request's Philox noise tokens, as `philox_draws`), fixed
     positions and stopping rule. entropy [n, C] float32, argmax / sampled [n, C] int64, fixed
     [n, C] int (-1 free) or None, bounds / confidence [n] float32, stability [n] int32 (at most

@@ -200,7 +200,7 @@ def engine():
 
 
 def requests(engine, kvs, seed: int, allowed: torch.Tensor | None = None) -> list:
-    """Requests mid-canvas as the device step reads them (engine/fused/inputs.py, device_step.py):
+    """Requests mid-canvas as the device step reads them (engine/fused/inputs.py, engine/fused/step.py):
     a random canvas and self-conditioning input, their own seeds, steps and stop histories."""
     from dgemma.config import GenerationConfig
 

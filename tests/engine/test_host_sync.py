@@ -284,6 +284,7 @@ STEP_MODULES = [
     "engine/host/step.py",
     "engine/step_ops.py",
     "engine/paths.py",
+    "engine/fused/paths.py",
     "engine/fused/step.py",
     "engine/fused/inputs.py",
     "engine/fused/ar.py",
@@ -297,8 +298,7 @@ HOST_READS = {"item", "tolist", "cpu", "numpy", "nonzero", "bincount", "unique",
 # (module, function): why it may read the device on the host
 ALLOWED = {
     ("engine/host/step.py", "results"): "the step's one read: the stop flags",
-    ("engine/fused/step.py", "run"): "the device step's one read: the stop flags",
-    ("engine/fused/turbo.py", "run"): "the turbo step's one read: stop flags, the next pass's counts",
+    ("engine/fused/paths.py", "run"): "a fused path's one read: stop flags (turbo: with the next pass's counts)",
     ("engine/fused/ar.py", "_generate"): "AR: the prompt's first tokens, then one read of tokens per read-back batch",
     ("engine/host/step.py", "_refine"): "a grammar's walk runs on the host: constrained requests only",
     ("engine/host/step.py", "_sample"): "the CPU path samples only the accepted positions (nonzero on the host); "

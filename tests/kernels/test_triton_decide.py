@@ -35,7 +35,7 @@ def test_sample_drawn_is_philox_draws_then_sample_rows():
 
 
 def torch_decisions(entropy, argmax, sampled, noise, fixed, bounds, conf, stability, histories):
-    """host/step.py's `decide` (torch) for each request (no grammar): what the kernel must give."""
+    """engine/host/step.py's `decide` (torch) for each request (no grammar): what the kernel must give."""
     free = None if fixed is None else fixed < 0
     accepted = sampler.entropy_bound_accept(entropy if free is None else entropy * free, bounds[:, None])
     if free is not None:

@@ -134,7 +134,7 @@ def test_a_chunks_decisions_survive_the_next_replay(model, monkeypatch):
     of the graph's outputs, so the next chunk's replay does not overwrite what its drafts show."""
     from dgemma.config import GenerationConfig
     from dgemma.engine.engine import Request
-    from dgemma.engine.fused.step import FusedPath
+    from dgemma.engine.fused.paths import FusedPath
 
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     engine, c = model.engine, model.config.canvas_length

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.triton
 
 import dgemma  # noqa: E402
 from dgemma.config import TurboSettings  # noqa: E402
-from dgemma.engine.fused import turbo as device_turbo  # noqa: E402
+from dgemma.engine.fused import paths as fused_paths  # noqa: E402
 from dgemma.engine.fused.graphs import DecoderGraphs, eager_capture  # noqa: E402
 from dgemma.engine.turbo import TurboState  # noqa: E402
 from dgemma.kernels import triton_attention, triton_canvas, triton_step, triton_turbo  # noqa: E402
@@ -144,7 +144,7 @@ def test_the_device_turbo_pass_gives_the_eager_turbo_steps_tokens(model, monkeyp
     replayed = generate(model)
     assert len({a for _, a in graphs.turbo_steps}) > 1  # row buckets as positions froze and rested
     assert not graphs.failures
-    monkeypatch.setattr(device_turbo, "fits_the_device", lambda r: False)
+    monkeypatch.setattr(fused_paths, "fits_the_device", lambda r: False)
     model.configure_engine(triton=True, block_size=8, batch_invariant=False)
     eager = generate(model)
     assert model.engine.runner.fused_turbo.pool is None

@@ -18,7 +18,7 @@ noted, positions forward). No host sync: a CUDA graph captures it once and repla
 reads the tokens every `read_every` steps (one read a batch), cuts each row at its end of answer and
 allocates the blocks the next batch needs.
 
-Greedy tokens are dense/ar.py's (tests/test_device_ar.py); sampled ones come from each request's
+Greedy tokens are dense/ar.py's (tests/engine/test_device_ar.py); sampled ones come from each request's
 Philox stream (dense/ar.py draws from a torch generator), so a row does not depend on the others.
 """
 

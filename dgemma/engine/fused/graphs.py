@@ -52,7 +52,7 @@ class DecoderGraphs:
             raise ValueError(f"DecoderGraphs needs positive bucket sizes, got {buckets}")
         self.buckets = tuple(sorted(set(buckets)))
         self.steps: dict[tuple[int, bool], _CapturedStep] = {}
-        self.turbo_steps: dict[tuple[int, int], object] = {}  # (bucket, rows a canvas): device/turbo.py's
+        self.turbo_steps: dict[tuple[int, int], object] = {}  # (bucket, rows a canvas): fused/turbo.py's
         self.failures: dict[tuple[int, bool], str] = {}
         self.capture = capture or cuda_capture
         self.pool = None  # the graphs' shared memory pool (CUDA)

@@ -12,7 +12,7 @@ host sync, so one CUDA graph replays all of it (engine/fused/graphs.py).
     decisions     triton_step.decide: acceptance, re-noising, fixed tokens, the stop rule
 
 The host then reads the stop flags (the step's one read) and, for requests that ask when their
-block ends, the log probabilities. `FusedPath` takes a request unless its decisions need the host
+block ends, the log probabilities. `FusedPath` (engine/fused/paths.py) takes a request unless its decisions need the host
 (a grammar's refinement walks the argmax canvas; a stop-rule history longer than
 triton_step.MAX_STABILITY) or it denoises with turbo: those take the host paths (engine/host/).
 """
@@ -25,13 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...kernels import triton_step
-from ..step_plan import DecodeResult
 from .inputs import StepLayout, StepTensors, fill, host_buffer
 
 if TYPE_CHECKING:
     from ..request import Request
     from ..step_ops import StepOps
-    from .graphs import DecoderGraphs
 
 
 @dataclass
@@ -104,52 +102,3 @@ def eager_step(ops: StepOps, group: list[Request], allowed: torch.Tensor | None)
     inputs = StepTensors.of(layout, ops.to_device(host), ops.cache, group)
     canvas, soft, history = stack_state(ops, group, len(group))
     return run_step(ops, DeviceStep(inputs, canvas, soft, history, allowed))
-
-
-class FusedPath:
-    """The default step whole on the device (see the module): one graph replay a group where a
-    graph of its bucket is captured (`graphs`, None: eager)."""
-
-    name = "fused"
-
-    def __init__(self, ops: StepOps, graphs: DecoderGraphs | None):
-        self.ops, self.graphs = ops, graphs
-
-    def accepts(self, r: Request) -> bool:
-        """Whether `r`'s decoder steps run whole on the device (see the module)."""
-        return (
-            self.ops.triton
-            and r.turbo is None
-            and not r.refines
-            and r.config.stability_threshold <= triton_step.MAX_STABILITY
-        )
-
-    def graph_key(self, group: list[Request]) -> tuple | None:
-        """Which captured graph the group replays (None: it runs eagerly)."""
-        if self.graphs is None:
-            return None
-        masked = any(r.active_constraints is not None and r.active_constraints.allowed is not None for r in group)
-        return self.graphs.bucket(len(group)), masked
-
-    def run(self, group: list[Request], copy_out: bool = False) -> list[DecodeResult]:
-        """One decoder step of `group` on the device (a graph replay where one is captured), then
-        the step's one read (the stop flags) and the log probabilities asked for. `copy_out`: the
-        outputs are copied out of the graph's tensors (another group replays the same graph this
-        step)."""
-        ops = self.ops
-        allowed = ops.allowed_masks(group)
-        out = self.graphs.run(ops, group, allowed) if self.graphs is not None else None
-        if out is None:
-            out = eager_step(ops, group, allowed)
-        elif copy_out:
-            out = tuple(t.clone() for t in out)
-        canvas, argmax, history, stop, kept, shown, soft_next, probs = out
-        n, c = len(group), ops.config.canvas_length
-        stops = stop[:n].tolist()
-        logprobs = ops.logprobs(group, argmax, probs[: n * c], stops)
-        return [
-            DecodeResult(
-                r, canvas[i], argmax[i], soft_next[i], history[i], stops[i], logprobs[i], kept[i], shown[i], positions=c
-            )
-            for i, r in enumerate(group)
-        ]

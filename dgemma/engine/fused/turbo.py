@@ -10,7 +10,7 @@ the request's slot of `TurboCanvasPool` (the q|k|v kernel's pool write) and atte
 paged prefix and the slot's C canvas keys (no per-layer copies), then the statistics, sampling at
 each row's canvas position (an exact pass's uniforms), and `triton_turbo.turbo_decide`.
 
-`FusedTurboPath` takes the turbo requests that hold a slot (`assign_slots`, before the step's
+`FusedTurboPath` (engine/fused/paths.py) takes the turbo requests that hold a slot (`assign_slots`, before the step's
 paths are chosen). Requests with a grammar, log probabilities, canvas constraints, more than
 MAX_EOS end tokens or a longer stop history than MAX_STABILITY, and those left without a slot,
 take the host's turbo step (engine/host/turbo.py); a request that changes path starts a pass
@@ -26,9 +26,8 @@ import torch
 
 from ...config import ModelConfig
 from ...kernels import triton_step, triton_turbo
-from ..step_plan import DecodeResult
-from ..turbo import TurboState, may_rest
-from .inputs import MAX_EOS, StepLayout, StepTensors, fill, host_buffer
+from ..turbo import may_rest
+from .inputs import StepLayout, StepTensors, fill, host_buffer
 from .step import stack_state
 
 if TYPE_CHECKING:
@@ -36,18 +35,6 @@ if TYPE_CHECKING:
     from ..request import Request
     from ..step_ops import StepOps
     from .graphs import DecoderGraphs
-
-
-def fits_the_device(r: Request) -> bool:
-    """Whether `r`'s turbo passes can run whole on the device (see the module), given a slot."""
-    return (
-        r.turbo is not None
-        and not r.refines
-        and r.top_logprobs is None
-        and r.active_constraints is None
-        and r.config.stability_threshold <= triton_step.MAX_STABILITY
-        and len(r.config.eos_token_ids) <= MAX_EOS
-    )
 
 
 def active_bucket(count: int, canvas_length: int) -> int:
@@ -239,88 +226,3 @@ def computed_positions(r: Request) -> int:
     if state.full_pass(settings) or state.active is None:
         return c
     return state.active[0] if may_rest(r) else state.active[1]
-
-
-class FusedTurboPath:
-    """Turbo passes whole on the device (see the module): a graph of (batch bucket, rows a
-    canvas) replayed a group where one is captured (`graphs`, None: eager). The canvas K/V pool is
-    made on the first turbo request that fits the device."""
-
-    name = "fused turbo"
-
-    def __init__(self, ops: StepOps, graphs: DecoderGraphs | None):
-        self.ops, self.graphs = ops, graphs
-        self.pool: TurboCanvasPool | None = None
-
-    def assign_slots(self, requests: list[Request]) -> None:
-        """Canvas K/V slots for the step's turbo requests that fit the device (the pool made on
-        first use: as many slots as the default graph buckets' largest, 8, ~55 MB each at the
-        released size; more turbo requests at once take the host's turbo step). A request that
-        held a slot and no longer fits gives it up (and starts a pass over every position)."""
-        if not self.ops.triton:
-            return
-        fitting = [r for r in requests if fits_the_device(r)]
-        for r in requests:
-            if r.turbo is not None and r.turbo.slot is not None and not fits_the_device(r):
-                r.turbo.slot, r.turbo.passes, r.turbo.active = None, 0, None
-                r.turbo.keys, r.turbo.values = [], []
-                r.history = None
-        if not fitting:
-            return
-        if self.pool is None:
-            from .graphs import DecoderGraphs
-
-            slots = DecoderGraphs.BUCKETS[-1]
-            self.pool = TurboCanvasPool(self.ops.kv_config, slots, self.ops.net.dtype, self.ops.net.device)
-        self.pool.assign(fitting)
-
-    def accepts(self, r: Request) -> bool:
-        """Whether `r`'s turbo pass runs on the device this step (it holds a canvas K/V slot)."""
-        return r.turbo is not None and r.turbo.slot is not None
-
-    def graph_key(self, group: list[Request]) -> tuple | None:
-        """Every turbo group may replay a graph another replays this step (their rows a canvas are
-        known only as they run): one key for them all."""
-        return ("turbo",) if self.graphs is not None else None
-
-    def run(self, group: list[Request], copy_out: bool = False) -> list[DecodeResult]:
-        """One turbo pass of `group` on the device (a graph replay where one is captured), then the
-        step's one read (stop flags and the next pass's counts). `copy_out`: the outputs are copied
-        out of the graph's tensors (another turbo group replays this step)."""
-        ops, pool, graphs = self.ops, self.pool, self.graphs
-        c = ops.config.canvas_length
-        counts = [computed_positions(r) for r in group]
-        active = active_bucket(max(counts), c)
-        out = None
-        if graphs is not None:
-            size = graphs.bucket(len(group))
-            if size is not None:
-                out = graphs.captured_turbo(
-                    (size, active), lambda: CapturedTurbo(ops, pool, size, active, graphs), ops, group
-                )
-        if out is None:
-            out = eager_turbo_step(ops, pool, group, active)
-        elif copy_out:
-            out = tuple(t.clone() for t in out)
-        canvas, argmax, history, kept, entropy, frozen, streak, flags, resting, soft = out
-        read = flags[: len(group)].tolist()  # the step's one read: stop flags, the next pass's counts
-        results = []
-        for i, (r, (stop, rest, no_rest)) in enumerate(zip(group, read)):
-            s = r.turbo
-            state = TurboState(
-                frozen[i],
-                streak[i],
-                argmax[i],
-                entropy[i],
-                [],
-                [],
-                s.passes + 1,
-                {},
-                resting[i],
-                s.slot,
-                (rest, no_rest),
-            )
-            result = DecodeResult(r, canvas[i], argmax[i], soft[i], history[i], bool(stop), None, kept[i], entropy[i])
-            result.positions, result.turbo = counts[i], state
-            results.append(result)
-        return results
