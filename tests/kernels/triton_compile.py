@@ -492,10 +492,10 @@ def _launch_released(launches: Launches) -> None:
             )
         launches.label = f"encode {scheme or 'bf16'}"
         encode_launches(net)
-        if scheme is None:  # AR mode's captured token (engine/fused/ar.py): slots, argmax, advance
+        if scheme is None:  # AR mode's captured token (engine/device/ar.py): slots, argmax, advance
             launches.label = "AR token bf16"
             ar_token_launches(net)
-            launches.label = "turbo bf16 batch 1"  # the device turbo pass (engine/fused/turbo.py)
+            launches.label = "turbo bf16 batch 1"  # the device turbo pass (engine/device/turbo.py)
             step_launches(net, 1, turbo=True)
 
     cfg = make_config(**PRESETS["real"])
