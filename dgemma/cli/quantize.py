@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..model.presets import PRESETS
 from ..quant import schemes
-from ..quant.formats import DEFAULT_GROUP_SIZE, SCHEMES, QuantError
-from .common import MODEL_HELP, add_hub_flags, parse_size, resolve_model
+from ..quant.formats import DEFAULT_GROUP_SIZE, QuantError
+from .common import MODEL_HELP, add_hub_flags, parse_size, resolve_model, scheme_choices
 
 DTYPES = {
     "bf16": "bfloat16",
@@ -121,7 +121,7 @@ def add_cli(sub) -> None:
         "--scheme",
         dest="scheme",
         required=True,
-        help=f"the scheme, as `run` and `serve` name it: one of {', '.join(SCHEMES)} (--scheme: the same)",
+        help=f"the scheme, as `run` and `serve` name it: one of {', '.join(scheme_choices())} (--scheme: the same)",
     )
     p.add_argument("--out", "-o", required=True, help="output directory (new or empty)")
     p.add_argument(
