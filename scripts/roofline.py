@@ -392,7 +392,7 @@ def gemm_cost(rec: dict, report: dict | None, roles) -> Cost:
         weights = sum(nbytes(t) for t in weight_parts)
         x_bytes = rows * k * x.element_size()
         active = ctas
-        tiles = math.ceil(min(a["ROWS"], rows) / bm)
+        tiles = 1  # a program one row tile (the grid split over rows)
         role = _role(roles, n_w, k, rec["region"])
     index = nbytes(a["pairs_ptr"]) if a["pairs_ptr"] is not y else 0
     cost = Cost(
@@ -424,8 +424,8 @@ def gemm_cost(rec: dict, report: dict | None, roles) -> Cost:
                 cost.mma_issued = loop["mma"] * warps // (4 if wgmma else 1)
                 m_instr = 64 if wgmma else layout["instr"][0]
                 n_instr = layout["instr"][1]
-                dots = 2 if dual else 1
-                cost.mma_minimum = dots * math.ceil(bm / m_instr) * math.ceil(bn / n_instr) * (bk // 16)
+                width = (2 if dual else 1) * bn  # gate and up: one tile of 2 BLOCK_N weight rows, one MMA
+                cost.mma_minimum = math.ceil(bm / m_instr) * math.ceil(width / n_instr) * (bk // 16)
     return cost
 
 

@@ -79,6 +79,7 @@ if HAVE_TRITON:
         for k in tl.static_range(TOP_K):  # the k-th largest: its value, then the lowest id holding it
             best = tl.max(p, axis=1)
             pick = tl.min(tl.where(p == best[:, None], es[None, :], BLOCK_E), axis=1)
+            pick = tl.minimum(pick, E - 1)  # a NaN row matches no id: an expert still (never a read past E)
             vals = tl.where(kk[None, :] == k, best[:, None], vals)
             picks = tl.where(kk[None, :] == k, pick[:, None], picks)
             p = tl.where(es[None, :] == pick[:, None], -1.0, p)

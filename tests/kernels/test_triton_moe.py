@@ -53,6 +53,25 @@ def test_router_topk_is_router_forward(dtype):
     assert (got_w[same] - want_w[same]).abs().max() <= 1e-6 * want_w.abs().max()
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # numpy's, under the interpreter: the point
+@torch.no_grad()
+def test_a_nan_router_row_still_picks_experts():
+    """A token whose router logits are NaN (a NaN hidden state) matches no expert id in the top-k's
+    search: its picks are clamped to E - 1, so the per-expert scale is read within the table and
+    every (token, slot) pair has an expert whose GEMM writes its row (issue 54: `pick` was 128,
+    past the 128 experts). The other tokens are routed as without it."""
+    e, h, k = 16, 32, 4
+    w, scale = rand(e, h, seed=1, scale=0.2), rand(e, seed=2).abs() + 0.5
+    x = rand(5, h, seed=3)
+    clean_w, clean_i = tm.router_topk(x, w, scale, k)
+    x[2] = float("nan")
+    top_w, top_i = tm.router_topk(x, w, scale, k)
+    assert ((top_i >= 0) & (top_i < e)).all() and (top_i[2] == e - 1).all()
+    assert top_w[2].isnan().all()
+    others = [0, 1, 3, 4]
+    assert torch.equal(top_i[others], clean_i[others]) and torch.equal(top_w[others], clean_w[others])
+
+
 def test_moe_align_groups_pairs_by_expert_in_pair_order():
     ids = torch.randint(0, 16, (300, 4), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
     ids[:, 0] = 3  # a crowded expert; others empty

@@ -62,11 +62,15 @@ def compile_for_sm90(script: str, tmp_path) -> None:
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-def released_variants(tmp_path, reports=None, arch: int = 90, only: str | None = None) -> list[dict]:
+def released_variants(
+    tmp_path, reports=None, arch: int = 90, only: str | None = None, sass: bool = False
+) -> list[dict]:
     """Every kernel variant of the released model's launches (`only`: those of one kernel, e.g.
-    "_gemm_kernel:SCHEME=2"), compiled for sm`arch` (see the module)."""
+    "_gemm_kernel:SCHEME=2"), compiled for sm`arch` (see the module); `sass`: with `sass_report`'s
+    K loop and MMA layout."""
     cmd = [sys.executable, __file__, "--json", "--arch", str(arch)] + (["--reports", str(reports)] if reports else [])
     cmd += ["--only", only] if only else []
+    cmd += ["--sass"] if sass else []
     done = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=1200)
     if done.returncode == 3:
         pytest.skip(done.stdout.strip())
@@ -209,6 +213,41 @@ def sass_k_loop(sass: str) -> dict | None:
         mma_ops=sorted(set(mma)),
         shared_bytes=sum(shared_bytes(o, line) for o, line in body),
     )
+
+
+def weight_bytes_a_k_step(v: dict) -> float:
+    """Bytes of weights one K step of a `_gemm_kernel` variant reads (a CTA's): its BLOCK_N rows (2
+    BLOCK_N for gate|up) of BLOCK_K inputs, packed bytes for 4-bit (scales left out), the stored
+    element's size else."""
+    c = v["constexprs"]
+    if c["SCHEME"] in (0, 3):
+        per_weight = 0.5
+    elif c["SCHEME"] in (1, 2):
+        per_weight = 1
+    else:  # a full-precision weight, as its pointer's type
+        per_weight = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[v["pointers"]["w_ptr"]]
+    return (2 if c["DUAL"] else 1) * c["BLOCK_N"] * c["BLOCK_K"] * per_weight
+
+
+def k_loop_metric(v: dict) -> float:
+    """Issue 54's metric of a `_gemm_kernel` variant compiled with `--sass`: K-loop SASS
+    instructions x num_warps / weight bytes a K step (above ~0.22 an H200's SM is bound by issuing
+    instructions, not by the bytes it receives)."""
+    sass = v["sass"]
+    return sass["k_loop"]["instructions"] * sass["num_warps"] / weight_bytes_a_k_step(v)
+
+
+def mma_issued_and_minimum(v: dict) -> tuple[int, int]:
+    """(MMA instructions a K step issues, a CTA's: wgmma counted once a warpgroup; the fewest its
+    tile needs at the compiled instruction shape) of a `_gemm_kernel` variant compiled with `--sass`."""
+    c, sass = v["constexprs"], v["sass"]
+    layout = sass["mma_layouts"][0]
+    wgmma = layout["version"] >= 3
+    issued = sass["k_loop"]["mma"] * sass["num_warps"] // (4 if wgmma else 1)
+    width = (2 if c["DUAL"] else 1) * c["BLOCK_N"]  # gate|up: one tile of both halves
+    rows = 64 if wgmma else layout["instr"][0]  # a warpgroup's 64 rows
+    minimum = -(-c["BLOCK_M"] // rows) * -(-width // layout["instr"][1]) * (c["BLOCK_K"] // 16)
+    return issued, minimum
 
 
 def mma_layouts(ttgir: str) -> list[dict]:
@@ -492,10 +531,10 @@ def _launch_released(launches: Launches) -> None:
             )
         launches.label = f"encode {scheme or 'bf16'}"
         encode_launches(net)
-        if scheme is None:  # AR mode's captured token (engine/device/ar.py): slots, argmax, advance
+        if scheme is None:  # AR mode's captured token (engine/fused/ar.py): slots, argmax, advance
             launches.label = "AR token bf16"
             ar_token_launches(net)
-            launches.label = "turbo bf16 batch 1"  # the device turbo pass (engine/device/turbo.py)
+            launches.label = "turbo bf16 batch 1"  # the fused turbo pass (engine/fused/turbo.py)
             step_launches(net, 1, turbo=True)
 
     cfg = make_config(**PRESETS["real"])
@@ -601,6 +640,9 @@ def main(argv: list[str]) -> int:
     arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
     only = argv[argv.index("--only") + 1] if "--only" in argv else None  # e.g. "_gemm_kernel:SCHEME=2"
     launches = Launches(GPUTarget("cuda", arch, 32), exact="--all" in argv, sass="--sass" in argv)
+    from dgemma.kernels import triton_quant
+
+    triton_quant.ARCH_ON_META = arch  # the wrappers choose for the target (sm80: e4m3 decoded by bits)
     _launch_released(launches)
     if only is not None:  # compile only the variants of one kernel (and constexpr) named
         kernel, _, constexpr = only.partition(":")
