@@ -74,3 +74,57 @@ def test_memory_card_command(capsys):
     code = main(["memory", "--size", "real", "--card", "24GB", "--max-context", "8192"])
     out = capsys.readouterr().out
     assert code == 1 and "does not fit" in out and "--quantization int4" in out
+
+
+# ------------------------------------------------------------------ fine-tuning (issue 55, item 4)
+def test_finetune_plan_counts_what_a_qlora_model_holds():
+    """The plan's base is what the quantised model holds, its trained parameters the adapters'."""
+    from dgemma.memory_plan import FinetuneWork, plan_finetune
+    from dgemma.train import lora
+
+    config = make_config(**PRESETS["test"])
+    net = DiffusionGemma(config)
+    quantize_model(net, "int4", 32)
+    lora.apply_lora(net, 8)
+    plan = plan_finetune(config, FinetuneWork("int4", 32, 8, weight_dtype=torch.float32, act_dtype=torch.float32))
+    held = held_bytes(net)
+    adapters = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    assert sum(plan.base.values()) == sum(held.values()) - 4 * adapters  # (held counts the adapters too)
+    assert plan.base["experts"] == held["experts"] and plan.base["embeddings"] == held["embeddings"]
+    assert plan.trained_parameters == adapters and plan.adapters == 16 * adapters  # weight, grad, two moments
+    full = plan_finetune(config, FinetuneWork(None, lora_rank=0, weight_dtype=torch.float32))
+    assert full.trained_parameters == sum(p.numel() for p in DiffusionGemma(config).parameters())
+
+
+def test_the_released_model_fine_tunes_on_a_24_gb_card_int4_rank_16_2048_tokens():
+    """Issue 55's target, planned: at most 22 GiB on a GPU; activation checkpointing is what makes it fit."""
+    from dataclasses import replace
+
+    from dgemma.memory_plan import FinetuneWork, finetune_fixes, plan_finetune
+
+    config = make_config(**PRESETS["real"])
+    work = FinetuneWork("int4", None, 16, seq_len=2048)
+    plan = plan_finetune(config, work)
+    assert plan.total <= 22 * GIB
+    assert 12 * GIB < plan.parts["base (int4)"] < 15 * GIB and plan.parts["adapters and optimizer"] < 0.4 * GIB
+    unchecked = plan_finetune(config, replace(work, checkpointing=False))
+    assert unchecked.total > 24 * GIB  # every layer's activations of 2,048 tokens kept: it would not fit
+    bf16 = plan_finetune(config, FinetuneWork(None, None, 16, seq_len=2048))
+    assert bf16.total > 45 * GIB
+    fixes = finetune_fixes(config, FinetuneWork("fp8", None, 16, seq_len=8192), 24 * 10**9)
+    assert fixes and fixes[0].startswith("--quantization int4 --seq-len")
+
+
+def test_memory_finetune_command(capsys):
+    argv = ["memory", "--finetune", "--size", "real", "--quantization", "int4", "--lora-rank", "16"]
+    assert main([*argv, "--seq-len", "2048", "--card", "24GB"]) == 0
+    out = capsys.readouterr().out
+    for part in ("base: experts", "adapters and optimizer", "activation checkpoints", "one layer's recompute"):
+        assert part in out
+    assert "loss chunk" in out and "CUDA context" in out and "planned, not measured" in out
+    assert out.strip().splitlines()[-1].startswith("fits:")
+    assert main([*argv, "--seq-len", "8192", "--card", "20GB"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("does not fit") and "it would fit with --seq-len" in last
+    assert main(["memory", "--finetune", "--size", "tiny", "--lora-targets", "experts"]) == 2
+    assert "routed experts are not supported" in capsys.readouterr().err

@@ -119,6 +119,84 @@ def kv_config(config, args):
     return shards.rank_config(rank)
 
 
+def print_finetune_plan(config, args) -> int:
+    """`dgemma memory --finetune`: one fine-tuning step's peak memory, part by part (memory_plan's
+    plan_finetune, the figure `dgemma finetune` checks before it loads), and with --card whether it
+    fits, or what would."""
+    import torch
+
+    from ..memory_plan import FinetuneWork, finetune_fixes, plan_finetune
+    from ..quant import schemes
+    from ..train import lora
+
+    if args.lora_rank < 0:
+        raise CliError(f"--lora-rank must be positive, or 0 for full fine-tuning (got {args.lora_rank})")
+    if args.seq_len < 2 or args.batch_size < 1:
+        raise CliError("--seq-len must be at least 2 and --batch-size positive")
+    cpu = args.device == "cpu"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.dtype or ("float32" if cpu else "bfloat16")
+    ]
+    targets = tuple(
+        t.split(".", 2)[2] if t.startswith("layers.") else t for t in lora.resolve_targets(args.lora_targets)
+    )
+    with torch.device("meta"):
+        from ..model.diffusion_gemma import DiffusionGemma
+
+        try:
+            lora.target_modules(DiffusionGemma(config), targets)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+
+    def work(scheme):
+        return FinetuneWork(
+            scheme=scheme,
+            group_size=args.group_size,
+            lora_rank=args.lora_rank,
+            targets=targets,
+            seq_len=args.seq_len,
+            batch=args.batch_size,
+            weight_dtype=dtype,
+            act_dtype=dtype,
+            checkpointing=not args.no_checkpoint_layers,
+            device="cpu" if cpu else "cuda",
+        )
+
+    scheme = args.quantization
+    if scheme == "auto":  # the first of the unquantised base and auto's schemes whose plan fits the card
+        order = [None, *schemes.auto_names()]
+        scheme = next(
+            (s for s in order if args.card is None or plan_finetune(config, work(s)).total <= args.card), order[-1]
+        )
+    if scheme is not None and args.lora_rank == 0:
+        raise CliError(f"the {scheme} base is frozen: plan LoRA on it with --lora-rank R (e.g. 16)")
+    plan, gib = plan_finetune(config, work(scheme)), 2**30
+    name = args.model or f"--size {args.size}"
+    device = "a CPU (float32 activations)" if cpu else "a GPU"
+    what = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tuning"
+    card = f", a {args.card / gib:.1f} GiB device" if args.card else ""
+    print(
+        f"fine-tuning {name} on {device}{card}: {scheme or 'unquantised'} base, {what} "
+        f"({plan.trained_parameters / 1e6:.1f}M trained parameters), {args.batch_size} x {args.seq_len} tokens, "
+        f"{str(dtype).removeprefix('torch.')} activations, checkpointing {'off' if args.no_checkpoint_layers else 'on'} "
+        "(planned, not measured):"
+    )
+    for part, size in plan.base.items():
+        print(f"  base: {part:<22} {size / gib:8.2f} GiB")
+    for part, size in list(plan.parts.items())[1:]:
+        print(f"  {part:<28} {size / gib:8.2f} GiB")
+    print(f"  {'total':<28} {plan.total / gib:8.2f} GiB")
+    if args.card is None:
+        return 0
+    if plan.total > args.card:
+        fixes = finetune_fixes(config, work(scheme), args.card)
+        hint = "it would fit with " + " or ".join(fixes) if fixes else "no smaller scheme, sequence or rank fits it"
+        print(f"does not fit: {plan.total / gib:.2f} of {args.card / gib:.1f} GiB; {hint}")
+        return 1
+    print(f"fits: {plan.total / gib:.2f} of {args.card / gib:.1f} GiB")
+    return 0
+
+
 def cmd_memory(args) -> int:
     """KV cache bytes of one request: the paged layout against preallocated rows."""
     from ..config import load_model_config
@@ -138,6 +216,9 @@ def cmd_memory(args) -> int:
         raise CliError(f"--tokens must be positive (got {args.tokens})")
     if args.tensor_parallel_size < 1:
         raise CliError(f"--tensor-parallel-size must be positive (got {args.tensor_parallel_size})")
+    if args.finetune:
+        return print_finetune_plan(config, args)
+    args.dtype = args.dtype or "bfloat16"
     if args.card is not None:
         return print_memory_plan(config, args)
     full, config = config, kv_config(config, args)
@@ -172,9 +253,9 @@ def add_cli(sub) -> None:
     mem.add_argument("--tokens", type=int, default=131072, help="tokens of the request (default: 131072)")
     mem.add_argument(
         "--dtype",
-        default="bfloat16",
+        default=None,
         choices=["float32", "bfloat16", "float16"],
-        help="dtype of the KV cache and weights (default: bfloat16)",
+        help="dtype of the KV cache and weights (default: bfloat16; --finetune on a CPU: float32)",
     )
     mem.add_argument("--block-size", type=int, default=None, help="positions per KV block (default: the canvas length)")
     mem.add_argument(
@@ -208,4 +289,16 @@ def add_cli(sub) -> None:
         action="store_true",
         help="with --tensor-parallel-size: whole experts per rank instead of each expert split",
     )
+    ft = mem.add_argument_group("fine-tuning (--finetune)")
+    ft.add_argument(
+        "--finetune",
+        action="store_true",
+        help="plan one step of `dgemma finetune` instead: base, adapters and optimizer, activations, loss chunk",
+    )
+    ft.add_argument("--lora-rank", type=int, default=16, help="adapters' rank (0: full fine-tuning; default 16)")
+    ft.add_argument("--lora-targets", default="attention,mlp", help="attention, mlp and/or module-name suffixes")
+    ft.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence (default 2048)")
+    ft.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    ft.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where it trains (default cuda)")
+    ft.add_argument("--no-checkpoint-layers", action="store_true", help="plan without activation checkpointing")
     mem.set_defaults(func=cmd_memory)

@@ -1,12 +1,25 @@
-"""`dgemma train` (a model from a config), `dgemma finetune` (a checkpoint, full or LoRA) and
-`dgemma merge-lora` (adapters folded into a checkpoint); the loop is dgemma/train/trainer.py."""
+"""`dgemma train` (a model from a config), `dgemma finetune` (a checkpoint, full, LoRA, or LoRA
+on a quantised base: QLoRA) and `dgemma merge-lora` (adapters folded into a checkpoint); the loop
+is dgemma/train/trainer.py.
+
+`dgemma finetune --model OWNER/NAME` checks the run's memory plan from the hub's config.json
+before the weights are downloaded, as `dgemma run` does; a local checkpoint is checked by the
+trainer before it is read."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..model.presets import PRESETS
-from .common import MODEL_HELP, add_hub_flags, resolve_model
+from .common import (
+    MODEL_HELP,
+    CliError,
+    add_hub_flags,
+    device_memory_override,
+    resolve_model,
+    say,
+    scheme_choices,
+)
 
 
 def add_cli(sub) -> None:
@@ -21,10 +34,30 @@ def add_cli(sub) -> None:
         "--model", "-m", help=f"the checkpoint to start from: {MODEL_HELP} (default: the shipped dgemma-tiny)"
     )
     add_hub_flags(f)
-    f.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
+    f.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (omitted: full fine-tuning)")
     f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     f.add_argument("--lora-targets", default="attention,mlp", help="attention, mlp and/or module-name suffixes")
     f.add_argument("--no-merge", dest="merge", action="store_false", help="LoRA: write the adapters only")
+    f.add_argument(
+        "--quantization",
+        default=None,
+        choices=scheme_choices(),
+        help="QLoRA: keep the frozen base quantised in this scheme (quantised while loading; needs --lora-rank)",
+    )
+    f.add_argument("--group-size", type=int, default=None, help="with --quantization int4: its group size (default 64)")
+    f.add_argument("--adapter", default=None, help="start from these LoRA adapters (PEFT's format or dgemma's)")
+    f.add_argument(
+        "--checkpoint-layers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="activation checkpointing per layer (default: on with --quantization)",
+    )
+    f.add_argument(
+        "--loss-chunk-rows",
+        type=int,
+        default=None,
+        help="rows per chunk of the vocabulary-sized loss (default: about 64 MiB of logits; 0: all at once)",
+    )
     _common_flags(f, lr=1e-4)
     f.set_defaults(func=cmd_train)
 
@@ -85,12 +118,46 @@ def _common_flags(p: argparse.ArgumentParser, lr: float) -> None:
 def cmd_train(args) -> int:
     from ..train.trainer import TrainArgs, train
 
-    if args.command == "finetune":  # a hub id fetched into the cache, a directory as it is; none: dgemma-tiny
-        args.model = str(resolve_model(args, fit=False).path)
+    if args.command == "finetune":
+        if args.lora_rank is not None and args.lora_rank <= 0:
+            raise CliError(f"--lora-rank must be positive (got {args.lora_rank}); omit it for full fine-tuning")
+        args.lora_rank = args.lora_rank or 0
+        args.device_memory = device_memory_override()  # DGEMMA_DEVICE_MEMORY, as `dgemma run` reads it
+        # a hub id fetched into the cache (its plan checked before the download), a directory as it
+        # is (the trainer checks its plan); none: dgemma-tiny
+        args.model = str(_finetune_checkpoint(args, TrainArgs).path)
     fields_ = TrainArgs.__dataclass_fields__
     values = {k: v for k, v in vars(args).items() if k in fields_}
     result = train(TrainArgs(**values))
     return 130 if result.interrupted else 0
+
+
+def _finetune_checkpoint(args, train_args):
+    """The base of `dgemma finetune`: a local directory as it is; a hub id's config.json first, the
+    fine-tuning plan checked against the device (the trainer's own check, on a run that reads
+    nothing), then its weights downloaded. Offline or unreachable: the cache, as `resolve_model`."""
+    from pathlib import Path
+
+    from ..hub import is_hub_id
+
+    ref = args.model
+    if ref is None or Path(ref).expanduser().exists() or not is_hub_id(ref):
+        return resolve_model(args, fit=False)
+    from huggingface_hub import is_offline_mode
+
+    from ..hub.fetch import Unreachable, fetch_snapshot, locate
+    from ..train.trainer import plan_check
+
+    if is_offline_mode():
+        return resolve_model(args, fit=False)
+    try:
+        snapshot = locate(ref, getattr(args, "revision", None))  # config files only
+    except Unreachable:
+        return resolve_model(args, fit=False)
+    fields_ = train_args.__dataclass_fields__
+    values = {k: v for k, v in vars(args).items() if k in fields_}
+    plan_check(train_args(**{**values, "model": str(snapshot.path)}))
+    return fetch_snapshot(snapshot, None, getattr(args, "force", False), say)
 
 
 def cmd_merge_lora(args) -> int:

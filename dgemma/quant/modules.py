@@ -7,11 +7,23 @@ attention q/k/v/o, the dense MLP, the MoE experts (most of the bytes). Embedding
 head), routers, norms, the self-conditioning MLP and the vision tower stay in the model dtype.
 
 Do not `.to(dtype)` a model holding these modules: fp8 parts are floating point and would be cast.
+
+Training (QLoRA, dgemma/train/): the weights stay frozen, but gradients must flow through them to
+the adapters of earlier layers. Where autograd records (grad enabled and the input needs a
+gradient) a quantised matmul runs as `QuantMatmul`: the same forward GEMM, and a backward
+grad_in = grad_out @ W that dequantises a tile of W's rows at a time (`quant_grad_input`), so no
+full-precision weight outlives its tile in the backward either. The experts then take a
+differentiable path (gather, a QuantMatmul per expert, gelu * up, the routing weights, a
+scatter) through which dx and the router's weights' gradients flow. Under no_grad (inference)
+nothing changes: the same kernels, the same code path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import avx2
@@ -69,6 +81,60 @@ def cpu_quant_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
     return tiled_linear(x, q.shape[0], dequantized_rows(q, x.dtype), tile_elements)
 
 
+# The backward GEMM's tile of dequantised weight rows: 16 MB in float32 (an expert's whole gate_up
+# at the released size is 4M elements). Larger than the forward's 1 MB tile: each tile's addmm
+# re-reads the whole [tokens, in] gradient, so fewer, larger tiles do less traffic.
+BACKWARD_TILE_ELEMENTS = 1 << 22
+
+
+def _records(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records through a quantised weight here: grad enabled and some input needs
+    a gradient (training). Inference (no_grad, inference_mode, or inputs without grad) never does."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def quant_grad_input(grad_out: torch.Tensor, q: QTensor, tile_elements: int | None = None) -> torch.Tensor:
+    """grad_out [..., out] @ W [out, in] -> [..., in] for a quantised 2D W: the backward GEMM of
+    x @ W.T. W is dequantised a tile of output rows at a time into grad_out's dtype and device
+    (natively on the CPU: kernels/avx2.dequantize_into; formats.dequantize elsewhere), each tile's
+    product added into the result, so no full-precision copy of W exists at once."""
+    from ..kernels.widened import tile_rows
+
+    out_features, in_features = q.shape
+    flat = grad_out.reshape(-1, out_features)
+    rows = min(out_features, tile_rows(in_features, tile_elements or BACKWARD_TILE_ELEMENTS))
+    buffer = torch.empty(rows, in_features, dtype=flat.dtype, device=flat.device)
+    result = flat.new_zeros(flat.shape[0], in_features)
+    for start in range(0, out_features, rows):
+        end = min(out_features, start + rows)
+        tile = avx2.dequantize_into(q.rows(start, end), buffer[: end - start])
+        result.addmm_(flat[:, start:end], tile)
+    return result.view(*grad_out.shape[:-1], in_features)
+
+
+class QuantMatmul(torch.autograd.Function):
+    """y = product(x, q) = x @ W.T for a frozen quantised W, differentiable in x: the forward is
+    whatever GEMM inference runs (`product`), the backward `quant_grad_input` (tile by tile). W
+    gets no gradient (a quantised base is frozen; adapters learn beside it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q: QTensor, product: Callable[[torch.Tensor, QTensor], torch.Tensor]):
+        ctx.q = q  # the parts are buffers of the module: referenced, not copied
+        return product(x, q)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return quant_grad_input(grad_out, ctx.q), None, None
+
+
+def dequantized_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """x @ dequantize(q).T for one expert's weight off the CPU (a GPU training step): the expert is
+    the tile, dequantised in x's dtype for the call (the grouped MoE kernels have no backward)."""
+    from .formats import dequantize
+
+    return F.linear(x, dequantize(q, x.dtype))
+
+
 def _on_gpu(x: torch.Tensor) -> bool:
     """x's device runs the GPU kernels (kernels/triton_quant.py): kernels/choice.py decides."""
     return gpu_kernels_run(x.device)
@@ -93,11 +159,24 @@ class QuantLinear(QuantWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qtensor
+        if _records(x):  # training: the same GEMM, with a backward (QuantMatmul)
+            return QuantMatmul.apply(x, q, self._product)
+        return self._product(x, q)
+
+    def _product(self, x: torch.Tensor, q: QTensor) -> torch.Tensor:
         if _on_gpu(x):
             from ..kernels.triton_quant import quant_linear
 
             return quant_linear(x, gpu_weight(self, q))
         return cpu_quant_linear(x, q)
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
 
 
 class QuantExperts(nn.Module):
@@ -114,6 +193,8 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj.qtensor, self.down_proj.qtensor
+        if _records(x, top_k_weights):
+            return self._differentiable(x, top_k_index, top_k_weights, gate_up, down)
         if _on_gpu(x):
             return self._grouped(x, top_k_index, top_k_weights, gate_up, down)
         return sorted_experts(
@@ -125,6 +206,31 @@ class QuantExperts(nn.Module):
             lambda e, rows: cpu_quant_linear(rows, gate_up.select(e)),
             lambda e, rows: cpu_quant_linear(rows, down.select(e)),
         )
+
+    def _differentiable(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: QTensor, down: QTensor
+    ) -> torch.Tensor:
+        """`sorted_experts` written out of place, each expert's GEMM a QuantMatmul (training): the
+        gradient reaches x through the gather and both projections, and the router through the
+        routing weights. The same forward GEMMs as inference on the CPU; on a GPU each expert's
+        weight is dequantised for its call (`dequantized_linear`)."""
+        product = cpu_quant_linear if x.device.type == "cpu" else dequantized_linear
+        num_tokens, top_k = top_k_index.shape
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+        token = perm // top_k
+        routed = x.index_select(0, token)
+        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+        spans, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                spans.append((e, start, start + n))
+            start += n
+        projected = torch.cat([QuantMatmul.apply(routed[a:b], gate_up.select(e), product) for e, a, b in spans])
+        gate, up = projected.chunk(2, dim=-1)
+        act = F.gelu(gate, approximate=self.approximate) * up
+        out = torch.cat([QuantMatmul.apply(act[a:b], down.select(e), product) for e, a, b in spans])
+        out = out * top_k_weights.reshape(-1)[perm].to(out.dtype)[:, None]
+        return torch.zeros_like(x).index_add(0, token, out)
 
     def _grouped(self, x, top_k_index, top_k_weights, gate_up: QTensor, down: QTensor) -> torch.Tensor:
         """The GPU path: the MoE kernels (align, gate|up with gelu * up, down: kernels/triton_moe.py),

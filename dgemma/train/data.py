@@ -55,8 +55,15 @@ def held_out(name: str, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def _read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+def _read_text(path: Path, strict: bool = False) -> str:
+    """A text file's contents. `strict` (the user's files): a file that is not UTF-8 is a one-line
+    error naming it, not text with replacement characters trained on in silence."""
+    if not strict:
+        return path.read_text(encoding="utf-8", errors="replace")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); training data must be UTF-8") from None
 
 
 def iter_records(paths: Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
@@ -75,12 +82,16 @@ def iter_records(paths: Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
             if f.suffix == ".jsonl":
                 yield from _jsonl_records(f)
             elif path.is_file() or f.suffix in TEXT_SUFFIXES:
-                yield str(f), {"text": _read_text(f)}
+                yield str(f), {"text": _read_text(f, strict=True)}
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 (byte {e.start}: {e.reason}); JSONL must be UTF-8") from None
             if not line.strip():
                 continue
             try:

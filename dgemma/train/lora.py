@@ -1,8 +1,11 @@
 """LoRA adapters, our own (peft depends on transformers, which dgemma never imports at run time).
 
-An adapter is a child module `lora` of an `nn.Linear` plus a forward hook adding
+An adapter is a child module `lora` of an `nn.Linear` (or of a quantised `QuantLinear`: QLoRA,
+the base frozen in the packed format inference uses) plus a forward hook adding
 `B(A(x)) * alpha / r`, so the base weight keeps its name and checkpoint mapping, and merging is
-`W += alpha / r * B @ A`. B starts at zero: an adapted model starts as the base model.
+`W += alpha / r * B @ A`. B starts at zero: an adapted model starts as the base model. The
+adapter's A and B are float32 whatever the base holds (its master weights), and it computes in
+float32, its output cast to the base's.
 
 Default targets are the attention projections and the dense MLP of every layer; everything
 else, the router and the experts included, stays frozen (the published LoRA recipe).
@@ -30,6 +33,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..model.layout import natural_key, save_safetensors
+from ..quant.modules import QuantLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -38,6 +42,8 @@ TARGET_GROUPS = {
     "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 }
 DEFAULT_TARGETS = ("attention", "mlp")
+# The modules an adapter can wrap: full-precision linears and quantised ones (a frozen QLoRA base).
+ADAPTABLE = (nn.Linear, QuantLinear)
 
 # PEFT's names: its wrapper's prefix, then transformers' two copies of the text stack (decoder first).
 PEFT_PREFIX = "base_model.model."
@@ -108,16 +114,34 @@ def resolve_targets(targets: str | tuple[str, ...] | list[str] = DEFAULT_TARGETS
     return tuple(out)
 
 
-def target_modules(net: nn.Module, targets: tuple[str, ...]) -> dict[str, nn.Linear]:
-    """The Linear layers inside `net.layers` whose names end with one of `targets`."""
-    found = {
-        name: m
-        for name, m in net.named_modules()
-        if isinstance(m, nn.Linear) and name.startswith("layers.") and name.endswith(targets)
-    }
+def target_modules(net: nn.Module, targets: tuple[str, ...]) -> dict[str, nn.Module]:
+    """The linears (full-precision or quantised) inside `net.layers` whose names end with one of
+    `targets`. A target that matches none of them is refused in one line: a typo would otherwise
+    train fewer adapters than asked for without a word."""
+    linears = {name: m for name, m in net.named_modules() if isinstance(m, ADAPTABLE) and name.startswith("layers.")}
+    found = {name: m for name, m in linears.items() if name.endswith(targets)}
+    for target in targets:
+        if target and not any(name.endswith(target) for name in found):
+            if target == "experts" or target.endswith(".experts") or "experts." in target:
+                raise ValueError(
+                    f"LoRA target {target!r}: adapters on the routed experts are not supported yet; "
+                    f"adapt {', '.join(DEFAULT_TARGETS)} (attention and the dense MLP)"
+                )
+            leaves = sorted({name.split(".", 2)[2] for name in linears}, key=natural_key)
+            raise ValueError(
+                f"LoRA target {target!r}: the model has no such linear layer "
+                f"(groups: {', '.join(TARGET_GROUPS)}; modules: {', '.join(leaves)})"
+            )
     if not found:
         raise ValueError(f"no Linear layer matches the LoRA targets {', '.join(targets)}")
     return found
+
+
+def features(linear: nn.Module) -> tuple[int, int, torch.device]:
+    """(in_features, out_features, device) of a full-precision or quantised linear."""
+    if isinstance(linear, QuantLinear):
+        return linear.in_features, linear.out_features, next(linear.buffers()).device
+    return linear.in_features, linear.out_features, linear.weight.device
 
 
 def apply_lora(
@@ -127,15 +151,16 @@ def apply_lora(
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
     alpha = float(alpha if alpha is not None else 2 * rank)
+    chosen = target_modules(net, resolve_targets(targets))
     for p in net.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     names = []
-    for name, linear in target_modules(net, resolve_targets(targets)).items():
+    for name, linear in chosen.items():
         if hasattr(linear, "lora"):
             raise ValueError(f"{name} already has a LoRA adapter")
-        w = linear.weight
-        linear.lora = LoRA(linear.in_features, linear.out_features, rank, alpha, gen).to(w.device)
+        in_features, out_features, device = features(linear)
+        linear.lora = LoRA(in_features, out_features, rank, alpha, gen).to(device)
         linear._lora_hook = linear.register_forward_hook(_add_lora)
         names.append(name)
     net.lora_config = {"r": rank, "lora_alpha": alpha, "target_modules": names}
@@ -162,8 +187,9 @@ def adapter_state_dict(net: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def layer_linears(net: nn.Module) -> list[str]:
-    """Names of every Linear inside `net.layers`: what `target_pattern` compares an adapter's layers with."""
-    return [name for name, m in net.named_modules() if isinstance(m, nn.Linear) and name.startswith("layers.")]
+    """Names of every linear (full-precision or quantised) inside `net.layers`: what
+    `target_pattern` compares an adapter's layers with."""
+    return [name for name, m in net.named_modules() if isinstance(m, ADAPTABLE) and name.startswith("layers.")]
 
 
 # ------------------------------------------------------------------ PEFT's format
@@ -363,6 +389,9 @@ def _from_peft(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
 def read_adapters(path: str | Path) -> AdapterFile:
     """Read an adapter directory in PEFT's format or dgemma's older one (its own key names)."""
     path = Path(path)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):  # (safetensors' own error names no file)
+        if not (path / name).is_file():
+            raise AdapterError(f"no LoRA adapter in {path}: {path / name} is missing")
     try:
         cfg = json.loads((path / ADAPTER_CONFIG).read_text())
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
@@ -431,6 +460,23 @@ def load_adapters(net: nn.Module, path: str | Path) -> list[str]:
     return names
 
 
+def check_adapter(adapter: AdapterFile, net: nn.Module, path: str | Path) -> None:
+    """AdapterError (one line) unless every adapter of `adapter` wraps a linear `net` has, with
+    A [r, in] and B [out, r] of its shapes: checked on the meta model before the base is read."""
+    linears = {name: m for name, m in net.named_modules() if isinstance(m, ADAPTABLE) and name.startswith("layers.")}
+    for name in adapter.names:
+        linear = linears.get(name)
+        if linear is None:
+            raise AdapterError(f"{path}: the adapter targets {name}, which this base does not have as a linear layer")
+        in_features, out_features, _ = features(linear)
+        a, b = adapter.tensors[f"{name}.lora_A.weight"], adapter.tensors[f"{name}.lora_B.weight"]
+        if tuple(a.shape) != (adapter.rank, in_features) or tuple(b.shape) != (out_features, adapter.rank):
+            raise AdapterError(
+                f"{path}: adapter {name} has shapes {tuple(a.shape)} and {tuple(b.shape)}, this base needs "
+                f"{(adapter.rank, in_features)} and {(out_features, adapter.rank)} (an adapter of another model?)"
+            )
+
+
 def merged_state_dict(state_dict: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """A state dict with every `<linear>.lora.{A,B}` pair folded into `<linear>.weight` (new tensors)."""
     out = {k: v for k, v in state_dict.items() if not (k.endswith(".lora.A") or k.endswith(".lora.B"))}
@@ -444,10 +490,16 @@ def merged_state_dict(state_dict: dict[str, torch.Tensor], scale: float) -> dict
 
 @torch.no_grad()
 def merge_lora(net: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight and remove it: a plain model again, savable as a checkpoint."""
-    for linear in target_modules(net, ("",)).values():
+    """Fold every adapter into its base weight and remove it: a plain model again, savable as a checkpoint.
+    A quantised base is refused: merging would have to dequantise, add and re-quantise each weight."""
+    for name, linear in target_modules(net, ("",)).items():
         if not hasattr(linear, "lora"):
             continue
+        if isinstance(linear, QuantLinear):
+            raise AdapterError(
+                f"{name} is quantised ({linear.scheme}): merging adapters onto a quantised base is not supported; "
+                "merge onto the full-precision base (dgemma merge-lora without --quantization) and quantise that"
+            )
         linear.weight.copy_((linear.weight.float() + linear.lora.delta()).to(linear.weight.dtype))
         linear._lora_hook.remove()
         del linear._lora_hook

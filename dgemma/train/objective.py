@@ -15,6 +15,13 @@ Every random draw comes from a per-example generator seeded from (seed, step, ex
 so a batch's noise does not depend on how it is split across micro-batches or ranks: gradient
 accumulation and data parallelism see exactly the examples and noise a single process would, and
 a resumed run redraws exactly what the interrupted one would have.
+
+Memory (the released size on one card, QLoRA): `checkpoint_layers` keeps only each layer's input
+from the forward and recomputes the layer in the backward, in the decoder passes and in the
+encoder pass; the encoder layer writes the (differentiable) KV cache, so it runs checkpointed
+with its K/V buffers as explicit inputs and outputs (`_encoder_layer`), never as a side effect
+the recomputation would repeat. `chunk_rows` computes both cross-entropies and the
+self-conditioning input over the vocabulary a chunk of rows at a time (chunked.py).
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..dense.kv_cache import DenseKVCache
+from ..model import rope
 from ..model.diffusion_gemma import DiffusionGemma
+from .chunked import chunked_cross_entropy, chunked_soft_embeds
 
 EPS = 1e-3
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -203,49 +213,138 @@ class Losses:
     ar: torch.Tensor
 
 
+def _encoder_layer(layer: torch.nn.Module, index: int, h: torch.Tensor, cos, sin, cache_pass) -> torch.Tensor:
+    """One encoder layer under activation checkpointing. The layer writes its keys and values into
+    the differentiable cache (a new buffer, `DenseKVCache.store_and_view`); here the buffer it
+    starts from goes in and the one it writes comes out as explicit outputs, and the cache is left
+    as it was inside the checkpointed function. So the recomputation in the backward repeats no
+    side effect, and the decoder's gradient reaches these K/V through the outputs' graph."""
+    cache = cache_pass.cache
+
+    def run(h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        before = cache.keys[index], cache.values[index]
+        cache.keys[index], cache.values[index] = keys, values
+        try:
+            out = layer(h, cos, sin, index, cache_pass, True)
+            return out, cache.keys[index], cache.values[index]
+        finally:
+            cache.keys[index], cache.values[index] = before
+
+    out, cache.keys[index], cache.values[index] = checkpoint(
+        run, h, cache.keys[index], cache.values[index], use_reentrant=False
+    )
+    return out
+
+
+def run_layers(
+    net: DiffusionGemma, h: torch.Tensor, cache_pass, encoder: bool, checkpoint_layers: bool
+) -> torch.Tensor:
+    """`net._run_layers` (every layer, then the final norm), each layer checkpointed where autograd
+    records and `checkpoint_layers` asks: its activations are recomputed in the backward from its
+    input, so a pass keeps one hidden state per layer instead of every intermediate."""
+    if not (checkpoint_layers and torch.is_grad_enabled()):
+        return net._run_layers(h, cache_pass, encoder)
+    if encoder and not cache_pass.cache.differentiable:
+        raise ValueError("checkpointed encoder layers need a differentiable cache (they return its K/V)")
+    freqs = net.rope_frequencies(h.device)
+    tables = {kind: rope.cos_sin(cache_pass.positions, freqs[kind], h.dtype) for kind in net.rope_specs}
+    for i, layer in enumerate(net.layers):
+        cos, sin = tables[layer.self_attn.spec.kind]
+        if encoder:
+            h = _encoder_layer(layer, i, h, cos, sin, cache_pass)
+        else:  # the decoder reads the cache (a copy of each buffer): nothing to hand back
+            h = checkpoint(layer, h, cos, sin, i, cache_pass, False, use_reentrant=False)
+    return net.norm(h)
+
+
+def _loss(net: DiffusionGemma, hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, rows: int | None):
+    """Mean cross-entropy of the model's logits over `mask`: whole (`masked_cross_entropy`) or a
+    chunk of `rows` rows at a time, the logits recomputed in the backward (chunked.py)."""
+    if rows is None:
+        return masked_cross_entropy(net.logits(hidden), target, mask)
+    weight = net.embed_tokens.weight
+    return chunked_cross_entropy(hidden, weight, target, mask, net.config.final_logit_softcapping, rows)
+
+
 def training_losses(
-    net: DiffusionGemma, batch: Batch, noise: Noise, ar_weight: float = 1.0, two_pass: bool = True
+    net: DiffusionGemma,
+    batch: Batch,
+    noise: Noise,
+    ar_weight: float = 1.0,
+    two_pass: bool = True,
+    checkpoint_layers: bool = False,
+    chunk_rows: int | None = None,
 ) -> Losses:
     """Encoder pass over the clean sequence (AR loss, KV cache), then the two-pass decoder on the noisy blocks.
 
     The decoder of block r sees only the encoder's keys at positions < block_start[r] and places the
-    canvas at positions block_start[r] + [0, C), exactly where generation would put it. With
+    canvas at positions block_start[r] + [0, C), exactly where generation would place it. With
     `two_pass` the no-grad first pass always runs (rows whose `self_cond` is False get a zero
     signal), so every data-parallel rank makes the same module calls whatever its draws; without
-    it no row gets the signal.
+    it no row gets the signal. `checkpoint_layers` and `chunk_rows` (None: the whole logits at
+    once) trade compute for memory and give the same losses and gradients to float32 rounding.
     """
     bsz, width = batch.ids.shape
     c = batch.target.shape[1]
     cache = DenseKVCache(net.config, bsz, width + c, device=batch.ids.device, dtype=net.dtype, differentiable=True)
     ragged = any(n != width for n in batch.lengths)
     plan = cache.plan_encoder(width, new_counts=batch.lengths if ragged else None)
-    hidden = net.encode(batch.ids, plan)
+    hidden = run_layers(net, net.embed(batch.ids), plan, True, checkpoint_layers)
     cache.commit(plan)
-    ar = ar_cross_entropy(net.logits(hidden), batch.ids, batch.ar_mask)
+    if chunk_rows is None:
+        ar = ar_cross_entropy(net.logits(hidden), batch.ids, batch.ar_mask)
+    else:  # logits[:, i] predicts ids[:, i + 1], as ar_cross_entropy
+        ar = _loss(net, hidden[:, :-1], batch.ids[:, 1:], batch.ar_mask[:, 1:], chunk_rows)
+    del hidden
 
     if batch.blocks > 1:
         expand_rows(cache, batch.blocks)
     cache.set_lengths(batch.block_start)
     canvas = corrupt_canvas(batch.target, noise)
     dec_plan = cache.plan_decoder(c)
+
+    def decode(soft: torch.Tensor | None) -> torch.Tensor:
+        h = net.self_conditioning(net.embed(canvas), soft, net.reduce)
+        return run_layers(net, h, dec_plan, False, checkpoint_layers)
+
     soft = None
     if two_pass:
         with torch.no_grad():
-            first = net.logits(net.decode(canvas, dec_plan, None))
-        soft = net.soft_embed_from_logits(first) * noise.self_cond.to(net.dtype)[:, None, None]
-    logits = net.logits(net.decode(canvas, dec_plan, soft))
-    diffusion = masked_cross_entropy(logits, batch.target, batch.canvas_mask)
+            first = decode(None)
+            if chunk_rows is None:
+                soft = net.soft_embed_from_logits(net.logits(first))
+            else:
+                soft = chunked_soft_embeds(net, first, chunk_rows)
+        soft = soft * noise.self_cond.to(net.dtype)[:, None, None]
+    diffusion = _loss(net, decode(soft), batch.target, batch.canvas_mask, chunk_rows)
     return Losses(diffusion + ar_weight * ar, diffusion, ar)
 
 
 class TrainingModule(torch.nn.Module):
     """The objective as a module whose forward is the loss, so FSDP2's hooks see one forward per step."""
 
-    def __init__(self, net: DiffusionGemma, ar_weight: float = 1.0, self_conditioning: bool = True):
+    def __init__(
+        self,
+        net: DiffusionGemma,
+        ar_weight: float = 1.0,
+        self_conditioning: bool = True,
+        checkpoint_layers: bool = False,
+        chunk_rows: int | None = None,
+    ):
         super().__init__()
         self.net = net
         self.ar_weight = ar_weight
         self.self_conditioning = self_conditioning
+        self.checkpoint_layers = checkpoint_layers
+        self.chunk_rows = chunk_rows
 
     def forward(self, batch: Batch, noise: Noise) -> Losses:
-        return training_losses(self.net, batch, noise, self.ar_weight, self.self_conditioning)
+        return training_losses(
+            self.net,
+            batch,
+            noise,
+            self.ar_weight,
+            self.self_conditioning,
+            self.checkpoint_layers,
+            self.chunk_rows,
+        )

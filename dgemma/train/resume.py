@@ -73,6 +73,13 @@ def publish(staged: Path, target: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def checkpoint_args(ckpt: Path) -> dict:
+    """The arguments of the run that wrote `ckpt` (read before the model, to check a resume
+    matches it; memory-mapped, so the optimizer state is not read)."""
+    state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    return dict(state.get("args") or {})
+
+
 def restore_optimizer(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path) -> int:
     """Load a checkpoint's optimizer state into `optimizer` (sharded or not); returns its step."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

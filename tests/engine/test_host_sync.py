@@ -273,6 +273,8 @@ STEP_MODULES = [
     "model/rope.py",
     "model/attention.py",
     "kernels/fused.py",
+    "kernels/lora.py",
+    "kernels/triton_lora.py",
     "kernels/triton_step.py",
     "kernels/triton_canvas.py",
     "kernels/triton_layer.py",
@@ -304,6 +306,7 @@ ALLOWED = {
     ("engine/host/step.py", "_sample"): "the CPU path samples only the accepted positions (nonzero on the host); "
     "turbo: the sampled rows",
     ("model/diffusion_gemma.py", "grouped_matmul"): "torch's loop fallback where F.grouped_mm has no kernel (float32)",
+    ("quant/modules.py", "_differentiable"): "training only (autograd recording): the experts' row counts",
     ("engine/sampler.py", "row_logprobs"): "log probabilities: only for requests asking (block ends, turbo freezes)",
     # turbo is opt-in and eager: its active rows set the pass's shapes, so the host must know them each pass
     ("engine/turbo.py", "query_rows"): "turbo: the rows this pass computes (a shape)",
