@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .adapters import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, AdapterBank, AdapterError, adapter_dtype
 from .config import GenerationConfig, ModelConfig
 from .dense.kv_cache import DenseKVCache
 from .dense.reference import reference_events
@@ -29,7 +30,7 @@ from .engine.constraints.infill import (
 from .engine.engine import Engine, EngineOptions
 from .engine.events import Block, Draft, Finished, GenerationOutput, collect
 from .engine.prefill import prefill
-from .engine.request import Request, check_seed, image_spans, random_seed, validate_prompts
+from .engine.request import AdapterRef, Request, check_seed, image_spans, random_seed, validate_prompts
 from .inputs.model_inputs import ImagePatches, MediaError, ModelInputs
 from .inputs.tokenizer import Tokenizer
 from .kernels.choice import engine_net
@@ -72,6 +73,8 @@ class Model:
         self._client: EngineClient | None = None
         self._processor = None
         self._grammars: GrammarCompiler | None = None
+        # the LoRA adapters served on this base, chosen per request (dgemma/adapters/); None: none
+        self.adapters: AdapterBank | None = None
 
     @property
     def engine_net(self) -> DiffusionGemma:
@@ -97,6 +100,59 @@ class Model:
         names = lora.load_adapters(self.net, path)
         self.reset_engine_net()
         return names
+
+    def enable_adapters(self, max_loras: int = DEFAULT_MAX_LORAS, max_rank: int = DEFAULT_MAX_RANK) -> AdapterBank:
+        """Serve LoRA adapters on this base, chosen per request (`generate(..., adapter=NAME)`):
+        `max_loras` resident at once, each of rank up to `max_rank`, their weights in slots made
+        now beside the engine's network (kernels/lora.py). Drops the current engine (the next one
+        runs the adapted network). Returns the bank (the same one when already enabled with these
+        sizes)."""
+        if self.adapters is not None:
+            if (self.adapters.max_loras, self.adapters.max_rank) != (max_loras, max_rank):
+                raise ValueError(
+                    f"adapters are enabled with max_loras={self.adapters.max_loras}, "
+                    f"max_rank={self.adapters.max_rank} already"
+                )
+            return self.adapters
+        if self.net.shards is not None and self.net.shards.size > 1:
+            raise ValueError(
+                "LoRA adapters do not run on a model cut across ranks yet (tensor parallelism): serve them on one device"
+            )
+        self.adapters = AdapterBank(
+            self.config, self.device, adapter_dtype(self.device, self.engine_input_net.dtype), max_loras, max_rank
+        )
+        self._client = None
+        return self.adapters
+
+    def add_adapter(self, name: str, path: str | Path) -> list[str]:
+        """Load the LoRA adapter at `path` (a directory in PEFT's format, or a hub id) under `name`,
+        unmerged beside the base (`enable_adapters` first, or it is called with its defaults);
+        `generate(..., adapter=name)` runs it. Returns the linears it adapts. AdapterError (one
+        line) when it does not fit the base or the bank."""
+        bank = self.adapters or self.enable_adapters()
+        return list(bank.load(name, path).targets)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload adapter `name` (and forget its prefix-cache blocks)."""
+        bank = self.adapters
+        if bank is None or bank.get(name) is None:
+            raise AdapterError(f"no adapter named {name!r} is loaded")
+        entry = bank.get(name)
+        if self._client is not None and self.engine.uses_adapter(entry.slot):
+            raise AdapterError(f"adapter {name!r} is in use by a running generation")
+        bank.remove(name)
+        if self._client is not None and not bank.shares_key(entry.key):
+            self.engine.forget_adapter(entry.key)
+
+    def adapter_ref(self, name: str | None) -> AdapterRef | None:
+        """The request-side reference of adapter `name` (None: the base alone)."""
+        if name is None:
+            return None
+        entry = self.adapters.get(name) if self.adapters is not None else None
+        if entry is None:
+            loaded = ", ".join(repr(n) for n in self.adapters.names) if self.adapters else ""
+            raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {loaded or 'none'})")
+        return entry.ref
 
     @property
     def engine(self) -> Engine:
@@ -142,8 +198,11 @@ class Model:
         if self._client is None:
             net = self.engine_input_net
             # ranks this process leads make the engine with it and replay its steps (parallel/leader.py)
+            slots = None if self.adapters is None else self.adapters.slots
             engine = (
-                Engine(net, self.engine_options) if self.ranks is None else self.ranks.engine(net, self.engine_options)
+                Engine(net, self.engine_options, slots)
+                if self.ranks is None
+                else self.ranks.engine(net, self.engine_options)
             )
             self._client = EngineClient(engine)
         return self._client
@@ -303,10 +362,14 @@ class Model:
         constraints=None,
         images: list[list[ImagePatches]] | None = None,
         canvas: Sequence[Sequence[int]] | None = None,
+        adapter: str | None = None,
     ) -> Iterator[Draft | Block]:
         images = images or [[] for _ in prompt_ids]
         initial = self._initial_canvas(canvas, len(prompt_ids))
+        ref = self.adapter_ref(adapter)
         if request.sampling == "reference":
+            if ref is not None:
+                raise ValueError("sampling='reference' runs the base network alone: it takes no adapter")
             self._outside_the_engine("sampling='reference'")
             if request.config.turbo:
                 raise ValueError(
@@ -338,6 +401,7 @@ class Model:
                 drafts=drafts,
                 images=im,
                 constraints=None if constraints is None else constraints[i],
+                adapter=ref,
             )
             for i, (p, seed, im) in enumerate(zip(prompt_ids, request.seeds, images))
         ]
@@ -396,6 +460,7 @@ class Model:
         turbo_freeze_entropy: float | None = None,
         turbo_refresh_every: int | None = None,
         turbo_dormant_entropy: float | None = None,
+        adapter: str | None = None,
     ) -> GenerationOutput:
         """Generate for a batch of prompts (token-id lists of any lengths, or strings).
 
@@ -411,10 +476,14 @@ class Model:
         `turbo=True` stops recomputing converged canvas positions (engine/turbo.py: approximate,
         opt-in; the `turbo_*` knobs set when a position freezes, how often frozen keys are
         refreshed and which noise positions rest every other pass); `sampling="reference"` refuses it.
+        `adapter`: the name of a LoRA adapter loaded with `add_adapter` (or `dgemma.load(lora=...)`)
+        that every prompt runs with (None: the base).
         """
         prompt_ids, images = self._split_prompts(prompts)
         constraints = self._grammar_constraints(grammar, len(prompt_ids), constraints)
         if mode == "ar":
+            if adapter is not None:
+                raise ValueError("mode='ar' runs the base network alone: it takes no adapter")
             if any(images):
                 raise ValueError("mode='ar' takes text prompts only (no images)")
             validate_prompts(prompt_ids, self.config.vocab_size)
@@ -454,6 +523,7 @@ class Model:
                 constraints=constraints,
                 images=images,
                 canvas=canvas,
+                adapter=adapter,
             )
         )
 
@@ -466,10 +536,11 @@ class Model:
         constraints=None,
         grammar: Grammar | None = None,
         canvas: Sequence[int] | None = None,
+        adapter: str | None = None,
         **knobs,
     ):
         """Yield `Block` events as each canvas commits (and `Draft` events per step if `drafts`);
-        `constraints`, `grammar`, `canvas` as in `generate`, for this one prompt."""
+        `constraints`, `grammar`, `canvas`, `adapter` as in `generate`, for this one prompt."""
         prompt_ids, images = self._split_prompts([prompt])
         request = self.sampling_request(1, seed=seed, sampling=sampling, **knobs)
         listed = None if constraints is None else [constraints]
@@ -482,6 +553,7 @@ class Model:
             constraints=listed,
             images=images,
             canvas=None if canvas is None else [canvas],
+            adapter=adapter,
         )
 
     # ---------------------------------------------------------------- seeded canvases (engine/constraints/infill.py)
@@ -492,6 +564,7 @@ class Model:
         span_length: int | None = None,
         lengths: Sequence[int] = DEFAULT_LENGTHS,
         seed: int | None = None,
+        adapter: str | None = None,
         **knobs,
     ) -> InfillResult:
         """The text between `prefix` and `suffix`: `span_length` tokens, or the candidate length
@@ -500,13 +573,20 @@ class Model:
         candidates = candidate_lengths(c, span_length, lengths)
         prefix_ids, suffix_ids = tok.encode(prefix), tok.encode(suffix, add_special_tokens=False)
         plans = [infill_plan(prefix_ids, suffix_ids, n, c, *self.end_tokens()) for n in candidates]
-        blocks = self._seeded_blocks(plans, seed, **knobs)
+        blocks = self._seeded_blocks(plans, seed, adapter, **knobs)
         best, scores = most_likely_span(candidates, blocks)
         tokens = blocks[candidates.index(best)].tokens[:best]
         return InfillResult(tok.decode(tokens), tokens, best, scores)
 
     def infill_stream(
-        self, prefix: str, suffix: str, span_length: int, seed: int | None = None, drafts: bool = True, **knobs
+        self,
+        prefix: str,
+        suffix: str,
+        span_length: int,
+        seed: int | None = None,
+        drafts: bool = True,
+        adapter: str | None = None,
+        **knobs,
     ):
         """`stream` of one infill canvas (Draft events show the span forming, the suffix fixed
         beside it; the Block holds the whole canvas, span first)."""
@@ -521,10 +601,18 @@ class Model:
             constraints=FirstCanvas(plan.constraints(self.config.vocab_size)),
             max_new_tokens=c,
             eos_token_ids=[],
+            adapter=adapter,
             **knobs,
         )
 
-    def edit(self, text: str, spans: Sequence[tuple[int, int]], seed: int | None = None, **knobs) -> EditResult:
+    def edit(
+        self,
+        text: str,
+        spans: Sequence[tuple[int, int]],
+        seed: int | None = None,
+        adapter: str | None = None,
+        **knobs,
+    ) -> EditResult:
         """`text` with the character ranges `spans` rewritten (snapped outward to token
         boundaries) and everything else kept byte for byte (see engine/constraints/infill.py)."""
         tok, c = self._text_tokenizer(), self.config.canvas_length
@@ -532,7 +620,7 @@ class Model:
         token_spans = snap_spans(list(spans), offsets, len(text))
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
         plan = edit_plan(bos, ids, token_spans, c, *self.end_tokens())
-        (block,) = self._seeded_blocks([plan], seed, **knobs)
+        (block,) = self._seeded_blocks([plan], seed, adapter, **knobs)
         chars = [(offsets[a][0], offsets[b - 1][1]) for a, b in token_spans]
         replacements = [tok.decode(block.tokens[a:b]) for a, b in plan.free]
         out, at = [], 0
@@ -553,8 +641,9 @@ class Model:
             raise ValueError("infill and edit need the checkpoint's EOS and pad tokens (generation_config.json)")
         return g.eos_token_ids[0], g.pad_token_id
 
-    def _seeded_blocks(self, plans: list, seed: int | None, **knobs) -> list[Block]:
+    def _seeded_blocks(self, plans: list, seed: int | None, adapter: str | None = None, **knobs) -> list[Block]:
         """The committed canvas of each plan (one block each, with its log probabilities)."""
+        ref = self.adapter_ref(adapter)
         request = self.sampling_request(
             len(plans), seed=seed, max_new_tokens=self.config.canvas_length, eos_token_ids=[], **knobs
         )
@@ -565,6 +654,7 @@ class Model:
                 s,
                 constraints=FirstCanvas(plan.constraints(self.config.vocab_size)),
                 top_logprobs=0,
+                adapter=ref,
             )
             for plan, s in zip(plans, request.seeds)
         ]

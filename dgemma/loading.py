@@ -32,6 +32,9 @@ def load(
     force: bool = False,
     tensor_parallel_size: int = 1,
     expert_parallel: bool = False,
+    lora: dict[str, str | Path] | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int | None = None,
 ) -> Model:
     """Load a checkpoint: a directory (config.json, safetensors, tokenizer) or a Hugging Face hub id
     (`owner/name`, at `revision`: a branch, tag or commit), fetched into the hub's cache (only the
@@ -60,7 +63,14 @@ def load(
     cuda:LOCAL_RANK (or cuda:RANK of the ranks started here). Sizes that cannot be split are a one-line
     `ShardError` before any weights are read. Each rank reads only its share of each tensor; quantised
     weights (`quantization`, or a pre-quantised checkpoint) are split in their own layout
-    (parallel/shard.py says where a split would cut a quantisation group)."""
+    (parallel/shard.py says where a split would cut a quantisation group).
+
+    `lora` ({name: path or hub id}) loads LoRA adapters in PEFT's format beside the base, unmerged:
+    `model.generate(..., adapter=name)` picks one per call, and the engine runs requests on
+    different adapters (and none) in one step (dgemma/adapters/). `max_loras` adapters may be
+    resident at once (default: 4, or as many as given), each of rank up to `max_lora_rank`
+    (default: 16, or the largest given). Each adapter is read and checked against the base before
+    any is installed: one that does not fit is an `AdapterError` of one line."""
     from functools import partial
 
     from .hub import FitRequest, resolve_checkpoint
@@ -132,4 +142,23 @@ def load(
             ranks.close()
         raise
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
-    return Model(net, generation_config, tokenizer, path, checkpoint.name, ranks)
+    model = Model(net, generation_config, tokenizer, path, checkpoint.name, ranks)
+    if lora or max_loras is not None or max_lora_rank is not None:
+        attach_adapters(model, lora or {}, max_loras, max_lora_rank)
+    return model
+
+
+def attach_adapters(
+    model: Model, lora: dict[str, str | Path], max_loras: int | None = None, max_lora_rank: int | None = None
+) -> None:
+    """`load`'s `lora`: every adapter read and checked first (AdapterError naming the first that does
+    not fit), then the bank made (sized for them unless given) and each installed."""
+    from .adapters import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, AdapterError, read_adapter
+
+    if not isinstance(lora, dict):
+        raise AdapterError("lora takes a dict of adapter names to their directories (or hub ids)")
+    read = [read_adapter(name, source, model.config, max_lora_rank) for name, source in lora.items()]
+    rank = max_lora_rank or max([DEFAULT_MAX_RANK] + [a.rank for a in read])
+    bank = model.enable_adapters(max_loras or max(DEFAULT_MAX_LORAS, len(read)), rank)
+    for adapter in read:
+        bank.install(adapter)

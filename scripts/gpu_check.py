@@ -273,6 +273,7 @@ def requests_at(net, kvs, canvas, soft, seed: int) -> list:
             soft=None if soft is None else soft[i],
             history=None,
             active_constraints=None,
+            adapter_slot=-1,  # no LoRA adapter
         )
         for i, kv in enumerate(kvs)
     ]

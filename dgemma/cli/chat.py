@@ -41,11 +41,13 @@ from .common import (
     CliError,
     add_chat_template_flag,
     add_engine_flags,
+    add_lora_flag,
     add_model_flags,
     add_sampler_flags,
     add_threads_flag,
     apply_chat_template_file,
     apply_threads,
+    attach_lora,
     check_seed_flag,
     engine_options,
     load_model,
@@ -150,6 +152,7 @@ class Session:
         self.images: list[str] = []  # paths attached to the next user message (/image)
         self.encoded: Encoded | None = None  # the last turn's token ids, continued by the next prompt
         self.knobs = {k: v for k, v in knobs.items() if v is not None}
+        self.adapter: str | None = None  # the --lora adapter every turn runs
         self.seed = seed
         self.tty = tty
         self.canvas = canvas and tty
@@ -345,7 +348,7 @@ class Session:
             prompt, prompt_text = self.prompt()
             # on a terminal a step's draft comes back even with no canvas to draw: a Ctrl-C then
             # stops the answer within a step, not at its block's end
-            events = self.model.stream(prompt, drafts=self.tty, seed=self.seed, **self.knobs)
+            events = self.model.stream(prompt, drafts=self.tty, seed=self.seed, adapter=self.adapter, **self.knobs)
         except ValueError as e:  # MediaError and ConfigError are ValueErrors: the message is not sent
             self.messages.pop()
             return self.say(f"error: {e}", "red")
@@ -522,10 +525,12 @@ def cmd_chat(args) -> int:
     model = load_model(args)
     apply_chat_template_file(model, args)
     model.configure_engine(engine_options(args))
+    adapter = attach_lora(model, args)
     if model.tokenizer is None:
         raise CliError(f"{model.path} has no tokenizer.json: `dgemma chat` needs one")
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     session = Session(model, args.system, sampler_knobs(args), args.seed, canvas=args.canvas, tty=tty)
+    session.adapter = adapter
     if tty:
         # Ctrl-C stops a generation: a shell that starts us in the background (no job control)
         # hands SIGINT down ignored, and Python then leaves it ignored
@@ -547,6 +552,7 @@ def add_cli(sub) -> None:
     """The `chat` subcommand."""
     p = sub.add_parser("chat", help="an interactive multi-turn chat in the terminal (live canvas view)")
     add_model_flags(p)
+    add_lora_flag(p)
     add_sampler_flags(p)
     p.add_argument("--system", help="system prompt (/system changes it during the chat)")
     p.add_argument(

@@ -392,6 +392,33 @@ def resolve_model(args, fit: bool = True):
     )
 
 
+def add_lora_flag(p: argparse.ArgumentParser) -> None:
+    """`dgemma run` / `chat --lora PATH`: one adapter beside the base (serve takes several: --lora NAME=PATH)."""
+    p.add_argument(
+        "--lora",
+        metavar="PATH",
+        default=None,
+        help="run with the LoRA adapter at PATH (a PEFT-format directory, as `dgemma finetune` writes it, or a "
+        "hub id owner/name), unmerged beside the base",
+    )
+
+
+def attach_lora(model, args) -> str | None:
+    """The --lora adapter read, checked against the model and installed (its name for
+    `Model.stream(..., adapter=)`), or None without the flag; CliError of one line otherwise."""
+    path = getattr(args, "lora", None)
+    if path is None:
+        return None
+    from ..adapters import AdapterError, read_adapter
+
+    try:
+        adapter = read_adapter("lora", path, model.config)
+        model.enable_adapters(max_loras=1, max_rank=adapter.rank).install(adapter)
+    except (AdapterError, ValueError) as e:
+        raise CliError(f"--lora: {e}") from None
+    return adapter.name
+
+
 def load_model(args):
     """The model named by --model/--revision/--device/--dtype/--quantization (the shipped
     dgemma-tiny without --model), after the memory-plan check; `model.name` is the hub id or the

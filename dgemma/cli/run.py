@@ -13,10 +13,12 @@ from pathlib import Path
 from .common import (
     CliError,
     add_engine_flags,
+    add_lora_flag,
     add_model_flags,
     add_sampler_flags,
     add_threads_flag,
     apply_threads,
+    attach_lora,
     check_seed_flag,
     check_turbo_knobs,
     engine_options,
@@ -136,7 +138,7 @@ def run_suffix(args) -> str | None:
     return suffix
 
 
-def cmd_infill(model, args, suffix: str) -> int:
+def cmd_infill(model, args, suffix: str, adapter: str | None = None) -> int:
     """`dgemma run PREFIX --suffix TEXT`: print the text between them (see engine/constraints/infill.py)."""
     from ..engine.events import Draft
 
@@ -145,7 +147,9 @@ def cmd_infill(model, args, suffix: str) -> int:
         demo_note(args)
         if not args.show_canvas:
             started = time.perf_counter()
-            result = model.infill(args.prompt, suffix, span_length=args.span_length, seed=args.seed, **knobs)
+            result = model.infill(
+                args.prompt, suffix, span_length=args.span_length, seed=args.seed, adapter=adapter, **knobs
+            )
             sys.stdout.write(result.text + "\n")
             sys.stdout.flush()
             if not args.quiet:
@@ -160,7 +164,7 @@ def cmd_infill(model, args, suffix: str) -> int:
 
         tok, n = model.tokenizer, args.span_length
         with Live(Text(""), console=Console(), refresh_per_second=20) as live:
-            for ev in model.infill_stream(args.prompt, suffix, n, seed=args.seed, **knobs):
+            for ev in model.infill_stream(args.prompt, suffix, n, seed=args.seed, adapter=adapter, **knobs):
                 tokens = ev.canvas if isinstance(ev, Draft) else ev.tokens
                 view = Text(args.prompt, style="dim")
                 view.append(tok.decode(tokens[:n]), style="bold cyan" if isinstance(ev, Draft) else "bold")
@@ -274,6 +278,8 @@ def cmd_run(args) -> int:
         args, "--sampling reference" if args.sampling == "reference" else "--mode ar" if args.mode == "ar" else None
     )
     check_seed_flag(args)
+    if args.lora is not None and (args.mode == "ar" or args.sampling == "reference"):
+        raise CliError("--lora works with the engine's sampler only (not with --mode ar or --sampling reference)")
     apply_threads(args)
     suffix = run_suffix(args)
     if args.show_canvas and not sys.stdout.isatty():  # a pipe or a file: there is no screen to redraw
@@ -289,11 +295,12 @@ def cmd_run(args) -> int:
     config = model.generation_config.with_overrides(**sampler_knobs(args))  # the knobs checked before any output
     check_turbo_knobs(args, config)
     model.configure_engine(engine_options(args))
+    adapter = attach_lora(model, args)
     tok = model.tokenizer
     if tok is None:
         raise CliError(f"{model.path} has no tokenizer.json: `dgemma run` needs one")
     if suffix is not None:
-        return cmd_infill(model, args, suffix)
+        return cmd_infill(model, args, suffix, adapter)
     if args.media:
         prompt = media_prompt(model, args)  # token ids and image patches
     elif args.chat:
@@ -313,6 +320,7 @@ def cmd_run(args) -> int:
             seed=args.seed,
             sampling=args.sampling,
             grammar=grammar,
+            adapter=adapter,
             **sampler_knobs(args),
         )
         if config.turbo:
@@ -395,6 +403,7 @@ def add_cli(sub) -> None:
     )
     run.add_argument("--prompt-file", metavar="FILE", default=None, help="read the prompt from FILE (UTF-8)")
     add_model_flags(run)
+    add_lora_flag(run)
     add_sampler_flags(run)
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     run.add_argument("--system", help="system prompt (with --chat)")

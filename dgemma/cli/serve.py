@@ -11,11 +11,13 @@ import logging
 import os
 from pathlib import Path
 
+from ..adapters import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, AdapterError, parse_lora_flag, read_adapter
 from ..serve.app import create_app
 from ..serve.http.access import Access
 from ..serve.http.listener import Limits, bind, uvicorn_config
 from ..serve.media.policy import MediaPolicy
 from ..serve.openai.protocol import Budgets
+from ..serve.service import RuntimeLora, listed_name
 from .common import (
     CliError,
     add_chat_template_flag,
@@ -63,6 +65,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     add_engine_flags(p)
     add_turbo_flags(p)  # the default of requests without a `turbo` field (and of the knobs when they turn it on)
+    add_lora_flags(p)
     add_media_flags(p)
     add_safety_flags(p)
     p.add_argument(
@@ -151,6 +154,76 @@ def safety(args: argparse.Namespace) -> tuple[Access, Budgets, Limits]:
     return access, budgets, Limits(args.read_timeout, args.limit_concurrency)
 
 
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters served beside the base, chosen by a request's `model` (docs/server.md, "Adapters")."""
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter at PATH (a PEFT-format directory, or a hub id owner/name) as model NAME; "
+        "repeatable",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=DEFAULT_MAX_LORAS,
+        help=f"adapters resident at once, each in a preallocated slot (default: {DEFAULT_MAX_LORAS})",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=DEFAULT_MAX_RANK,
+        help=f"the largest adapter rank served; higher ones are refused (default: {DEFAULT_MAX_RANK})",
+    )
+    p.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; reads only "
+        "under --lora-dir)",
+    )
+    p.add_argument("--lora-dir", type=Path, default=None, help="the directory runtime-loaded adapters are read from")
+
+
+def lora_setup(args: argparse.Namespace) -> tuple[list, RuntimeLora]:
+    """The --lora adapters read and checked (before the model loads its weights: one line each),
+    and the runtime-loading rule; CliError naming the flag otherwise."""
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        raise CliError(f"--max-loras and --max-lora-rank must be >= 1 (got {args.max_loras}, {args.max_lora_rank})")
+    if (args.lora or args.allow_runtime_lora) and (getattr(args, "tensor_parallel_size", 1) or 1) > 1:
+        raise CliError("--lora: adapters do not run on a model cut across ranks yet (--tensor-parallel-size)")
+    if len(args.lora) > args.max_loras:
+        raise CliError(f"{len(args.lora)} --lora adapters but --max-loras {args.max_loras}: raise --max-loras")
+    try:
+        runtime = RuntimeLora(args.allow_runtime_lora, args.lora_dir)
+        named = [parse_lora_flag(text) for text in args.lora]
+    except (ValueError, AdapterError) as e:
+        raise CliError(str(e)) from None
+    names = [n for n, _ in named]
+    if len(set(names)) < len(names):
+        raise CliError(f"--lora names an adapter twice: {sorted({n for n in names if names.count(n) > 1})[0]}")
+    return named, runtime
+
+
+def attach_loras(model, named: list, args: argparse.Namespace, served: str) -> None:
+    """Read, check and install the --lora adapters (one line for the first that does not fit)."""
+    if not named and not args.allow_runtime_lora:
+        return
+    try:
+        if model.net.shards is not None and model.net.shards.size > 1:
+            raise AdapterError("--lora: adapters do not run on a model cut across ranks yet (tensor parallelism)")
+        read = []
+        for name, source in named:
+            if name in (served, listed_name(served)):
+                raise AdapterError(f"--lora {name}: that is the base model's served name")
+            read.append(read_adapter(name, source, model.config, args.max_lora_rank))
+        bank = model.enable_adapters(args.max_loras, args.max_lora_rank)
+        for adapter in read:
+            bank.install(adapter)
+    except (AdapterError, ValueError) as e:
+        raise CliError(str(e)) from None
+
+
 def add_media_flags(p: argparse.ArgumentParser) -> None:
     """Where `dgemma serve`'s chat images and video may come from, and how much of them (see
     docs/media.md); `dgemma run`'s --image/--video are other flags."""
@@ -234,11 +307,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     apply_threads(args)
     template = read_chat_template(args)
+    named, runtime_lora = lora_setup(args)
     model = load_model(args)  # a bad --device first, then a hub id fetched after its memory plan's check
     if model.net.shards is not None and model.net.shards.rank > 0:  # a worker rank: replay rank 0's steps
         return follow_leader(model, args)
     apply_chat_template_file(model, args, template)
     name = args.served_model_name or model.name
+    attach_loras(model, named, args, name)
     try:
         app = create_app(
             model,
@@ -255,6 +330,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.docs,
             sampler,
             request_log=not args.quiet,
+            runtime_lora=runtime_lora,
         )
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
@@ -283,6 +359,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         + f"; API key {'required' if access.api_key else 'off'}",
         flush=True,
     )
+    if model.adapters is not None:
+        runtime = f"; runtime loading from {runtime_lora.directory}" if runtime_lora.allowed else ""
+        listed = ", ".join(f"'{a.name}' (rank {a.rank})" for a in model.adapters.adapters) or "none yet"
+        print(
+            f"dgemma: LoRA adapters: {listed}; {args.max_loras} slots of rank up to {args.max_lora_rank}{runtime}",
+            flush=True,
+        )
     if kernels is not None:  # (after the line scripts wait for)
         print(f"dgemma: kernels: {kernels}", flush=True)
     if access.api_key is None and not _loopback(args.host):

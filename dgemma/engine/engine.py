@@ -15,6 +15,7 @@ import itertools
 
 import torch
 
+from ..kernels.lora import LoraSlots
 from ..model.diffusion_gemma import DiffusionGemma
 from .kv.block_manager import BlockManager
 from .kv.budget import plan_blocks
@@ -59,7 +60,9 @@ def prompt_chunks(length: int, chunk: int, block_size: int, invariant: bool) -> 
 
 
 class Engine:
-    def __init__(self, net: DiffusionGemma, options: EngineOptions | None = None):
+    def __init__(self, net: DiffusionGemma, options: EngineOptions | None = None, adapters: LoraSlots | None = None):
+        """`adapters`: the LoRA slots (an adapter bank's, dgemma/adapters/) whose adapters requests
+        may name (`Request.adapter`); the runner's network adds their deltas per row."""
         self.device = net.device
         make_current(self.device)  # before anything below touches the device (memory, kernels, graphs)
         options = options or EngineOptions()
@@ -79,7 +82,11 @@ class Engine:
             prefix_cache=self.options.prefix_cache,
         )
         self.scheduler = Scheduler(net.config, self.options, blocks, net.device)
-        self.runner = Runner(net, self.options, num_blocks, self.scheduler.stats)
+        if adapters is not None and runtime.sharded(net):
+            raise ValueError(
+                "LoRA adapters do not run on a model cut across ranks yet (tensor parallelism): serve them on one device"
+            )
+        self.runner = Runner(net, self.options, num_blocks, self.scheduler.stats, adapters)
         self._prefixes: dict[int, int] = {}  # encode_prefix sequences -> their block owner id
         self._prefix_owners = itertools.count(-1, -1)  # ids no request has
 
@@ -96,7 +103,22 @@ class Engine:
         checkpoint without a vision tower (the server bounds its queue itself)."""
         if request.images and self.runner.net.vision is None:
             raise ValueError("this checkpoint has no vision tower: it cannot take images")
+        if request.adapter is not None:
+            slots = self.runner.adapters
+            if slots is None:
+                raise ValueError(f"adapter {request.adapter.name!r}: this engine serves no LoRA adapters")
+            if not 0 <= request.adapter.slot < slots.max_loras or slots.ranks[request.adapter.slot] == 0:
+                raise ValueError(f"adapter {request.adapter.name!r} is not loaded")
         return self.scheduler.add(request)
+
+    def uses_adapter(self, slot: int) -> bool:
+        """Whether a queued or running request runs the adapter in `slot` (an unload waits for them)."""
+        return self.scheduler.uses_adapter(slot)
+
+    def forget_adapter(self, key: bytes) -> int:
+        """Drop the prefix-cache blocks of the adapter whose content hash is `key` (it is being
+        unloaded: nothing may match them again); returns how many block keys went."""
+        return self.scheduler.blocks.forget(key)
 
     def cancel(self, request_id: int) -> None:
         self.scheduler.cancel(request_id)

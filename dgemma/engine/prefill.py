@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..inputs.model_inputs import image_safe_end
+from ..kernels import lora
 from ..model.diffusion_gemma import DiffusionGemma
 
 # Soft tokens of one image placed in a token list: (index of its first placeholder, features [n, hidden]).
@@ -27,6 +28,7 @@ def prefill(
     token_lists: Sequence[Sequence[int]],
     pass_tokens: int | None = None,
     images: Sequence[Sequence[PlacedImage]] | None = None,
+    adapters: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Encode token_lists[i] after what cache row rows[i] already holds; returns the final hidden
     state of each row's last new token [len(rows), hidden].
@@ -35,7 +37,8 @@ def prefill(
     otherwise each pass of a row ends at the next multiple of `pass_tokens` (absolute positions),
     so a sequence is always cut into the same passes whatever was encoded before: a prefix-cache
     hit then only skips passes, and the rest rounds exactly as a cold run (CPU GEMMs round
-    differently with the number of rows they see). `images[i]` places image features in row i.
+    differently with the number of rows they see). `images[i]` places image features in row i;
+    `adapters[i]` is row i's LoRA slot (-1: none) on a network with adapters (kernels/lora.py).
     """
     images = images or [[] for _ in rows]
     spans = [[(s, s + f.shape[0]) for s, f in placed] for placed in images]
@@ -59,7 +62,8 @@ def prefill(
         plan = cache.plan_encoder(max(counts), [rows[i] for i in active], counts)
         ids = ids.to(net.device, non_blocking=True)  # no wait for the passes queued before it
         embeds = _with_images(net, ids, plan, [images[i] for i in active], [done[i] for i in active])
-        hidden = net.encode(ids, plan, embeds)
+        with lora.selected(net, None if adapters is None else [adapters[i] for i in active]):
+            hidden = net.encode(ids, plan, embeds)
         cache.commit(plan)
         for j, (i, count) in enumerate(zip(active, counts)):
             last[i] = hidden[j, count - 1]

@@ -30,6 +30,17 @@ ConstraintSource = CanvasConstraints | Callable[["Request"], "CanvasConstraints 
 # starts after them.
 
 
+@dataclass(frozen=True)
+class AdapterRef:
+    """The LoRA adapter a request runs (an adapter bank resolves its name): the slot its weights
+    sit in (kernels/lora.py's `LoraSlots`) and their content hash, where the request's prefix-cache
+    hash chain starts, so that no block is shared across adapters (or with the base)."""
+
+    name: str
+    slot: int
+    key: bytes
+
+
 class RequestStatus(enum.Enum):
     """Where a request is: the scheduler moves it WAITING -> RUNNING -> FINISHED, and only it."""
 
@@ -52,6 +63,8 @@ class Request:
     # Log probabilities of the committed tokens (events.TokenLogprob on each Block) with this
     # many most likely alternatives per position; None: none computed.
     top_logprobs: int | None = None
+    # The LoRA adapter its passes run (None: the base alone); every pass of it, encoder and decoder.
+    adapter: AdapterRef | None = None
     request_id: int = -1
 
     # --- sequence and cache
@@ -90,6 +103,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.sequence:
             self.sequence = list(self.prompt)
+
+    @property
+    def adapter_slot(self) -> int:
+        """Its adapter's slot, -1 for the base: the per-row index a pass's rows are grouped by."""
+        return -1 if self.adapter is None else self.adapter.slot
 
     def tokens_per_forward(self) -> float:
         """Generated non-pad tokens (up to EOS) per decoder pass: the one definition the API,

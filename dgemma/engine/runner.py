@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.choice import plan_kernels
+from ..kernels.lora import LoraSlots, adapted_network
 from ..model.diffusion_gemma import DiffusionGemma
 from . import prefill as prefill_pass
 from .fused.graphs import DecoderGraphs
@@ -41,13 +42,21 @@ from .vision_cache import VisionCache
 
 class Runner:
     def __init__(
-        self, net: DiffusionGemma, options: EngineOptions, num_blocks: dict[str, int], stats: EngineStats | None = None
+        self,
+        net: DiffusionGemma,
+        options: EngineOptions,
+        num_blocks: dict[str, int],
+        stats: EngineStats | None = None,
+        adapters: LoraSlots | None = None,
     ):
         kernels = plan_kernels(net, bool(options.triton), bool(options.cuda_graphs))
         if kernels.network == "triton":  # attention's norms + RoPE and the MoE block on the Triton kernels
             from ..kernels.fused import triton_modules
 
-            net = triton_modules(net)
+            net = triton_modules(net, adapters)
+        if adapters is not None and getattr(net, "lora_rows", None) is None:  # the deltas beside the fast modules
+            net = adapted_network(net, adapters)
+        self.adapters = adapters
         self.net, self.config, self.options, self.kernels = net, net.config, options, kernels
         self.stats = stats if stats is not None else EngineStats()
         self.vision_cache = VisionCache()
@@ -109,13 +118,20 @@ class Runner:
                 self.cache,
                 [w.request.kv for w in batched],
                 [w.request.sequence[w.start : w.end] for w in batched],
+                adapters=[w.request.adapter_slot for w in batched],
             )
         alone = [w for w in works if w.request.images] if batched else works
         for work in alone:
             req = work.request
             images = [self._images_in(work)] if req.images else None
             prefill_pass.prefill(
-                self.net, self.cache, [req.kv], [req.sequence[work.start : work.end]], self.pass_tokens, images
+                self.net,
+                self.cache,
+                [req.kv],
+                [req.sequence[work.start : work.end]],
+                self.pass_tokens,
+                images,
+                [req.adapter_slot],
             )
 
     # ---------------------------------------------------------------- images

@@ -30,6 +30,11 @@ from .request import Request, RequestStatus, image_spans, max_sequence_length
 from .step_plan import DecodeResult, EncodeWork, EngineStats, StepPlan
 
 
+def _root(req: Request) -> bytes | None:
+    """Where the request's hash chain starts: its adapter's content hash (None: the base's)."""
+    return None if req.adapter is None else req.adapter.key
+
+
 def _draft_view(res: DecodeResult) -> tuple[list[bool], list[float]]:
     """A draft's accepted mask and entropies as lists (read from the device only for requests
     that stream drafts)."""
@@ -79,7 +84,7 @@ class Scheduler:
         request.request_id = next(self._ids)
         request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
         if self.blocks.prefix_cache:
-            request.block_hashes = self.blocks.prompt_hashes(request.prompt, self._media(request))
+            request.block_hashes = self.blocks.prompt_hashes(request.prompt, self._media(request), _root(request))
         self.waiting.append(request)
         return request.request_id
 
@@ -92,6 +97,10 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def uses_adapter(self, slot: int) -> bool:
+        """Whether a queued or running request runs the adapter in `slot`."""
+        return any(r.adapter_slot == slot for r in itertools.chain(self.waiting, self.running))
 
     # ---------------------------------------------------------------- planning a step
     def schedule(self) -> StepPlan:
@@ -219,13 +228,13 @@ class Scheduler:
             self._extend_hashes(req)
             full = req.kv.length // b
             if full > req.registered_blocks:
-                self.blocks.register(req.kv, req.block_hashes[:full], req.registered_blocks)
+                self.blocks.register(req.kv, req.block_hashes[:full], req.registered_blocks, _root(req))
                 req.registered_blocks = full
         rewind = req.kv.length // b * b if self.options.batch_invariant else req.kv.length
         self.blocks.release_behind_window(req.request_id, req.kv, rewind - (self.config.sliding_window - 1))
 
     def _extend_hashes(self, req: Request) -> None:
-        extend_hashes(req.block_hashes, req.sequence, self.options.block_size, self._media(req))
+        extend_hashes(req.block_hashes, req.sequence, self.options.block_size, self._media(req), _root(req))
 
     @staticmethod
     def _media(req: Request) -> list[tuple[int, int, bytes]]:

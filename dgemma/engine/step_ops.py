@@ -11,9 +11,11 @@ says so.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from ..kernels import native, triton_step
+from ..kernels import lora, native, triton_step
 from ..kernels.choice import KernelPlan
 from ..model.diffusion_gemma import DiffusionGemma
 from . import sampler
@@ -63,6 +65,11 @@ class StepOps:
             }
             self._blank["rested"] = self._blank["frozen"]
         return self._blank
+
+    def adapters(self, group: list[Request]) -> contextlib.AbstractContextManager:
+        """The block's passes run each request's row with its LoRA adapter (kernels/lora.py: the
+        rows grouped per adapter; a network without adapters runs as it is)."""
+        return lora.selected(self.net, [r.adapter_slot for r in group])
 
     # ---------------------------------------------------------------- a group's step inputs
     def temperatures(self, group: list[Request]) -> torch.Tensor:

@@ -48,6 +48,12 @@ def _packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for a W packed once (a fused MLP's `gate` and `up`): what kernels/lora.py runs when
+    an adapter's delta must go in between the GEMM and its fused post-op."""
+    return _packed_matmul(x, packed)
+
+
 class PackedLinear(nn.Module):
     """x @ W.T with W packed once (no bias: the model has none)."""
 
@@ -332,6 +338,7 @@ __all__ = [
     "describe",
     "keep_freed_memory",
     "packed_copy",
+    "packed_matmul",
     "packed_modules",
     "release_freed_memory",
     "supported",

@@ -24,8 +24,11 @@ layer kind once per pass (`triton_layer.rope_tables`, 3 launches).
 Weights: q|k|v, the dense MLP's and self-conditioning's gate|up become one tensor each, and the
 modules' own weights views of it (`fuse_rows`: no copy stays behind; the model's other paths
 read the same values); quantised weights are read in their stored layout (triton_quant.gemm_weight).
-A network with modules that carry hooks (LoRA adapters) keeps the torch layers with two Triton
-swaps (`TritonAttention`, `TritonExperts`). The reference-exact paths never see this copy.
+A network with modules that carry hooks (LoRA adapters being trained) keeps the torch layers with
+two Triton swaps (`TritonAttention`, `TritonExperts`). Served LoRA adapters (kernels/lora.py's
+slots) add a shrink and an expand launch after each of the four GEMMs, for passes whose rows carry
+adapter slots (kernels/triton_lora.py): 22 launches a layer then, the 14 without. The
+reference-exact paths never see this copy.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.diffusion_gemma import Attention, DiffusionGemma, Experts, Layer
-from . import triton_layer, triton_moe, triton_norms, triton_quant
+from . import triton_layer, triton_lora, triton_moe, triton_norms, triton_quant
 from .cpu import has_hooks, swap_in, tree_copy
+from .lora import AdapterRows, LoraSlots
 
 
 # ------------------------------------------------------------------- the unfused swaps (LoRA)
@@ -194,13 +198,30 @@ def fusable(net: DiffusionGemma) -> bool:
 SMALL_M = 64  # rows up to which the dense MLP's gate|up GEMM computes gelu * up in its epilogue
 
 
+class LayerAdapters:
+    """A fused layer's LoRA slots (kernels/lora.py), as its four GEMMs hold their linears side by
+    side: (A list, B list) for q|k|v, o, gate|up and down (kernels/triton_lora.py's `add_lora`)."""
+
+    def __init__(self, slots: LoraSlots, index: int, has_v: bool):
+        def parts(*sites: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            names = [f"layers.{index}.{site}" for site in sites]
+            return [slots.a[n] for n in names], [slots.b[n] for n in names]
+
+        qkv = ("self_attn.q_proj", "self_attn.k_proj") + (("self_attn.v_proj",) if has_v else ())
+        self.qkv, self.o = parts(*qkv), parts("self_attn.o_proj")
+        self.gate_up, self.down = parts("mlp.gate_proj", "mlp.up_proj"), parts("mlp.down_proj")
+
+
 class FusedLayer(nn.Module):
     """One layer of the fused network (see the module): (h, x) -> (h', x'), x = the layer's input
-    norm of h, x' the next one's (`next_norm`)."""
+    norm of h, x' the next one's (`next_norm`). With `adapters` (served LoRA slots), each GEMM's
+    output gets its rows' adapters' deltas when the pass has per-row slots (`lora` in forward):
+    a shrink and an expand launch each (kernels/triton_lora.py), 8 a layer."""
 
-    def __init__(self, layer: Layer, next_norm: torch.Tensor):
+    def __init__(self, layer: Layer, next_norm: torch.Tensor, adapters: LayerAdapters | None = None):
         super().__init__()
         self.layer = layer
+        self.adapters = adapters
         a, mlp = layer.self_attn, layer.mlp
         self.spec = a.spec
         self.qkv = fused_linear([a.q_proj, a.k_proj] + ([a.v_proj] if a.v_proj is not None else []))
@@ -217,15 +238,30 @@ class FusedLayer(nn.Module):
         self.heads = (a.num_heads, a.spec.num_kv_heads)
 
     def forward(
-        self, h: torch.Tensor, x: torch.Tensor, tables, cache_pass, index: int, encoder: bool, shape
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        tables,
+        cache_pass,
+        index: int,
+        encoder: bool,
+        shape,
+        lora: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lora`: each token row's adapter slot ([B T] int32, -1: none), or None: no adapter launches."""
         layer, a = self.layer, self.layer.self_attn
         spec, eps = self.spec, layer.input_layernorm.eps
         cos, sin, rope_col = tables
+        adapted = lora is not None and self.adapters is not None
+
+        def gemm(inputs: torch.Tensor, weight, parts) -> torch.Tensor:
+            out = linear(inputs, weight)
+            return triton_lora.add_lora(inputs, out, *parts, lora) if adapted else out
+
         # a pass whose keys and values the q|k|v kernel writes into the pool (engine/fused/ar.py's one token a row)
         pools = cache_pass.pool_writes(index, spec.kind) if hasattr(cache_pass, "pool_writes") else None
         q, k, v = triton_layer.qkv_norm_rope(
-            linear(x, self.qkv),
+            gemm(x, self.qkv, self.adapters.qkv if adapted else None),
             self.heads,
             spec.head_dim,
             a.v_proj is not None,
@@ -246,7 +282,7 @@ class FusedLayer(nn.Module):
         router = layer.router
         h, dense_in, moe_in, router_in = triton_norms.post_attention(
             h,
-            linear(attn, self.o),
+            gemm(attn, self.o, self.adapters.o if adapted else None),
             layer.post_attention_layernorm.weight,
             layer.pre_feedforward_layernorm.weight,
             layer.pre_feedforward_layernorm_2.weight,
@@ -254,7 +290,10 @@ class FusedLayer(nn.Module):
             router.root_size,
             eps,
         )
-        if dense_in.shape[0] <= SMALL_M:  # gelu * up in the GEMM's epilogue: one launch fewer (a GEMV's rows)
+        if adapted:  # gate|up's deltas go in before gelu * up: never in the GEMM's epilogue
+            gate_up = gemm(dense_in, self.gate_up, self.adapters.gate_up)
+            dense = gemm(triton_layer.gelu_mul(gate_up, layer.mlp.approximate), self.down, self.adapters.down)
+        elif dense_in.shape[0] <= SMALL_M:  # gelu * up in the GEMM's epilogue: one launch fewer (a GEMV's rows)
             dense = linear(triton_quant.gemm(dense_in, self.gate_up_gemm, dual=layer.mlp.approximate), self.down)
         else:
             dense = linear(triton_layer.gelu_mul(linear(dense_in, self.gate_up), layer.mlp.approximate), self.down)
@@ -282,8 +321,12 @@ class FusedGemma(DiffusionGemma):
     def _passes(self, h: torch.Tensor, x: torch.Tensor, cache_pass, encoder: bool, shape) -> torch.Tensor:
         freqs, cols = self._rope(h.device)
         cos, sin = triton_layer.rope_tables(cache_pass.positions, freqs, h.dtype)
+        rows = getattr(self, "lora_rows", None)
+        lora = None  # each token row's adapter slot: the pass's rows' slots, a row's canvas (or chunk) long
+        if rows is not None and rows.row_slots is not None:
+            lora = rows.row_slots[:, None].expand(shape[0], shape[1]).reshape(-1)
         for i, layer in enumerate(self.fused_layers):
-            h, x = layer(h, x, (cos, sin, cols), cache_pass, i, encoder, shape)
+            h, x = layer(h, x, (cos, sin, cols), cache_pass, i, encoder, shape, lora)
         return x.view(*shape, -1)
 
     def _rope(self, device: torch.device) -> tuple[torch.Tensor, dict[str, int]]:
@@ -337,25 +380,34 @@ class FusedGemma(DiffusionGemma):
 
 
 @torch.no_grad()
-def fused_network(net: DiffusionGemma) -> FusedGemma:
-    """The fused copy of `net` (sharing every tensor; q|k|v and gate|up fused in place)."""
+def fused_network(net: DiffusionGemma, adapters: LoraSlots | None = None) -> FusedGemma:
+    """The fused copy of `net` (sharing every tensor; q|k|v and gate|up fused in place); with
+    `adapters`, its layers add the rows' LoRA deltas (`lora_rows`: kernels/lora.py's selection,
+    per-row slots on the device)."""
     fast = tree_copy(net)
     fast.__class__ = FusedGemma  # the same module tree, the fused encode / decode
     fast._rope_side_by_side = {}
     norms = [layer.input_layernorm.weight for layer in net.layers[1:]] + [net.norm.weight]
-    fast.fused_layers = [FusedLayer(layer, norm) for layer, norm in zip(net.layers, norms)]
+    parts = [
+        None if adapters is None else LayerAdapters(adapters, i, layer.self_attn.v_proj is not None)
+        for i, layer in enumerate(net.layers)
+    ]
+    fast.fused_layers = [FusedLayer(layer, norm, p) for layer, norm, p in zip(net.layers, norms, parts)]
+    if adapters is not None:
+        fast.lora_rows = AdapterRows(adapters, on_device=True)
     sc = net.self_conditioning
     fast.sc_gate_up = fuse_rows([(sc.gate_proj, "weight"), (sc.up_proj, "weight")])
     return fast
 
 
 @torch.no_grad()
-def triton_modules(net: DiffusionGemma) -> DiffusionGemma:
-    """The engine's network on the Triton path: the fused network where every layer can run it,
-    else a copy (sharing every tensor) whose attention and experts run the Triton kernels;
-    modules with hooks (LoRA adapters) stay as they are."""
+def triton_modules(net: DiffusionGemma, adapters: LoraSlots | None = None) -> DiffusionGemma:
+    """The engine's network on the Triton path: the fused network where every layer can run it
+    (with served LoRA `adapters`: their kernels beside its GEMMs), else a copy (sharing every
+    tensor) whose attention and experts run the Triton kernels (the runner adds served adapters
+    to it as kernels/lora.py's modules); modules with hooks (adapters being trained) stay as they are."""
     if fusable(net):
-        return fused_network(net)
+        return fused_network(net, adapters)
     fast = tree_copy(net)
     for layer in fast.layers:
         swap_in(layer, _triton_module)

@@ -37,7 +37,7 @@ from .ollama.routes import add_ollama_routes, is_ollama_path, ollama_error_respo
 from .openai.protocol import Budgets
 from .openai.routes import add_openai_routes
 from .playground import add_playground
-from .service import Service
+from .service import RuntimeLora, Service
 
 log = logging.getLogger("dgemma.serve")
 
@@ -76,6 +76,7 @@ def create_app(
     docs: bool = True,
     sampler: dict | None = None,
     request_log: bool = False,
+    runtime_lora: RuntimeLora | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model` (a `dgemma.Model`); its engine thread runs while the app is up.
 
@@ -88,7 +89,9 @@ def create_app(
     ServerThread and `dgemma serve` from `app.state.limits`). `docs`: `/openapi.json` and `/docs`.
     `sampler`: GenerationConfig fields over the checkpoint's, the defaults of requests that do not
     set them (`dgemma serve --turbo` and its knobs; a bad value is a ConfigError naming it).
-    `request_log`: a line a request on the "dgemma.serve.requests" logger (http/request_log.py)."""
+    `request_log`: a line a request on the "dgemma.serve.requests" logger (http/request_log.py).
+    `runtime_lora`: whether clients may load and unload LoRA adapters (adapters.py) and from where;
+    the adapters served from the start are the model's own (`Model.add_adapter`, `dgemma serve --lora`)."""
     if max_active < 1 or max_queue < 0:
         raise ValueError(f"--max-active must be >= 1 and --max-queue >= 0 (got {max_active}, {max_queue})")
     context = model.config.max_position_embeddings if max_context is None else max_context
@@ -98,7 +101,9 @@ def create_app(
             f"max_context must be between {canvas + 1} (one block of {canvas} plus a prompt token) and "
             f"{model.config.max_position_embeddings} (the model's max_position_embeddings); got {context}"
         )
-    service = Service(model, served_model_name, max_active, max_queue, context, options, media_policy, budgets, sampler)
+    service = Service(
+        model, served_model_name, max_active, max_queue, context, options, media_policy, budgets, sampler, runtime_lora
+    )
     access = access or Access()
     limits = limits or Limits()
 

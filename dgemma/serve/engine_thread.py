@@ -11,14 +11,17 @@ life on the HTTP side.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..adapters import Adapter, AdapterBank, AdapterError, AdapterWeights
 from ..config import GenerationConfig
 from ..engine.engine import Engine, Request
 from ..engine.events import Block, Draft, Finished, TokenLogprob
@@ -32,6 +35,10 @@ log = logging.getLogger("dgemma.serve")
 
 class QueueFull(RuntimeError):
     """Every canvas slot is busy and the waiting queue is at its limit."""
+
+
+class UnknownAdapter(LookupError):
+    """A request names a LoRA adapter that is not loaded (or is being unloaded)."""
 
 
 class EngineFailure(RuntimeError):
@@ -50,6 +57,7 @@ class Job:
     images: list[ImagePatches] = field(default_factory=list)  # in the order of their placeholders in prompt
     constraints: Any = None  # the request's constraint source (a grammar's state: engine/constraints/grammar.py)
     top_logprobs: int | None = None  # log probabilities of the committed tokens, with this many alternatives
+    adapter: str | None = None  # the LoRA adapter it runs (None: the base)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: int | None = None  # the engine's id, once added
     deadline: float | None = None  # time.monotonic() past which the request ends ("timeout")
@@ -68,8 +76,19 @@ class Job:
 class EngineThread:
     """Owns the engine on one thread; `submit` and `cancel` may be called from the event loop."""
 
-    def __init__(self, new_engine: Callable[[], Engine], max_active: int, max_queue: int, metrics: Metrics):
+    def __init__(
+        self,
+        new_engine: Callable[[], Engine],
+        max_active: int,
+        max_queue: int,
+        metrics: Metrics,
+        adapters: AdapterBank | None = None,
+    ):
         self.new_engine = new_engine
+        # the LoRA adapters requests may name: resolved on this thread, installed and removed between steps
+        self.adapters = adapters
+        self._adapter_jobs: Counter[str] = Counter()  # adapter -> its jobs submitted and not finished
+        self._draining: set[str] = set()  # adapters being unloaded: no new requests
         self.max_active, self.max_queue = max_active, max_queue
         self.metrics = metrics
         self.engine = new_engine()
@@ -111,17 +130,25 @@ class EngineThread:
         constraints: Any = None,
         top_logprobs: int | None = None,
         deadline: float | None = None,
+        adapter: str | None = None,
     ) -> Job:
         """Queue a request (with the patches of the images its prompt holds placeholders for;
         with `top_logprobs`, its blocks carry log probabilities; past `deadline`, a
-        time.monotonic() value, it ends with reason "timeout", queued or running); raises
-        QueueFull when every slot and every queue place is taken."""
+        time.monotonic() value, it ends with reason "timeout", queued or running; `adapter`: the
+        loaded LoRA adapter it runs); raises QueueFull when every slot and every queue place is
+        taken, UnknownAdapter when `adapter` is not loaded or is being unloaded."""
         with self._lock:
+            if adapter is not None and (
+                adapter in self._draining or self.adapters is None or self.adapters.get(adapter) is None
+            ):
+                raise UnknownAdapter(adapter)
             if self._in_flight >= self.max_active + self.max_queue:
                 raise QueueFull(
                     f"server busy: {self.max_active} canvases active and {self.max_queue} requests queued; retry later"
                 )
             self._in_flight += 1
+            if adapter is not None:
+                self._adapter_jobs[adapter] += 1
         job = Job(
             prompt,
             config,
@@ -131,11 +158,58 @@ class EngineThread:
             list(images),
             constraints,
             top_logprobs,
+            adapter=adapter,
             deadline=deadline,
         )
         self._inbox.put(("add", job))
         self._wake.set()
         return job
+
+    # ---------------------------------------------------------------- adapters at run time (event-loop side)
+    async def install_adapter(self, adapter: AdapterWeights) -> Adapter:
+        """Put a read and checked adapter into a free slot, between two engine steps (the copy of a
+        few MB; the reading and checking happened before, off this thread). AdapterError when its
+        name is taken or every slot is."""
+        if self.adapters is None:
+            raise AdapterError("this server serves no adapters")
+        with self._lock:
+            if adapter.name in self._draining:
+                raise AdapterError(f"adapter {adapter.name!r} is being unloaded; load it again once it is")
+        return await self._on_engine_thread("install", adapter)
+
+    async def remove_adapter(self, name: str, poll: float = 0.02) -> Adapter:
+        """Unload adapter `name`: new requests naming it are refused at once; this waits for the
+        requests that run it to end, then empties its slot and drops its prefix-cache blocks."""
+        with self._lock:
+            if self.adapters is None or self.adapters.get(name) is None or name in self._draining:
+                raise UnknownAdapter(name)
+            self._draining.add(name)
+        try:
+            while True:
+                with self._lock:
+                    if self._adapter_jobs[name] == 0:
+                        break
+                await asyncio.sleep(poll)
+            return await self._on_engine_thread("remove", name)
+        finally:
+            with self._lock:
+                self._draining.discard(name)
+
+    async def _on_engine_thread(self, op: str, payload: Any) -> Any:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((op, (payload, done)))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
+    def draining(self, name: str) -> bool:
+        """Whether adapter `name` is being unloaded (new requests naming it are refused)."""
+        with self._lock:
+            return name in self._draining
+
+    def adapter_jobs(self, name: str) -> int:
+        """Requests submitted on adapter `name` and not yet finished."""
+        with self._lock:
+            return self._adapter_jobs[name]
 
     def cancel(self, job: Job) -> None:
         """Stop a request; it leaves the engine (and frees its slot) at the next step boundary."""
@@ -183,7 +257,9 @@ class EngineThread:
 
     def _drain_inbox(self) -> None:
         for op, job in self._take_inbox():
-            if op == "add":
+            if op in ("install", "remove"):
+                self._adapter_op(op, *job)
+            elif op == "add":
                 if job.cancelled or _late(job, time.monotonic()):
                     self._done(job, Finished(-1, "timeout" if job.timed_out else "cancelled", [], 0, 0.0))
                     continue
@@ -196,6 +272,7 @@ class EngineThread:
                         images=job.images,
                         constraints=job.constraints,
                         top_logprobs=job.top_logprobs,
+                        adapter=None if job.adapter is None else self.adapters.get(job.adapter).ref,
                     )
                     job.request_id = self.engine.add(request)
                 except Exception as e:  # validated by the server first; reported, never raised here
@@ -206,6 +283,25 @@ class EngineThread:
                     self.metrics.prompt_tokens.inc(len(job.prompt))
             elif op == "cancel" and job.request_id is not None:
                 self.engine.cancel(job.request_id)
+
+    def _adapter_op(self, op: str, payload: Any, done: concurrent.futures.Future) -> None:
+        """An adapter installed into a free slot, or one whose requests have all ended removed
+        (its prefix-cache blocks dropped, unless another loaded adapter has the same weights)."""
+        try:
+            if op == "install":
+                done.set_result(self.adapters.install(payload))
+                return
+            entry = self.adapters.get(payload)
+            if entry is None:
+                raise UnknownAdapter(payload)
+            if self.engine.uses_adapter(entry.slot):  # (never: the caller waited for its jobs)
+                raise AdapterError(f"adapter {payload!r} is still in use")
+            self.adapters.remove(payload)
+            if not self.adapters.shares_key(entry.key):
+                self.engine.forget_adapter(entry.key)
+            done.set_result(entry)
+        except Exception as e:  # noqa: BLE001 - handed to the waiting route, which answers it
+            done.set_exception(e)
 
     def _route(self, events: list) -> None:
         for ev in events:
@@ -239,6 +335,8 @@ class EngineThread:
         job.finished = True
         with self._lock:
             self._in_flight -= 1
+            if job.adapter is not None:
+                self._adapter_jobs[job.adapter] -= 1
         job.deliver(final)
 
     def _fail_all(self, error: Exception) -> None:
@@ -259,6 +357,8 @@ class EngineThread:
         for op, job in self._take_inbox():
             if op == "add":
                 self._done(job, EngineFailure(str(error) or type(error).__name__))
+            elif op in ("install", "remove"):
+                self._adapter_op(op, *job)
         if not self._stop.is_set():
             with self.metrics.lock:
                 self._publish_vision()  # what the failed engine did, before its counts are gone

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from ..inputs.model_inputs import ModelInputs
@@ -51,8 +52,13 @@ class Prepared:
 
 def parse_params(body: dict, chat: bool) -> RequestParams:
     """An OpenAI request body checked against the strict request model (400 naming the field)."""
+    return parse_body(ChatParams if chat else CompletionParams, body)
+
+
+def parse_body(kind: type[BaseModel], body: dict) -> Any:
+    """A JSON body checked against a strict pydantic model (400 naming the field)."""
     try:
-        return (ChatParams if chat else CompletionParams).model_validate(body)
+        return kind.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from None
 
@@ -62,7 +68,7 @@ async def prepare(
 ) -> Prepared:
     """Check `params`, render its prompt and start its generations on the engine (or run its
     insertion, which ends before its answer begins). Every refusal is an ApiError naming the field."""
-    service.check_model(params.model)
+    adapter = service.check_model(params.model)
     refuse_unsupported(params)
     service.check_choices(params)
     # tokenizing a long prompt, fetching and decoding media take a while: off the event loop,
@@ -91,7 +97,7 @@ async def prepare(
             raise ApiError(
                 400, f"{fmt.param}: not supported with suffix (insert mode)", fmt.param, "unsupported_parameter"
             )
-        found = await service.insert(request, params, prompt, deadline)
+        found = await service.insert(request, params, prompt, deadline, adapter)
         return Prepared(params, chat, prompt, inserted=True, insertion=found)
     grammar = None if fmt is None else await asyncio.wrap_future(service.compile_worker.submit(service.grammar, fmt))
     first_canvas = None if chat else service.first_canvas(params, grammar)
@@ -107,5 +113,6 @@ async def prepare(
         thinking=thinking,
         first_canvas=first_canvas,
         deadline=deadline,
+        adapter=adapter,
     )
     return Prepared(params, chat, prompt, spec, thinking, gens)

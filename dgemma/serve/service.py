@@ -14,8 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NoReturn
 
 from starlette.requests import Request
 
@@ -25,7 +26,7 @@ from ..engine.constraints.grammar import Grammar, GrammarError
 from ..engine.engine import Engine, EngineOptions
 from ..engine.request import SEED_MAX, random_seed
 from ..inputs.model_inputs import ModelInputs
-from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull
+from .engine_thread import EngineFailure, EngineThread, Generation, QueueFull, UnknownAdapter
 from .errors import ApiError, excerpt
 from .http.connection import watch_disconnect
 from .http.request_log import count_completion_tokens
@@ -66,6 +67,21 @@ def listed_name(served: str) -> str:
     return served if ":" in served.rsplit("/", 1)[-1] else f"{served}:latest"
 
 
+@dataclass(frozen=True)
+class RuntimeLora:
+    """Whether clients may load and unload adapters while the server runs (`--allow-runtime-lora`),
+    and the one directory they are read from (`--lora-dir`)."""
+
+    allowed: bool = False
+    directory: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.allowed and self.directory is None:
+            raise ValueError("--allow-runtime-lora needs --lora-dir: the directory adapters may be loaded from")
+        if self.directory is not None and not Path(self.directory).is_dir():
+            raise ValueError(f"--lora-dir {self.directory} is not a directory")
+
+
 class Service:
     """What the routes share: model, tokenizer, prompts, the engine thread, metrics and limits."""
 
@@ -80,6 +96,7 @@ class Service:
         media_policy: MediaPolicy | None = None,
         budgets: Budgets | None = None,
         sampler: dict | None = None,
+        runtime_lora: RuntimeLora | None = None,
     ):
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json: the server needs one")
@@ -102,15 +119,21 @@ class Service:
         self.metrics = Metrics()
         options = replace(options or EngineOptions(), max_active=max_active)
         net = model.engine_net
+        # LoRA adapters served beside the base (dgemma/adapters/), named by a request's `model`
+        self.adapters = model.adapters
+        self.runtime_lora = runtime_lora or RuntimeLora()
+        if self.runtime_lora.allowed and self.adapters is None:
+            raise ValueError("runtime adapter loading needs the model's adapter slots (Model.enable_adapters)")
+        slots = None if self.adapters is None else self.adapters.slots
 
         def new_engine() -> Engine:
             if net.shards is not None and net.shards.size > 1:  # rank 0 of a split model: the others replay its steps
                 from ..parallel.lockstep import LeaderEngine
 
                 return LeaderEngine(Engine(net, options), net.shards)
-            return Engine(net, options)
+            return Engine(net, options, slots)
 
-        self.engine_thread = EngineThread(new_engine, max_active, max_queue, self.metrics)
+        self.engine_thread = EngineThread(new_engine, max_active, max_queue, self.metrics, self.adapters)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
         # grammars are checked, written and compiled on one thread with a 64 MiB stack (llguidance
@@ -163,14 +186,38 @@ class Service:
             return await asyncio.to_thread(fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self.media_pool, functools.partial(fn, *args))
 
-    def check_model(self, name: str) -> None:
-        if name not in self.names:
-            raise ApiError(
-                404,
-                f"model {excerpt(name)} does not exist; this server serves '{self.name}'",
-                "model",
-                "model_not_found",
-            )
+    @property
+    def served_names(self) -> list[str]:
+        """What requests may name as their `model`: the base, then each loaded adapter."""
+        return [self.name] + ([] if self.adapters is None else self.adapters.names)
+
+    def check_model(self, name: str) -> str | None:
+        """The adapter a request's `model` names (None: the base), either API's way of writing it
+        (NAME or NAME:latest); 404 naming the served models otherwise."""
+        if name in self.names:
+            return None
+        if isinstance(name, str) and self.adapters is not None:
+            for candidate in (name, name.removesuffix(":latest")):
+                if self.adapters.get(candidate) is not None and not self.engine_thread.draining(candidate):
+                    return candidate
+        self.unknown_model(name)
+
+    def unknown_model(self, name: object) -> NoReturn:
+        """The 404 of a model this server does not serve (or an adapter being unloaded)."""
+        served = ", ".join(f"'{n}'" for n in self.served_names if not self.engine_thread.draining(n))
+        raise ApiError(
+            404,
+            f"model {excerpt(name)} does not exist; this server serves {served}",
+            "model",
+            "model_not_found",
+        )
+
+    def model_name(self, asked: str) -> str:
+        """The model an answer names: the adapter the request ran, else the base's served name."""
+        try:
+            return self.check_model(asked) or self.name
+        except ApiError:  # unloaded since: it still ran the adapter named so
+            return asked
 
     def check_choices(self, params: RequestParams) -> None:
         """`n` within what one request may ask: MAX_CHOICES_PER_REQUEST and --max-active (the choices
@@ -247,6 +294,7 @@ class Service:
         thinking: bool = False,
         first_canvas: FirstCanvas | None = None,
         deadline: float | None = None,
+        adapter: str | None = None,
     ) -> list[Generation]:
         """Submit the request's `n` choices, each an engine request of its own (seed: the
         request's seed + its index, modulo 2**64; without one, random each) with its own grammar state; with
@@ -254,7 +302,8 @@ class Service:
         output is enforced to match it; with `thinking`, the text keeps the channel markers
         (for the reasoning parser). The engine encodes the shared prompt once (its scheduler
         holds the later choices until the first has put the prompt's blocks in the prefix cache).
-        Past `deadline` (Budgets.deadline) the choices end with finish_reason "timeout"."""
+        Past `deadline` (Budgets.deadline) the choices end with finish_reason "timeout". `adapter`:
+        the LoRA adapter every choice runs (404 when it was unloaded meanwhile)."""
         stops = parse_stop(params.stop)
         config = self.generation_config(params, prompt, max_tokens, partial=grammar is not None)
         count = params.n or 1
@@ -281,11 +330,14 @@ class Service:
                     images=prompt.images,
                     constraints=constraints,
                     deadline=deadline,
+                    adapter=adapter,
                     **extra,
                 )
-            except QueueFull as e:
+            except (QueueFull, UnknownAdapter) as e:
                 for gen in gens:  # all the choices or none
                     gen.cancel()
+                if isinstance(e, UnknownAdapter):
+                    self.unknown_model(adapter)  # unloaded (or being unloaded) since it was checked
                 raise ApiError(429, str(e), None, "queue_full") from None
             text = TextStream(decode, stops, config.eos_token_ids, config.max_new_tokens)
             gens.append(Generation(self.engine_thread, job, text))
@@ -308,7 +360,12 @@ class Service:
             raise ApiError(400, str(e), getattr(e, "param", "canvas"), "invalid_value") from None
 
     async def insert(
-        self, request: Request, params: CompletionParams, prompt: ModelInputs, deadline: float | None = None
+        self,
+        request: Request,
+        params: CompletionParams,
+        prompt: ModelInputs,
+        deadline: float | None = None,
+        adapter: str | None = None,
     ) -> Insertion | None:
         """Insert mode: the span between the prompt and `suffix` (openai/insert.py); openai/responses.py shapes
         it. Its candidate spans are engine requests of their own: at most --max-active of them,
@@ -349,6 +406,7 @@ class Service:
                 self.model.config.vocab_size,
                 end_tokens,
                 deadline,
+                adapter,
             )
         )
         watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, work.cancel))
@@ -362,6 +420,8 @@ class Service:
             return None
         except QueueFull as e:
             raise ApiError(429, str(e), None, "queue_full") from None
+        except UnknownAdapter:
+            self.unknown_model(adapter)
         except EngineFailure as e:
             raise ApiError(500, f"generation failed: {e}", code="engine_error") from None
         finally:

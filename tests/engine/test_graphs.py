@@ -226,6 +226,7 @@ def requests(engine, kvs, seed: int, allowed: torch.Tensor | None = None) -> lis
                 else None,
                 history=None if i % 2 else torch.randint(0, cfg.vocab_size, (4, c), generator=g),
                 active_constraints=constraints,
+                adapter_slot=-1,  # no LoRA adapter
             )
         )
     return out

@@ -14,6 +14,7 @@ replays from fixed addresses anyway).
     confidence   [n]       float32  confidence_threshold
     stability    [n]       int32    stability_threshold
     fixed        [n, C]    int32    the canvas constraints' fixed tokens (-1: free)
+    adapter      [n]       int32    the row's LoRA adapter slot (-1: none; kernels/triton_lora.py)
 
 and for a turbo step (`StepLayout.turbo`; engine/fused/turbo.py):
 
@@ -68,6 +69,7 @@ class StepLayout:
             ("confidence", "float32", (n,)),
             ("stability", "int32", (n,)),
             ("fixed", "int32", (n, c)),
+            ("adapter", "int32", (n,)),
         ]
         if self.turbo:
             out += [
@@ -152,6 +154,7 @@ def fill(layout: StepLayout, buffer: torch.Tensor, cache: PagedKVCache, group: l
     v["bounds"].copy_(torch.tensor([r.config.entropy_bound for r in group] + pad, dtype=torch.float32))
     v["confidence"].copy_(torch.tensor([r.config.confidence_threshold for r in group] + pad, dtype=torch.float32))
     v["stability"].copy_(torch.tensor([r.config.stability_threshold for r in group] + pad, dtype=torch.int32))
+    v["adapter"].copy_(torch.tensor([r.adapter_slot for r in group] + [-1] * (n - len(group)), dtype=torch.int32))
     v["fixed"].fill_(-1)
     for i, r in enumerate(group):
         constraints = r.active_constraints

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...kernels import triton_step
+from ...kernels import lora, triton_step
 from ..step_plan import DecodeResult
 from ..turbo import TurboState
 from .graphs import DecoderGraphs
@@ -33,6 +33,7 @@ class FusedPath:
         return (
             self.ops.triton
             and r.turbo is None
+            and (r.adapter is None or lora.on_device(self.ops.net))  # (else the host path's eager pass)
             and not r.refines
             and r.config.stability_threshold <= triton_step.MAX_STABILITY
         )
@@ -72,6 +73,7 @@ def fits_the_device(r: Request) -> bool:
     """Whether `r`'s turbo passes can run whole on the device (see the module), given a slot."""
     return (
         r.turbo is not None
+        and r.adapter is None
         and not r.refines
         and r.top_logprobs is None
         and r.active_constraints is None

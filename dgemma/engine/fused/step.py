@@ -4,7 +4,8 @@ host sync, so one CUDA graph replays all of it (engine/fused/graphs.py).
 
     inputs        one host-to-device copy of the group's step inputs (engine/fused/inputs.py), the
                   canvases, self-conditioning inputs and stop histories stacked once each
-    the pass      net.decode (kernels/fused.py's fused network: 14 launches a layer)
+    the pass      net.decode (kernels/fused.py's fused network: 14 launches a layer; 8 more with LoRA
+                  adapters, every row's adapter slot one of the inputs)
     statistics    the LM head, then triton_step.step_statistics: argmax, entropy, softmax's
                   probabilities in the model's dtype (2 launches)
     soft_next     probs @ E x sqrt(hidden), one GEMM (the scale in its epilogue)
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...kernels import triton_step
+from ...kernels import lora, triton_step
 from .inputs import StepLayout, StepTensors, fill, host_buffer
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ def run_step(ops: StepOps, step: DeviceStep) -> tuple[torch.Tensor, ...]:
     probs [n C, V])."""
     n, c = step.canvas.shape
     v = step.inputs
-    hidden = ops.net.decode(step.canvas, v.plan, step.soft)
+    with lora.device_rows(ops.net, v["adapter"]):  # each row's adapter slot, read on the device
+        hidden = ops.net.decode(step.canvas, v.plan, step.soft)
     argmax, entropy, probs, _, soft_next = ops.statistics(hidden, v["temps"], step.allowed)
     sampled = triton_step.sample_drawn(probs, v["seeds"], v["passes"], c)
     decided = triton_step.decide(

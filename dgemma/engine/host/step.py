@@ -216,7 +216,10 @@ class HostPath:
         canvas = torch.stack([r.canvas for r in group])
         rows, c = [r.kv for r in group], ops.config.canvas_length
         plan = ops.cache.plan_canvas(c, rows) if ops.triton else ops.cache.plan_decoder(c, rows)
-        return ops.decoder_step(canvas, ops.soft_inputs(group), ops.temperatures(group), plan, ops.allowed_masks(group))
+        with ops.adapters(group):
+            return ops.decoder_step(
+                canvas, ops.soft_inputs(group), ops.temperatures(group), plan, ops.allowed_masks(group)
+            )
 
     def decide(self, group: list[Request], argmax, entropy, weights, total, soft_next) -> StepDecisions:
         """`decide` over the group's pass (its outputs copied: a buffer or a graph reuses them)."""

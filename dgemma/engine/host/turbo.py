@@ -61,7 +61,8 @@ def turbo_step(ops: StepOps, group: list[Request]) -> list[DecodeResult]:
     if any(r.soft is not None for r in group):  # a zero input is exactly "no self-conditioning"
         zeros = torch.zeros(c, config.hidden_size, dtype=ops.net.dtype, device=device)
         soft_in = torch.stack([(zeros if r.soft is None else r.soft)[rows] for r, rows in zip(group, padded)])
-    hidden = ops.net.decode(canvas_in, TurboPass(plan, padded, states), soft_in)
+    with ops.adapters(group):
+        hidden = ops.net.decode(canvas_in, TurboPass(plan, padded, states), soft_in)
     # each live row's place among its request's computed rows: all of them, or (everything passes) the live ones
     picks = [
         live if q.numel() != live.numel() else torch.arange(live.numel(), device=device)

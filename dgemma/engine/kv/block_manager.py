@@ -41,16 +41,22 @@ def block_hash(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> b
 
 
 def extend_hashes(
-    keys: list[bytes], tokens: list[int], block_size: int, media: list[tuple[int, int, bytes]] = ()
+    keys: list[bytes],
+    tokens: list[int],
+    block_size: int,
+    media: list[tuple[int, int, bytes]] = (),
+    root: bytes | None = None,
 ) -> list[bytes]:
     """Append the keys of `tokens`' full blocks past the len(keys) already known. `media`:
     (start, end, content key) of each image; a block holding any of an image's tokens has that
-    image's key in its own, since its tokens (all the same placeholder id) do not tell images apart."""
+    image's key in its own, since its tokens (all the same placeholder id) do not tell images apart.
+    `root`: where the chain starts, a LoRA adapter's content hash (an adapter changes every
+    layer's keys and values, so its blocks are never another adapter's, nor the base's)."""
     b = block_size
     while len(keys) < len(tokens) // b:
         j = len(keys)
         extra = b"".join(key for start, end, key in media if start < (j + 1) * b and end > j * b)
-        keys.append(block_hash(keys[-1] if keys else None, tokens[j * b : (j + 1) * b], extra))
+        keys.append(block_hash(keys[-1] if keys else root, tokens[j * b : (j + 1) * b], extra))
     return keys
 
 
@@ -108,6 +114,17 @@ class BlockPool:
     def lookup(self, key: bytes) -> int | None:
         return self.by_key.get(key)
 
+    def forget(self, key: bytes) -> None:
+        """Take `key`'s block out of the prefix cache: free now if no request holds it, else
+        when the last one releases it."""
+        block = self.by_key.pop(key, None)
+        if block is None:
+            return
+        self.key_of[block] = None
+        if self.refs[block] == 0:
+            self.evictable.pop(block, None)
+            heapq.heappush(self.free, block)
+
 
 @dataclass
 class Reservation:
@@ -128,6 +145,7 @@ class BlockManager:
         self.prefix_cache = prefix_cache
         self.reservations: dict[int, Reservation] = {}
         self.owned: dict[int, dict[str, set[int]]] = {}  # request id -> its private blocks
+        self.rooted: dict[bytes, set[bytes]] = {}  # an adapter's content hash -> the keys cached under it
 
     # ---------------------------------------------------------------- sizing
     def blocks_for(self, positions: int) -> int:
@@ -148,8 +166,10 @@ class BlockManager:
         return all(need[k] <= self.pools[k].num_blocks for k in KINDS), need
 
     # ---------------------------------------------------------------- prefix matching
-    def prompt_hashes(self, prompt: list[int], media: list[tuple[int, int, bytes]] = ()) -> list[bytes]:
-        return extend_hashes([], prompt, self.block_size, media)
+    def prompt_hashes(
+        self, prompt: list[int], media: list[tuple[int, int, bytes]] = (), root: bytes | None = None
+    ) -> list[bytes]:
+        return extend_hashes([], prompt, self.block_size, media, root)
 
     def _window_blocks(self, end_block: int) -> range:
         """Sliding blocks the window needs to continue after `end_block` full blocks."""
@@ -240,8 +260,9 @@ class BlockManager:
                 self._drop(request_id, SLIDING, table[j])
                 table[j] = -1
 
-    def register(self, kv: SequenceBlocks, keys: list[bytes], start_block: int) -> None:
-        """Index the full blocks [start_block, len(keys)) of a sequence in the prefix cache."""
+    def register(self, kv: SequenceBlocks, keys: list[bytes], start_block: int, root: bytes | None = None) -> None:
+        """Index the full blocks [start_block, len(keys)) of a sequence in the prefix cache (`root`:
+        the adapter whose hash chain they are on, for `forget`)."""
         if not self.prefix_cache:
             return
         for j in range(start_block, len(keys)):
@@ -249,6 +270,20 @@ class BlockManager:
                 table = kv.tables[kind]
                 if j < len(table) and table[j] >= 0:
                     self.pools[kind].register(table[j], keys[j])
+            if root is not None:
+                self.rooted.setdefault(root, set()).add(keys[j])
+        if root is not None and len(self.rooted[root]) > 2 * sum(p.num_blocks for p in self.pools.values()):
+            # keys of blocks evicted since: keep the ones still cached (bounded by the pools' sizes)
+            self.rooted[root] = {k for k in self.rooted[root] if any(k in p.by_key for p in self.pools.values())}
+
+    def forget(self, root: bytes) -> int:
+        """Drop every cached block on the hash chains that start at `root` (an unloaded adapter's):
+        nothing can match them again. Returns how many keys were dropped."""
+        keys = self.rooted.pop(root, set())
+        for key in keys:
+            for pool in self.pools.values():
+                pool.forget(key)
+        return len(keys)
 
     def free(self, request_id: int, kv: SequenceBlocks) -> None:
         """Return every block of an ended request and what is left of its reservation."""

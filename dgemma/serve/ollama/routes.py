@@ -98,22 +98,42 @@ class ModelCard:
             "quantization_level": quant[0].upper() if quant else DTYPE_LEVELS.get(model.dtype, str(model.dtype)),
         }
 
-    def check(self, name: Any) -> None:
-        """Refuse a model name this server does not serve (ollama's 404)."""
-        if name not in self.accepted:
+    def check(self, name: Any) -> str:
+        """The served name a request's model stands for: the base's, or a loaded adapter's (NAME or
+        NAME:latest); ollama's 404 for a name this server does not serve."""
+        if name in self.accepted:
+            return self.service.name
+        try:
+            adapter = self.service.check_model(name) if isinstance(name, str) else None
+        except ApiError:
+            adapter = None
+        if adapter is None:
             shown = name if isinstance(name, str) else excerpt(name)
-            raise ApiError(404, f"model '{shown}' not found", "model", "model_not_found")
+            served = ", ".join(listed_name(n) for n in self.service.served_names)
+            raise ApiError(404, f"model '{shown}' not found (served: {served})", "model", "model_not_found")
+        return adapter
 
-    def entry(self) -> dict:
-        """The model as /api/tags lists it."""
+    def entry(self, adapter: str | None = None) -> dict:
+        """The model as /api/tags lists it (an adapter: `NAME:latest`, the base as its parent)."""
+        listed = self.listed if adapter is None else listed_name(adapter)
+        details = self.details if adapter is None else {**self.details, "parent_model": self.listed}
+        digest = self.digest
+        if adapter is not None:
+            entry = self.service.adapters.get(adapter)
+            digest = entry.key.hex() if entry is not None else digest
         return {
-            "name": self.listed,
-            "model": self.listed,
+            "name": listed,
+            "model": listed,
             "modified_at": self.modified_at,
             "size": self.size,
-            "digest": self.digest,
-            "details": self.details,
+            "digest": digest,
+            "details": details,
         }
+
+    def entries(self) -> list[dict]:
+        """The base, then each loaded adapter."""
+        names = [] if self.service.adapters is None else self.service.adapters.names
+        return [self.entry()] + [self.entry(name) for name in names]
 
     def running(self) -> dict:
         """The model as /api/ps lists it: loaded for as long as the server runs."""
@@ -198,7 +218,7 @@ def add_ollama_routes(app: FastAPI, service: Service, read_timeout: float, ui: b
 
     @app.api_route("/api/tags", methods=["GET", "HEAD"], include_in_schema=False)
     async def tags() -> Response:
-        return json_response({"models": [card.entry()]})
+        return json_response({"models": card.entries()})
 
     @app.get("/api/ps", include_in_schema=False)
     async def ps() -> Response:
@@ -218,12 +238,12 @@ def add_ollama_routes(app: FastAPI, service: Service, read_timeout: float, ui: b
         route's shape (an insert-mode generate: its span)."""
         started, deadline = time.perf_counter(), service.budgets.deadline()
         req = parse_body(ChatRequest if chat else GenerateRequest, await read_json(request, read_timeout))
-        card.check(req.model)
+        served = card.check(req.model)  # the base's served name, or the adapter the request names
         if is_load_request(req):
             return _load_answer(req, chat)
         names = OllamaNames()
         with names.renaming():
-            asked = chat_params(req, service.name, names) if chat else generate_params(req, service.name, names)
+            asked = chat_params(req, served, names) if chat else generate_params(req, served, names)
             run = await prepare(service, request, asked.params, asked.chat, deadline)
         stream = req.stream is not False
         if run.inserted:

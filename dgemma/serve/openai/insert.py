@@ -69,6 +69,7 @@ async def insert(
     vocab_size: int,
     end_tokens: tuple[int, int],
     deadline: float | None = None,
+    adapter: str | None = None,
 ) -> Insertion:
     """Denoise one infill canvas per candidate length (side by side in the engine) and keep the
     most likely; `config` is the request's GenerationConfig for one canvas without EOS. The
@@ -81,7 +82,13 @@ async def insert(
             constraints = FirstCanvas(plan.constraints(vocab_size))
             jobs.append(
                 engine_thread.submit(
-                    plan.prompt, config, seed, constraints=constraints, top_logprobs=0, deadline=deadline
+                    plan.prompt,
+                    config,
+                    seed,
+                    constraints=constraints,
+                    top_logprobs=0,
+                    deadline=deadline,
+                    adapter=adapter,
                 )
             )
         results = await asyncio.gather(*(_block_of(job) for job in jobs))

@@ -403,3 +403,20 @@ def request_template_kwargs(params: ChatParams) -> dict:
         )
     kwargs["enable_thinking"] = effort != "none"
     return kwargs
+
+
+# ------------------------------------------------------------------------------------ adapters at run time
+class LoadLoraParams(_Strict):
+    """`POST /v1/load_lora_adapter`'s body, vLLM's: the adapter's name and its directory (under
+    `--lora-dir`)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraParams(_Strict):
+    """`POST /v1/unload_lora_adapter`'s body, vLLM's (its `lora_int_id` is taken and not needed:
+    names are unique here)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None

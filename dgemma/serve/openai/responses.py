@@ -139,7 +139,7 @@ class Responder:
             "id": self.id,
             "object": object_,
             "created": self.created,
-            "model": self.service.name,
+            "model": self.service.model_name(self.params.model),
             "choices": choices,
         }
         if getattr(self.params, "service_tier", None) is not None:
@@ -343,7 +343,7 @@ def insertion_response(
         "id": "cmpl-" + uuid.uuid4().hex,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": service.name,
+        "model": service.model_name(params.model),
     }
     if not params.stream:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
