@@ -100,6 +100,7 @@ def test_a_bucket_replays_for_other_groups_and_prefix_lengths(model):
                 block_passes=1,
                 history=None,
                 active_constraints=None,
+                adapter_slot=-1,  # no adapter
                 canvas=torch.randint(0, vocab, (c,), generator=g),
                 soft=soft[i],
             )

@@ -35,7 +35,7 @@ class FakeEngine:
         self.tokenizer, self.eos = tokenizer, eos
         self.text, self.prompts, self.block = "", [], 32
 
-    def __call__(self, prompt, config, seed, drafts=False, images=(), constraints=None, deadline=None):
+    def __call__(self, prompt, config, seed, drafts=False, images=(), constraints=None, deadline=None, adapter=None):
         job = Job(list(prompt), config, seed, drafts, asyncio.get_running_loop(), list(images))
         self.prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
         ids = self.tokenizer.encode(self.text, add_special_tokens=False) + [self.eos]
