@@ -9,6 +9,7 @@ trainer before it is read."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..model.presets import PRESETS
 from .common import (
@@ -66,6 +67,20 @@ def add_cli(sub) -> None:
     add_hub_flags(m)
     m.add_argument("--adapter", required=True, help="directory with adapter_config.json and adapter_model.safetensors")
     m.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
+    m.add_argument(
+        "--quantization",
+        default=None,
+        choices=scheme_choices(),
+        help="adapters trained on a quantised base (QLoRA): fold them into the base as the run held it and write "
+        "the merged checkpoint quantised in this scheme, a tensor at a time (docs/training.md)",
+    )
+    m.add_argument("--group-size", type=int, default=None, help="int4's group size, as the run used (default: 64)")
+    m.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="with --quantization: skip comparing the merged checkpoint's logits with the unmerged run's",
+    )
     m.set_defaults(func=cmd_merge_lora)
 
 
@@ -167,11 +182,31 @@ def cmd_merge_lora(args) -> int:
     from ..model.checkpoint import save_checkpoint
     from ..train import lora
 
-    model = dgemma.load(resolve_model(args, fit=False).path)
+    base = resolve_model(args, fit=False).path
+    if args.quantization is not None:
+        return merge_quantized_cli(base, args)
+    model = dgemma.load(base)
     lora.load_adapters(model.net, args.adapter)
     lora.merge_lora(model.net)
     tok = model.tokenizer
     template = (tok.chat_template if tok else None) or DEFAULT_CHAT_TEMPLATE
     save_checkpoint(model.net, args.out, generation=model.generation_config, tokenizer=tok, chat_template=template)
     print(f"wrote the merged checkpoint to {args.out}")
+    return 0
+
+
+def merge_quantized_cli(base, args) -> int:
+    """`merge-lora --quantization`: train/merge.py's merge, then (unless --no-check) how far the
+    merged checkpoint's logits are from the unmerged run's."""
+    from ..quant.write import check_output_dir
+    from ..train.merge import closeness, merge_quantized
+    from .quantize import ProgressLine
+
+    check_output_dir(Path(args.out))
+    what = f"dgemma: merging {args.adapter} into {base}, quantised to {args.quantization}, into {args.out}"
+    out = merge_quantized(base, args.adapter, args.out, args.quantization, args.group_size, ProgressLine(what))
+    print(f"wrote the merged checkpoint, quantised to {args.quantization}, to {out}")
+    if args.check:
+        rel, top = closeness(base, args.adapter, out, args.quantization, args.group_size)
+        print(f"merged vs unmerged logits (float32, one canvas): relative L2 {rel:.2e}, max |difference| {top:.2e}")
     return 0

@@ -498,7 +498,7 @@ def merge_lora(net: nn.Module) -> nn.Module:
         if isinstance(linear, QuantLinear):
             raise AdapterError(
                 f"{name} is quantised ({linear.scheme}): merging adapters onto a quantised base is not supported; "
-                "merge onto the full-precision base (dgemma merge-lora without --quantization) and quantise that"
+                "merge with `dgemma merge-lora --quantization SCHEME`, which reads the full-precision base"
             )
         linear.weight.copy_((linear.weight.float() + linear.lora.delta()).to(linear.weight.dtype))
         linear._lora_hook.remove()
