@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from . import api_requests
 from .adapters import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK, AdapterBank, AdapterError, adapter_dtype
+from .api_requests import SamplingRequest
 from .config import GenerationConfig, ModelConfig
-from .dense.kv_cache import DenseKVCache
+from .dense import canvas as dense_canvas
 from .dense.reference import reference_events
 from .engine.client import EngineClient
-from .engine.constraints import CanvasConstraints, FirstCanvas, canvas_row
+from .engine.constraints import FirstCanvas
 from .engine.constraints.grammar import Grammar, GrammarCompiler, GrammarError
 from .engine.constraints.infill import (
     DEFAULT_LENGTHS,
@@ -28,24 +29,12 @@ from .engine.constraints.infill import (
     snap_spans,
 )
 from .engine.engine import Engine, EngineOptions
-from .engine.events import Block, Draft, Finished, GenerationOutput, collect
-from .engine.prefill import prefill
-from .engine.request import AdapterRef, Request, check_seed, image_spans, random_seed, validate_prompts
-from .inputs.model_inputs import ImagePatches, MediaError, ModelInputs
+from .engine.events import Block, Draft, GenerationOutput, collect
+from .engine.request import AdapterRef, Request, validate_prompts
+from .inputs.model_inputs import ImagePatches
 from .inputs.tokenizer import Tokenizer
 from .kernels.choice import engine_net
 from .model.diffusion_gemma import DiffusionGemma
-
-SAMPLING_MODES = ("default", "reference")
-
-
-@dataclass
-class SamplingRequest:
-    """Validated per-call generation settings."""
-
-    config: GenerationConfig
-    sampling: str
-    seeds: list[int]
 
 
 class Model:
@@ -282,48 +271,7 @@ class Model:
 
     def _split_prompts(self, prompts: Sequence) -> tuple[list[list[int]], list[list[ImagePatches]]]:
         """Token ids and images of each prompt (a string, token ids, or processor `ModelInputs`)."""
-        if isinstance(prompts, ModelInputs):
-            raise TypeError("prompts must be a list of prompts, e.g. [inputs]")
-        images = None
-        if isinstance(prompts, (list, tuple)) and any(isinstance(p, ModelInputs) for p in prompts):
-            images = [list(p.images) if isinstance(p, ModelInputs) else [] for p in prompts]
-            prompts = [p.input_ids if isinstance(p, ModelInputs) else p for p in prompts]
-        ids = self._prompt_ids(prompts)
-        if images and any(images) and self.net.vision is None:
-            raise MediaError("this checkpoint has no vision tower: it cannot take images")
-        return ids, images or [[] for _ in ids]
-
-    def _placed_images(self, ids: list[int], images: list[ImagePatches]) -> list:
-        """Each image's soft tokens placed at its placeholders; the vision tower runs here on the
-        reference's padded batch of the prompt's images (so that it rounds as the reference does)."""
-        spans = image_spans(ids, images, self.config.vision.image_token_id)
-        features: list = [None] * len(images)
-        for size in sorted({im.pixel_values.shape[0] for im in images}):  # one batch per patch budget
-            batch = [k for k, im in enumerate(images) if im.pixel_values.shape[0] == size]
-            pixels = torch.from_numpy(np.stack([images[k].pixel_values for k in batch])).to(self.device)
-            positions = torch.from_numpy(np.stack([images[k].position_ids for k in batch])).to(self.device)
-            stacked = self.net.vision.image_features(pixels, positions)
-            for k, part in zip(batch, stacked.split([images[k].num_soft_tokens for k in batch])):
-                features[k] = part
-        return [(start, f) for (start, _), f in zip(spans, features)]
-
-    def _prompt_ids(self, prompts: Sequence) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-        ):
-            raise TypeError("prompts must be a list of prompts (token-id lists or strings), e.g. [ids]")
-        if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist()
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise ValueError("string prompts need a tokenizer; this checkpoint has no tokenizer.json")
-                p = self.tokenizer.encode(p)
-            elif isinstance(p, torch.Tensor):
-                p = p.tolist()
-            out.append(list(p))
-        return out
+        return api_requests.split_prompts(prompts, self.tokenizer, self.net.vision is not None)
 
     def sampling_request(
         self,
@@ -332,26 +280,10 @@ class Model:
         sampling: str = "default",
         **overrides,
     ) -> SamplingRequest:
-        if sampling not in SAMPLING_MODES:
-            raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {sampling!r}")
-        config = self.generation_config.with_overrides(**overrides)
-        if seed is None:
-            seeds = [random_seed() for _ in range(num_prompts)]
-            if self.net.shards is not None and self.ranks is None:  # every rank's engine replica must draw the same
-                seeds = self.net.shards.broadcast_object(seeds)  # numbers (led ranks get them with each request)
-        elif isinstance(seed, int) and not isinstance(seed, bool):
-            seeds = [seed] * num_prompts
-        elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
-            if len(seed) != num_prompts:
-                raise ValueError(f"got {len(seed)} seeds for {num_prompts} prompts")
-            if sampling == "reference":
-                raise ValueError("sampling='reference' draws from torch's global RNG: pass one int seed, not a list")
-            seeds = list(seed)
-        else:
-            raise ValueError(f"seed must be an int or a list of ints, got {seed!r}")
-        for s in seeds:
-            check_seed(s)
-        return SamplingRequest(config, sampling, seeds)
+        """The generation config with this call's knobs, and a seed for each prompt (`seed`'s, or drawn)."""
+        # every rank's engine replica must draw the same seeds (led ranks get them with each request)
+        shards = self.net.shards if self.ranks is None else None
+        return api_requests.sampling_request(self.generation_config, num_prompts, seed, sampling, overrides, shards)
 
     def _events(
         self,
@@ -365,7 +297,9 @@ class Model:
         adapter: str | None = None,
     ) -> Iterator[Draft | Block]:
         images = images or [[] for _ in prompt_ids]
-        initial = self._initial_canvas(canvas, len(prompt_ids))
+        initial = api_requests.initial_canvas(
+            canvas, len(prompt_ids), self.config.canvas_length, self.config.vocab_size
+        )
         ref = self.adapter_ref(adapter)
         if request.sampling == "reference":
             if ref is not None:
@@ -378,63 +312,20 @@ class Model:
             if constraints is not None:
                 raise ValueError("sampling='reference' takes no canvas constraints")
             validate_prompts(prompt_ids, self.config.vocab_size)
-            placed = [self._placed_images(p, im) if im else [] for p, im in zip(prompt_ids, images)]
+            placed = [dense_canvas.placed_images(self.net, p, im) if im else [] for p, im in zip(prompt_ids, images)]
             if user_seed:
                 torch.manual_seed(request.seeds[0])
             return reference_events(
                 self.net, prompt_ids, request.config, drafts=drafts, images=placed, initial_canvas=initial
             )
         validate_prompts(prompt_ids, self.config.vocab_size)
-        if initial is not None:
-            if constraints is not None:
-                raise ValueError(
-                    "pass canvas or constraints, not both (CanvasConstraints.initial warm-starts a canvas)"
-                )
-            constraints = [FirstCanvas(CanvasConstraints(initial=row)) for row in initial]
-        if constraints is not None and len(constraints) != len(prompt_ids):
-            raise ValueError(f"got {len(constraints)} constraints for {len(prompt_ids)} prompts")
-        requests = [
-            Request(
-                list(p),
-                request.config,
-                seed,
-                drafts=drafts,
-                images=im,
-                constraints=None if constraints is None else constraints[i],
-                adapter=ref,
-            )
-            for i, (p, seed, im) in enumerate(zip(prompt_ids, request.seeds, images))
-        ]
+        requests = api_requests.engine_requests(prompt_ids, request, drafts, images, constraints, initial, ref)
         return self._engine_events(requests)
 
-    def _initial_canvas(self, canvas, count: int) -> torch.Tensor | None:
-        """`canvas` (one list of canvas_length token ids per prompt) checked, as [count, C]."""
-        if canvas is None:
-            return None
-        c, vocab = self.config.canvas_length, self.config.vocab_size
-        if len(canvas) != count:
-            raise ValueError(f"got {len(canvas)} canvases for {count} prompts")
-        rows = [canvas_row(row, c, vocab, what=f"canvas {i}") for i, row in enumerate(canvas)]
-        return torch.tensor(rows, dtype=torch.long)
-
     def _engine_events(self, requests: list[Request]) -> Iterator[Draft | Block]:
-        """Engine events with `row` = the prompt's index; returns the GenerationOutput."""
-        finished: list[Finished | None] = [None] * len(requests)
-        row_of = None
-        for ev in self._engine_client().run(requests):
-            if row_of is None:  # ids are set once the requests are submitted
-                row_of = {r.request_id: i for i, r in enumerate(requests)}
-            ev.row = row_of[ev.row]
-            if isinstance(ev, Finished):
-                finished[ev.row] = ev
-            else:
-                yield ev
-        return GenerationOutput(
-            sequences=[f.tokens for f in finished],
-            tokens_per_forward=[f.tokens_per_forward for f in finished],
-            decoder_passes=[f.decoder_passes for f in finished],
-            decoder_positions=[f.decoder_positions for f in finished],
-        )
+        """Engine events with `row` = the prompt's index; returns the GenerationOutput. A generator:
+        the engine is made (or reused) when the first event is read."""
+        return (yield from api_requests.prompt_events(self._engine_client(), requests))
 
     # ---------------------------------------------------------------- generation
     def generate(
@@ -647,17 +538,7 @@ class Model:
         request = self.sampling_request(
             len(plans), seed=seed, max_new_tokens=self.config.canvas_length, eos_token_ids=[], **knobs
         )
-        requests = [
-            Request(
-                plan.prompt,
-                request.config,
-                s,
-                constraints=FirstCanvas(plan.constraints(self.config.vocab_size)),
-                top_logprobs=0,
-                adapter=ref,
-            )
-            for plan, s in zip(plans, request.seeds)
-        ]
+        requests = api_requests.seeded_requests(plans, request, self.config.vocab_size, ref)
         blocks: list[Block | None] = [None] * len(plans)
         for ev in self._engine_events(requests):
             if isinstance(ev, Block):
@@ -678,21 +559,4 @@ class Model:
         """
         self._outside_the_engine("canvas_logits")
         prompts, images = self._split_prompts(prompt_ids)
-        validate_prompts(prompts, self.config.vocab_size)
-        canvas = torch.as_tensor(canvas_ids, dtype=torch.long, device=self.device)
-        if canvas.dim() != 2 or canvas.shape[0] != len(prompts) or canvas.shape[1] == 0:
-            raise ValueError(f"canvas_ids must be [num_prompts={len(prompts)}, canvas_len], got {tuple(canvas.shape)}")
-        if canvas.min() < 0 or canvas.max() >= self.config.vocab_size:
-            raise ValueError("canvas_ids hold ids outside the vocabulary")
-        lengths = [len(p) for p in prompts]
-        cache = DenseKVCache(self.net.kv_config, len(prompts), max(lengths) + canvas.shape[1], self.device, self.dtype)
-        placed = [self._placed_images(p, im) if im else [] for p, im in zip(prompts, images)]
-        prefill(self.net, cache, list(range(len(prompts))), prompts, images=placed)
-        soft = None
-        if self_conditioning_logits is not None:
-            sc = torch.as_tensor(self_conditioning_logits, device=self.device)
-            if sc.shape != (*canvas.shape, self.config.vocab_size):
-                raise ValueError(f"self_conditioning_logits must be {(*canvas.shape, self.config.vocab_size)}")
-            soft = self.net.soft_embed_from_logits(sc)
-        hidden = self.net.decode(canvas, cache.plan_decoder(canvas.shape[1]), soft)
-        return self.net.whole_logits(hidden)
+        return dense_canvas.canvas_logits(self.net, prompts, images, canvas_ids, self_conditioning_logits)

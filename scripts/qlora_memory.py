@@ -15,7 +15,7 @@ checkpointing per layer and the chunked loss, as `dgemma finetune --quantization
 
 Measured: the process's resident memory (Linux: VmRSS, and VmHWM reset through
 /proc/self/clear_refs just before the step) and the step's wall time. Planned:
-memory_plan.plan_finetune for the same run on a CPU (what `dgemma memory --finetune --device cpu`
+train/plan.py's plan_finetune for the same run on a CPU (what `dgemma memory --finetune --device cpu`
 prints and `dgemma finetune` checks). A benchmark, not a test: docs/training.md has the figures.
 """
 
@@ -33,13 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dgemma.memory_plan import FinetuneWork, plan_finetune  # noqa: E402
 from dgemma.model.checkpoint import make_config  # noqa: E402
 from dgemma.model.presets import PRESETS  # noqa: E402
 from dgemma.quant.modules import random_quantized_model  # noqa: E402
 from dgemma.train import lora  # noqa: E402
 from dgemma.train.chunked import chunk_rows  # noqa: E402
 from dgemma.train.objective import Example, TrainingModule, collate, draw_noise, example_generator  # noqa: E402
+from dgemma.train.plan import FinetuneWork, plan_finetune  # noqa: E402
 from dgemma.train.trainer import training_heap  # noqa: E402
 
 GIB = 2**30

@@ -1,7 +1,8 @@
 """The tree's layout, checked without a model: tests import no test file and patch the module that
 defines a name; dgemma has no import cycles; the wheel ships the package data; README's test
 command is .ci/run's; outside dgemma/quant/ no code decides by a scheme's name written as a string;
-no module of dgemma uses another's private name; every path a doc, comment or docstring names exists.
+no module of dgemma uses another's private name; every path a doc, comment or docstring names exists;
+no module of dgemma is over 600 lines.
 
 Each static check also runs on a small made-up tree with a deliberate mistake, to show that it
 fails where it should.
@@ -330,3 +331,39 @@ def test_the_path_check_fails_on_stale_paths_in_docs_comments_and_docstrings(tmp
         "dgemma/kernels/cpu.py:3: names openai/z.py, which does not exist",
         "dgemma/kernels/cpu.py:6: names scripts/gone.py, which does not exist",
     ], found
+
+
+# ------------------------------------------------------------------------------------ (i) no module over 600 lines
+def test_no_module_is_over_600_lines():
+    assert checks.long_modules() == []
+
+
+def test_the_line_check_fails_on_a_long_module_and_one_grown_past_its_allowance(tmp_path):
+    def lines(n: int, end: str = "\n") -> str:
+        return "\n".join(f"x{i} = {i}" for i in range(n)) + end
+
+    write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/at_limit.py": lines(600),  # good: 600 lines
+            "pkg/over.py": lines(601),  # bad
+            "pkg/no_last_newline.py": lines(601, end=""),  # good: 600 as wc -l counts them
+            "pkg/sub/allowed.py": lines(700),  # good: allowed up to 700 for now
+            "pkg/sub/grown.py": lines(651),  # bad: allowed up to 650
+            "pkg/sub/shrunk.py": lines(12),  # good: allowed, and short already
+            "pkg/csrc/kernel.cpp": lines(900),  # not a module: not checked
+            "tests/test_long.py": lines(900),  # not under the package: not checked
+        },
+    )
+    assert checks.line_count(tmp_path / "pkg/no_last_newline.py") == 600
+    for_now = {"pkg/sub/allowed.py": 700, "pkg/sub/grown.py": 650, "pkg/sub/shrunk.py": 640}
+    found = checks.long_modules(tmp_path, "pkg", 600, for_now)
+    assert found == [
+        "pkg/over.py: 601 lines, over 600: split it along a seam (one concern a module)",
+        "pkg/sub/grown.py: 651 lines, more than the 650 it was allowed for now",
+    ], found
+    assert checks.long_modules(tmp_path, "pkg", 600, {})[-2:] == [
+        "pkg/sub/allowed.py: 700 lines, over 600: split it along a seam (one concern a module)",
+        "pkg/sub/grown.py: 651 lines, over 600: split it along a seam (one concern a module)",
+    ]

@@ -79,8 +79,8 @@ def test_memory_card_command(capsys):
 # ------------------------------------------------------------------ fine-tuning (issue 55, item 4)
 def test_finetune_plan_counts_what_a_qlora_model_holds():
     """The plan's base is what the quantised model holds, its trained parameters the adapters'."""
-    from dgemma.memory_plan import FinetuneWork, plan_finetune
     from dgemma.train import lora
+    from dgemma.train.plan import FinetuneWork, plan_finetune
 
     config = make_config(**PRESETS["test"])
     net = DiffusionGemma(config)
@@ -100,7 +100,7 @@ def test_the_released_model_fine_tunes_on_a_24_gb_card_int4_rank_16_2048_tokens(
     """Issue 55's target, planned: at most 22 GiB on a GPU; activation checkpointing is what makes it fit."""
     from dataclasses import replace
 
-    from dgemma.memory_plan import FinetuneWork, finetune_fixes, plan_finetune
+    from dgemma.train.plan import FinetuneWork, finetune_fixes, plan_finetune
 
     config = make_config(**PRESETS["real"])
     work = FinetuneWork("int4", None, 16, seq_len=2048)

@@ -120,14 +120,14 @@ def kv_config(config, args):
 
 
 def print_finetune_plan(config, args) -> int:
-    """`dgemma memory --finetune`: one fine-tuning step's peak memory, part by part (memory_plan's
+    """`dgemma memory --finetune`: one fine-tuning step's peak memory, part by part (train/plan.py's
     plan_finetune, the figure `dgemma finetune` checks before it loads), and with --card whether it
     fits, or what would."""
     import torch
 
-    from ..memory_plan import FinetuneWork, finetune_fixes, plan_finetune
     from ..quant import schemes
     from ..train import lora
+    from ..train.plan import FinetuneWork, finetune_fixes, plan_finetune
 
     if args.lora_rank < 0:
         raise CliError(f"--lora-rank must be positive, or 0 for full fine-tuning (got {args.lora_rank})")

@@ -22,9 +22,9 @@ time (or read as stored from a pre-quantised checkpoint), and stays frozen in th
 inference uses; only the float32 adapters and their AdamW state train. Activations are the base's
 dtype (float32, or bf16 with `--dtype bfloat16`: then the base runs in bf16, not under autocast).
 Activation checkpointing and the chunked loss (objective.py) are on by default there. Before a
-byte of the model is read, the run's memory plan (memory_plan.plan_finetune) is checked against
+byte of the model is read, the run's memory plan (plan.py's plan_finetune) is checked against
 the device's memory, and every input is checked (data, targets, adapters, the checkpoint a run
-resumes), so a bad one is a one-line error with nothing written.
+resumes: checks.py), so a bad one is a one-line error with nothing written.
 """
 
 from __future__ import annotations
@@ -39,91 +39,22 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..config import (
-    ConfigError,
-    GenerationConfig,
-    ModelConfig,
-    load_generation_config,
-    load_model_config,
-    parse_model_config,
-)
-from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
-from ..model.checkpoint import init_weights, make_config, save_checkpoint
-from ..model.diffusion_gemma import DiffusionGemma
-from ..model.presets import PRESETS
-from ..model.weights import load_weights
+from ..inputs.tokenizer import DEFAULT_CHAT_TEMPLATE
+from ..model.checkpoint import save_checkpoint
 from . import lora, resume
-from .chunked import chunk_rows
-from .data import ExampleOrder, iter_records, load_examples
+from .checks import TrainArgs, check_args, check_run
+from .data import ExampleOrder, load_examples
+from .loading import attach_adapters, load_network, load_tokenizer
 from .objective import Losses, TrainingModule, collate, draw_noise, example_generator
-from .resume import (
-    checkpoint_args,
-    checkpoint_dir,
-    cpu_net,
-    full_state,
-    latest_checkpoint,
-    publish,
-    restore_optimizer,
-    staging_dir,
-)
-from .tokenizer_train import as_tokenizer, train_bpe
+from .resume import checkpoint_dir, cpu_net, full_state, publish, restore_optimizer, staging_dir
 
 EVAL_SALT = 0xE7A1
-
-
-@dataclass
-class TrainArgs:
-    out: str
-    data: list[str]
-    config: str | None = None  # train: a preset name or a JSON file
-    model: str | None = None  # finetune: a checkpoint directory
-    tokenizer: str | None = None
-    eval_data: list[str] | None = None
-    eval_fraction: float = 0.02
-    steps: int = 1000
-    batch_size: int = 8
-    grad_accum: int = 1
-    seq_len: int = 256
-    blocks: int = 1
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup: int = 100
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    clip: float = 1.0
-    ar_weight: float = 1.0
-    sc_prob: float = 0.5
-    dtype: str = "float32"
-    device: str = "cpu"
-    eval_every: int = 200
-    eval_batches: int = 4
-    save_every: int = 200
-    save_minutes: float = 15.0
-    keep: int = 2
-    seed: int = 0
-    threads: int | None = None
-    log_every: int = 10
-    save_dtype: str = "float32"
-    init_std: float = 0.02
-    lora_rank: int = 0
-    lora_alpha: float | None = None
-    lora_targets: str = "attention,mlp"
-    merge: bool = True
-    fresh: bool = False
-    generation: dict = field(default_factory=dict)
-    quantization: str | None = None  # finetune: the frozen base in this scheme (QLoRA; needs lora_rank)
-    group_size: int | None = None  # int4's group size (default 64)
-    adapter: str | None = None  # finetune: start from these adapters (PEFT's format or dgemma's)
-    checkpoint_layers: bool | None = None  # activation checkpointing per layer (None: on with a quantised base)
-    loss_chunk_rows: int | None = None  # rows per loss chunk (None: about 64 MiB of logits; 0: whole logits)
-    force: bool = False  # train even where the memory plan does not fit the device
-    device_memory: int | None = None  # the memory the plan is checked against (None: the device's)
 
 
 @dataclass
@@ -156,27 +87,6 @@ def example_indices(step: int, micro: int, rank: int, args: TrainArgs, world: in
     per_step = args.batch_size * args.grad_accum * world
     first = step * per_step + (micro * world + rank) * args.batch_size
     return list(range(first, first + args.batch_size))
-
-
-def model_config_from(spec: str) -> ModelConfig:
-    """A preset name, a JSON file of `make_config` sizes, or an HF config.json."""
-    if spec in PRESETS:
-        return make_config(**PRESETS[spec])
-    path = Path(spec)
-    if path.is_dir():
-        return load_model_config(path)
-    if not path.exists():
-        raise ConfigError(f"--config {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if "model_type" in data:
-        return parse_model_config(data, where=str(path))
-    try:
-        return make_config(**data)
-    except TypeError as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 # ------------------------------------------------------------------ distributed
@@ -226,9 +136,9 @@ def shard(module: TrainingModule, device: torch.device) -> TrainingModule:
 
 class Trainer:
     def __init__(self, args: TrainArgs, check_only: bool = False):
-        """Check the run (arguments, base, adapters, the checkpoint it resumes, its memory plan),
-        then read the data and the model; `check_only` stops after the checks (nothing read or
-        written beyond config files: `plan_check`)."""
+        """Check the run (arguments, base, adapters, the checkpoint it resumes, its memory plan:
+        checks.py), then read the data and the model (loading.py); `check_only` stops after the
+        checks (nothing read or written beyond config files: `plan_check`)."""
         self.args = args
         self.out = Path(args.out)
         self.device = torch.device(args.device)
@@ -237,28 +147,20 @@ class Trainer:
         self.rank, self.world = init_distributed(self.device)
         self.is_main = self.rank == 0
         self.stop_requested = False
-        self._validate()
+        check_args(args, self.device, self.world)
         if args.warmup >= args.steps:
             peak = lr_at(args.steps - 1, args.lr, args.warmup, args.steps, args.min_lr_ratio)
             self._say(
                 f"warning: --warmup {args.warmup} is not below --steps {args.steps}: the learning rate only climbs "
                 f"to {peak:.3g}, never to --lr {args.lr:g}; give a --warmup below --steps (e.g. {args.steps // 10})"
             )
-        self.resume_from = None if args.fresh else latest_checkpoint(self.out)
         # Everything that can refuse the run does so before anything is written or the model is read.
-        self.config = load_model_config(args.model) if args.model else model_config_from(args.config)
-        self.stored_scheme = _stored_scheme(self.config, args.model)
-        self.quantized = args.quantization is not None or self.stored_scheme is not None
-        self.base_dtype = torch.bfloat16 if self.quantized and args.dtype == "bfloat16" else torch.float32
-        self.adapter_file = lora.read_adapters(args.adapter) if args.adapter else None
-        self._check_quantized_base()
-        self.lora_rank = self._lora_rank()
-        self._check_lora_fits()
-        self._check_resume()
-        self.plan = self._check_memory() if args.model else None
+        self.checked = check_run(args, self.device, self.out, self._say)
+        self.config, self.resume_from, self.plan = self.checked.config, self.checked.resume_from, self.checked.plan
+        self.quantized, self.lora_rank = self.checked.quantized, self.checked.lora_rank
         if check_only:
             return
-        self.tok = self._tokenizer()
+        self.tok = load_tokenizer(self.checked, self.out, self.is_main, self.world, self._say)
         if self.tok.vocab_size > self.config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {self.tok.vocab_size} tokens but the model only {self.config.vocab_size}"
@@ -267,21 +169,12 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         if self.quantized and self.device.type == "cpu":
             training_heap()
-        self.net, self.generation = self._model()
+        self.net, self.generation = load_network(self.checked)
         self.lora_mode = self.lora_rank > 0
-        self.lora_scale = None
-        if self.lora_mode:
-            if self.adapter_file is not None:
-                lora.apply_lora(self.net, self.lora_rank, self.adapter_file.alpha, self.adapter_file.names)
-                lora.load_adapters(self.net, args.adapter)
-            else:
-                lora.apply_lora(self.net, self.lora_rank, args.lora_alpha, args.lora_targets, seed=args.seed)
-            self.lora_scale = self.net.lora_config["lora_alpha"] / self.lora_rank
-            if self.resume_from is not None:
-                lora.load_adapters(self.net, self.resume_from)
+        self.lora_scale = attach_adapters(self.net, self.checked)
         self.net.to(self.device)
         checkpoint_layers = self.quantized if args.checkpoint_layers is None else args.checkpoint_layers
-        rows = self.loss_rows()
+        rows = self.checked.loss_rows()
         self.module = TrainingModule(
             self.net, args.ar_weight, args.sc_prob > 0, checkpoint_layers=checkpoint_layers, chunk_rows=rows or None
         )
@@ -294,211 +187,6 @@ class Trainer:
         self.log_file = self.out / "log.jsonl"
 
     # ---- setup
-    def _validate(self) -> None:
-        a = self.args
-        for name in (
-            "steps",
-            "batch_size",
-            "grad_accum",
-            "seq_len",
-            "blocks",
-            "eval_batches",
-            "save_every",
-            "log_every",
-        ):
-            if getattr(a, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(a, name)})")
-        if a.lr <= 0 or not 0 <= a.min_lr_ratio <= 1 or a.warmup < 0 or a.clip < 0:
-            raise ValueError("need lr > 0, 0 <= min-lr-ratio <= 1, warmup >= 0 and clip >= 0")
-        if not 0 <= a.sc_prob <= 1 or a.ar_weight < 0:
-            raise ValueError("need 0 <= sc-prob <= 1 and ar-weight >= 0")
-        if a.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16 (got {a.dtype})")
-        if (a.config is None) == (a.model is None):
-            raise ValueError("give either a model config (train) or a checkpoint (finetune)")
-        if a.lora_rank < 0:
-            raise ValueError(f"--lora-rank must be positive (got {a.lora_rank})")
-        if a.loss_chunk_rows is not None and a.loss_chunk_rows < 0:
-            raise ValueError(f"--loss-chunk-rows must be positive, or 0 for the whole logits (got {a.loss_chunk_rows})")
-        check_device(self.device)
-        if a.quantization is not None:
-            from ..quant import schemes
-            from ..quant.formats import check_scheme
-
-            if schemes.find(a.quantization) is None:
-                raise ValueError(f"--quantization {a.quantization!r}: not a scheme ({', '.join(schemes.names())})")
-            check_scheme(a.quantization, schemes.get(a.quantization).group.chosen(a.group_size))
-            if a.model is None:
-                raise ValueError("--quantization quantises the base of a fine-tuning run (dgemma finetune --model ...)")
-            check_scheme_runs(a.quantization, self.device)
-            if self.world > 1:
-                raise ValueError("--quantization trains on one process (one device); run it without torchrun")
-        if a.adapter is not None and a.model is None:
-            raise ValueError("--adapter continues adapters on a base: dgemma finetune --model ... --adapter DIR")
-
-    def _check_quantized_base(self) -> None:
-        """A quantised base (asked for, or stored) trains adapters only, in a scheme it can hold."""
-        a = self.args
-        if self.stored_scheme is not None and a.quantization not in (None, self.stored_scheme):
-            raise ValueError(
-                f"{a.model} is already quantised ({self.stored_scheme}): drop --quantization, or give "
-                f"--quantization {self.stored_scheme}"
-            )
-        if self.stored_scheme is not None:
-            check_scheme_runs(self.stored_scheme, self.device)
-        if self.quantized and a.lora_rank == 0 and self.adapter_file is None:
-            scheme = a.quantization or self.stored_scheme
-            raise ValueError(
-                f"the {scheme} base is frozen: give --lora-rank R (e.g. 16) to train adapters on it "
-                "(full fine-tuning needs the full-precision base, without --quantization)"
-            )
-
-    def _lora_rank(self) -> int:
-        """The adapters' rank: --lora-rank, or --adapter's (which must agree when both are given)."""
-        a, adapter = self.args, self.adapter_file
-        if adapter is None:
-            return a.lora_rank
-        if a.lora_rank not in (0, adapter.rank):
-            raise ValueError(f"--lora-rank {a.lora_rank}, but --adapter {a.adapter} has rank {adapter.rank}")
-        return adapter.rank
-
-    def _meta_net(self) -> DiffusionGemma:
-        """The model's modules on the meta device (no memory): what targets and adapters are checked against."""
-        with torch.device("meta"):
-            return DiffusionGemma(self.config)
-
-    def _check_lora_fits(self) -> None:
-        """The targets name linears the model has; --adapter's and a resumed checkpoint's adapters
-        have the shapes this base needs (checked on the meta model: nothing read yet)."""
-        a = self.args
-        if not self.lora_rank:
-            return
-        meta = self._meta_net()
-        if self.adapter_file is None:
-            lora.target_modules(meta, lora.resolve_targets(a.lora_targets))
-        else:
-            lora.check_adapter(self.adapter_file, meta, a.adapter)
-        if self.resume_from is not None:
-            lora.check_adapter(lora.read_adapters(self.resume_from), meta, self.resume_from)
-
-    def _check_resume(self) -> None:
-        """A run resumes on the base it was trained on: the same scheme and group size (the
-        quantised base is rebuilt exactly from them), the same adapters' rank."""
-        if self.resume_from is None:
-            return
-        saved = checkpoint_args(self.resume_from)
-        a = self.args
-        mine = {"quantization": a.quantization or self.stored_scheme, "lora_rank": self.lora_rank}
-        theirs = {"quantization": saved.get("quantization"), "lora_rank": saved.get("lora_rank", 0)}
-        if saved.get("quantization") is None and self.stored_scheme is not None:
-            theirs["quantization"] = self.stored_scheme  # a pre-quantised base, stored as such both times
-        if mine["quantization"] is not None and mine["quantization"] == theirs["quantization"]:
-            mine["group_size"], theirs["group_size"] = a.group_size, saved.get("group_size")
-        for key, value in mine.items():
-            if theirs[key] != value:
-                flag = "--" + key.replace("_", "-")
-                raise ValueError(
-                    f"{self.resume_from} was trained with {flag} {theirs[key]}, this run has {flag} {value}: "
-                    f"give {flag} {theirs[key]} to resume it, or --fresh to start over"
-                )
-
-    def loss_rows(self) -> int | None:
-        """Rows per loss chunk (None: the whole logits at once): --loss-chunk-rows, else chunks of
-        about 64 MiB of logits where a micro-batch's whole logits would be larger (the released
-        vocabulary), and the whole logits where they are not (small models compute as they always did)."""
-        a = self.args
-        if a.loss_chunk_rows is not None:
-            return a.loss_chunk_rows or None
-        rows = chunk_rows(self.config.vocab_size)
-        return rows if a.batch_size * max(a.seq_len, a.blocks * self.config.canvas_length) > rows else None
-
-    def finetune_work(self):
-        """This run's memory_plan.FinetuneWork (what `dgemma memory --finetune` plans)."""
-        from ..memory_plan import FinetuneWork
-
-        a = self.args
-        checkpointing = self.quantized if a.checkpoint_layers is None else a.checkpoint_layers
-        targets = tuple(self.adapter_file.names) if self.adapter_file else lora.resolve_targets(a.lora_targets)
-        return FinetuneWork(
-            scheme=a.quantization or self.stored_scheme,
-            group_size=a.group_size,
-            lora_rank=self.lora_rank,
-            targets=tuple(t.split(".", 2)[2] if t.startswith("layers.") else t for t in targets),
-            seq_len=a.seq_len,
-            batch=a.batch_size,
-            blocks=a.blocks,
-            weight_dtype=self.base_dtype,
-            act_dtype=torch.bfloat16 if a.dtype == "bfloat16" else torch.float32,
-            checkpointing=checkpointing,
-            chunk_rows=self.loss_rows() or 0,
-            device="cpu" if self.device.type == "cpu" else "cuda",
-        )
-
-    def _check_memory(self):
-        """The run's memory plan against the device's memory (`device_memory`, which the CLI sets
-        from DGEMMA_DEVICE_MEMORY as for `dgemma run`): refused before loading, saying what would
-        fit, unless --force."""
-        from ..hub.fit import device_memory
-        from ..memory_plan import finetune_refusal, plan_finetune
-
-        work = self.finetune_work()
-        plan = plan_finetune(self.config, work)
-        memory, where = device_memory(self.device, self.args.device_memory)
-        if memory is not None and plan.total > memory:
-            message = finetune_refusal(self.config, work, plan, memory, where)
-            if not self.args.force:
-                raise ValueError(message)
-            self._say(f"warning: {message}")
-        return plan
-
-    def _tokenizer(self) -> Tokenizer:
-        a = self.args
-        if a.tokenizer:
-            path = Path(a.tokenizer)
-            return Tokenizer.from_dir(path) if path.is_dir() else _from_file(path)
-        if a.model:
-            if not (Path(a.model) / "tokenizer.json").exists():
-                raise ValueError(f"{a.model} has no tokenizer.json; pass --tokenizer")
-            return Tokenizer.from_dir(a.model)
-        saved = self.out / "tokenizer.json"
-        if not saved.exists():
-            if self.is_main:
-                vocab = model_config_from(a.config).vocab_size
-                self._say(f"training a {vocab}-token BPE tokenizer on {', '.join(a.data)}")
-                texts = (_record_text(rec) for _, rec in iter_records(a.data))
-                trained = train_bpe(texts, vocab)
-                self.out.mkdir(parents=True, exist_ok=True)
-                trained.save(str(saved))
-            if self.world > 1:
-                dist.barrier()
-        return _from_file(saved)
-
-    def _model(self) -> tuple[DiffusionGemma, GenerationConfig]:
-        a = self.args
-        config = self.config
-        if a.model:
-            generation = load_generation_config(a.model, config)
-            source = self.resume_from if (self.resume_from and not self.lora_rank) else Path(a.model)
-            # a quantised base: each layer quantised as it is read (or read as stored)
-            scheme = a.quantization if self.stored_scheme is None else None
-            net = load_weights(config, source, "cpu", self.base_dtype, scheme, a.group_size)
-            for p in net.parameters():
-                if not p.data.untyped_storage().resizable():  # memory-mapped from the file: own the memory
-                    p.data = p.data.clone()
-        else:
-            generation = GenerationConfig(eos_token_ids=(1, 6), pad_token_id=0)
-            with torch.device("cpu"):
-                net = DiffusionGemma(config)
-            init_weights(net, std=a.init_std, seed=a.seed)
-            if self.resume_from is not None:
-                net.load_state_dict(load_weights(config, self.resume_from, "cpu", torch.float32).state_dict())
-        if a.generation:
-            generation = generation.with_overrides(**a.generation)
-        net.train()
-        for p in net.parameters():
-            p.requires_grad_(True)
-        return net, generation
-
     def _optimizer(self) -> torch.optim.Optimizer:
         a = self.args
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -743,70 +431,9 @@ def training_heap() -> bool:
     return keep_freed_memory(TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD)
 
 
-def check_device(device: torch.device) -> None:
-    """A device this machine has: one line where it does not (before anything is read or written)."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA device here; train on --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {device}: training runs on cpu or cuda")
-
-
-def check_scheme_runs(scheme: str, device: torch.device) -> None:
-    """Whether a base quantised by `scheme` trains on `device`: on a CPU every scheme of the table
-    (native kernels or torch's dequantisation); on a GPU a scheme the Triton GEMM decodes, where
-    triton runs. One line where it cannot."""
-    from ..quant import schemes
-
-    entry = schemes.find(scheme)
-    if entry is None:
-        raise ValueError(f"{scheme!r} is not a quantisation scheme ({', '.join(schemes.names())})")
-    if device.type == "cpu":
-        return
-    if device.type != "cuda":
-        raise ValueError(f"a {scheme} base trains on cpu or cuda, not {device}")
-    if entry.kernels.cuda is None:
-        raise ValueError(f"--quantization {scheme}: the GPU kernels have no decoder for it; train it on --device cpu")
-    from ..kernels import triton_quant
-
-    if not triton_quant.available(device):
-        raise ValueError(
-            f"--quantization {scheme} on {device}: the Triton kernels do not run here (is triton installed?)"
-        )
-
-
-def _stored_scheme(config: ModelConfig, model: str | None) -> str | None:
-    """The scheme of a pre-quantised checkpoint (its quantization_config), else None."""
-    if model is None:
-        return None
-    from ..hub.fit import quant_info
-
-    info = quant_info(config.raw, Path(model))
-    return None if info is None else info.scheme
-
-
-def _record_text(rec: dict) -> str:
-    if "text" in rec:
-        return str(rec["text"])
-    if "messages" in rec:
-        return "\n".join(str(m.get("content", "")) for m in rec["messages"] if isinstance(m, dict))
-    return f"{rec.get('prompt', '')}{rec.get('completion', '')}"
-
-
-def _from_file(path: Path) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer
-
-    try:
-        return as_tokenizer(HFTokenizer.from_file(str(path)))
-    except Exception as e:
-        raise ConfigError(f"{path} is not a valid tokenizer.json: {e}") from None
-
-
 def plan_check(args: TrainArgs):
     """The checks `Trainer` makes before it reads anything (a bad input or a memory plan that does
-    not fit: one-line ValueError); returns the plan (memory_plan.FinetunePlan) of a fine-tuning run."""
+    not fit: one-line ValueError); returns the plan (plan.FinetunePlan) of a fine-tuning run."""
     return Trainer(args, check_only=True).plan
 
 

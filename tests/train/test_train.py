@@ -243,7 +243,7 @@ def test_bpe_tokenizer_has_gemma_specials():
 def test_every_preset_is_a_train_config_and_micro_is_make_tiny(tmp_path):
     from dgemma.config import load_model_config
     from dgemma.model.checkpoint import make_tiny_random
-    from dgemma.train.trainer import model_config_from
+    from dgemma.train.checks import model_config_from
 
     assert list(PRESETS) == ["tiny", "test", "micro", "mid", "real"]
     for name, sizes in PRESETS.items():
