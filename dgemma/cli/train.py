@@ -199,7 +199,7 @@ def merge_quantized_cli(base, args) -> int:
     """`merge-lora --quantization`: train/merge.py's merge, then (unless --no-check) how far the
     merged checkpoint's logits are from the unmerged run's."""
     from ..quant.write import check_output_dir
-    from ..train.merge import closeness, merge_quantized
+    from ..train.merge import merge_quantized
     from .quantize import ProgressLine
 
     check_output_dir(Path(args.out))
@@ -210,3 +210,28 @@ def merge_quantized_cli(base, args) -> int:
         rel, top = closeness(base, args.adapter, out, args.quantization, args.group_size)
         print(f"merged vs unmerged logits (float32, one canvas): relative L2 {rel:.2e}, max |difference| {top:.2e}")
     return 0
+
+
+def closeness(
+    base: str | Path, adapter_dir: str | Path, merged: str | Path, scheme: str, group_size: int | None = None
+) -> tuple[float, float]:
+    """(relative L2, max |difference|) of the merged checkpoint's logits against the unmerged
+    QLoRA model's (the base quantised as loading does, the adapters attached), float32, one
+    canvas after a short prompt."""
+    import torch
+
+    import dgemma
+
+    from ..train.lora import load_adapters
+
+    unmerged = dgemma.load(base, dtype="float32", quantization=scheme, group_size=group_size)
+    load_adapters(unmerged.net, adapter_dir)
+    config = unmerged.config
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, config.vocab_size, (1, 16), generator=gen).tolist()
+    canvas = torch.randint(3, config.vocab_size, (1, config.canvas_length), generator=gen)
+    want = unmerged.canvas_logits(prompt, canvas)
+    del unmerged
+    got = dgemma.load(merged, dtype="float32").canvas_logits(prompt, canvas)
+    diff = got - want
+    return float(diff.norm() / want.norm()), float(diff.abs().max())

@@ -6,7 +6,8 @@ not against W. So each adapted weight is quantised as loading quantises it (per 
 scheme and group size of the run), dequantised, given alpha / r * B @ A in float32, and quantised
 again by `dgemma quantize`'s writer, a tensor at a time: memory holds one weight, never the model.
 Re-quantising rounds the sum to the scheme's grid again, so a delta smaller than half a step is
-lost where the unmerged model keeps it: `closeness` measures what merging cost, on one canvas.
+lost where the unmerged model keeps it: `dgemma merge-lora` then measures what merging cost
+(cli/train.py's `closeness`, on one canvas).
 """
 
 from __future__ import annotations
@@ -84,27 +85,3 @@ def merge_quantized(
     return write_quantized_from(
         source, config, out, scheme, group_size, side_files=lambda d: copy_side_files(base, d), progress=progress
     )
-
-
-@torch.no_grad()
-def closeness(
-    base: str | Path, adapter_dir: str | Path, merged: str | Path, scheme: str, group_size: int | None = None
-) -> tuple[float, float]:
-    """(relative L2, max |difference|) of the merged checkpoint's logits against the unmerged
-    QLoRA model's (the base quantised as loading does, the adapters attached), float32, one
-    canvas after a short prompt."""
-    import dgemma
-
-    from .lora import load_adapters
-
-    unmerged = dgemma.load(base, dtype="float32", quantization=scheme, group_size=group_size)
-    load_adapters(unmerged.net, adapter_dir)
-    config = unmerged.config
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, config.vocab_size, (1, 16), generator=gen).tolist()
-    canvas = torch.randint(3, config.vocab_size, (1, config.canvas_length), generator=gen)
-    want = unmerged.canvas_logits(prompt, canvas)
-    del unmerged
-    got = dgemma.load(merged, dtype="float32").canvas_logits(prompt, canvas)
-    diff = got - want
-    return float(diff.norm() / want.norm()), float(diff.abs().max())

@@ -12,9 +12,9 @@ import torch
 import dgemma
 from adapter_files import write_adapter
 from dgemma.cli import main
+from dgemma.cli.train import closeness
 from dgemma.loading import default_model_dir
 from dgemma.train.lora import load_adapters
-from dgemma.train.merge import closeness
 
 LINE = re.compile(r"relative L2 ([0-9.e+-]+), max \|difference\| ([0-9.e+-]+)")
 
