@@ -6,7 +6,8 @@ measurement: every time printed is labelled "predicted"; `scripts/gpu_check.py` 
 
 What it does, for each scenario (a decoder step of bf16, fp8, int4 or nvfp4 weights at batch 1 and
 8 after 512-token prompts; an AR token after a 512-token prompt; the encode of a 512-token prompt
-chunk), at the released model's shapes (presets "real") on the meta device with an H200's choices:
+and of a 16,384-token one, chunked as the scheduler chunks it: scripts/roofline_encode.py), at the
+released model's shapes (presets "real") on the meta device with an H200's choices:
 
 1. Every launch the step makes is recorded with its arguments (tests/launch_count.py's drivers and
    counting rules, tests/kernels/triton_compile.py's capture of Triton launches): Triton kernels
@@ -29,7 +30,7 @@ chunk), at the released model's shapes (presets "real") on the meta device with 
    and FLOPs only, wave efficiency 1.
 
     python scripts/roofline.py [--scheme bf16,fp8,int4,nvfp4] [--batch 1,8] [--kind step,ar,encode]
-                               [--json] [--fast] [--top 12] [--reports DIR]
+                               [--prompt 512,16384] [--json] [--fast] [--top 12] [--reports DIR]
 
 `--fast` skips the compile (no instruction term, metric or MMA columns: bytes and FLOPs only; a few
 seconds, for the suite). Needs triton's ahead-of-time API (exit 3 with the reason where it lacks it).
@@ -56,7 +57,7 @@ CLOCK_HZ = 1.83e9  # the SM clock NVIDIA quotes tensor peaks at: 989.4e12 = 132 
 ISSUE_PER_SM_CLOCK = 4  # warp-instructions an SM issues a clock at most: 4 schedulers, 1 each (Hopper whitepaper)
 ISSUE_PER_S = SMS * ISSUE_PER_SM_CLOCK * CLOCK_HZ  # 9.7e11 warp-instructions a second
 TENSOR_BF16_FLOPS = 989.4e12  # dense bf16 / fp16 tensor-core peak (H100 / H200 SXM datasheet; 1,979 with sparsity)
-TENSOR_FP8_FLOPS = 1978.9e12  # dense fp8 (datasheet); unused today: fp8 weights are decoded to bf16 for the MMA
+TENSOR_FP8_FLOPS = 1978.9e12  # dense fp8 (datasheet): the W8A8 GEMMs (fp8 weights x fp8 activations, A8)
 SHARED_BYTES_PER_SM_CLOCK = 128  # shared memory an SM reads or writes a clock (NVIDIA A100 / H100 whitepapers)
 SHARED_BYTES_PER_S = SMS * SHARED_BYTES_PER_SM_CLOCK * CLOCK_HZ  # 3.1e13
 LAUNCH_FLOOR_S = 2e-6  # assumption: a kernel in a CUDA graph takes at least ~2 us (launch and first CTAs' ramp)
@@ -73,7 +74,7 @@ CONSTANTS = {
     ),
     "shared_bytes_per_sm_clock": (SHARED_BYTES_PER_SM_CLOCK, "shared memory bandwidth an SM (A100 / H100 whitepapers)"),
     "tensor_bf16_flops": (TENSOR_BF16_FLOPS, "dense bf16 tensor peak, H100/H200 SXM datasheet"),
-    "tensor_fp8_flops": (TENSOR_FP8_FLOPS, "dense fp8 tensor peak, datasheet (unused: fp8 weights decode to bf16)"),
+    "tensor_fp8_flops": (TENSOR_FP8_FLOPS, "dense fp8 tensor peak, datasheet (the W8A8 GEMMs: e4m3 x e4m3)"),
     "launch_floor_s": (LAUNCH_FLOOR_S, "assumption: the least a kernel takes in a CUDA graph"),
 }
 
@@ -87,6 +88,7 @@ MEASURED_BEFORE_MS[("ar", "bf16", 1)] = 62.0
 SCHEMES = ("bf16", "fp8", "int4", "nvfp4")
 KINDS = ("step", "ar", "encode")
 PROMPT = 512  # the prompt before the measured step (the issue's prefix) and the encoded chunk's length
+ENCODE_PROMPTS = (PROMPT, 16384)  # the encodes: one short chunk; a long prompt, 8 of the engine's 2,048-token chunks
 GEMM = "_gemm_kernel"
 FOUR_BIT = (0, 3)  # _gemm_kernel's SCHEME constant of int4 and nvfp4 (packed: half a byte a weight)
 LIBRARY_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm"}
@@ -94,16 +96,18 @@ LIBRARY_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_s
 
 @dataclass
 class Scenario:
-    """What is predicted: a decoder step of `batch` canvases, an AR token, or a prompt chunk's encode."""
+    """What is predicted: a decoder step of `batch` canvases, an AR token, or a `prompt`-token
+    prompt's encode (every chunk of it)."""
 
     kind: str  # step, ar, encode
     scheme: str
     batch: int = 1
+    prompt: int = PROMPT
 
     @property
     def name(self) -> str:
         if self.kind == "encode":
-            return f"encode {self.scheme} {PROMPT} tokens"
+            return f"encode {self.scheme} {self.prompt} tokens"
         return f"{'AR token' if self.kind == 'ar' else 'step'} {self.scheme} batch {self.batch}"
 
     @property
@@ -133,6 +137,7 @@ class Cost:
     mma_minimum: int | None = None  # ... the tile needs at the compiled instruction shape
     warps: int | None = None  # num_warps (TTGIR)
     mma_warps: list | None = None  # the MMA layout's warpsPerCTA
+    fp8_mma: bool = False  # e4m3 x e4m3 on the tensor cores (a W8A8 GEMM): FLOPs at the fp8 peak
     variant: str | None = None
     terms: dict = field(default_factory=dict)
 
@@ -154,7 +159,7 @@ class Cost:
             "memory": self.bytes / HBM_BYTES_PER_S,
             "issue": (self.warp_instructions or 0.0) / ISSUE_PER_S,
             "shared": (self.shared_bytes or 0.0) / SHARED_BYTES_PER_S,
-            "tensor": self.flops / TENSOR_BF16_FLOPS,
+            "tensor": self.flops / (TENSOR_FP8_FLOPS if self.fp8_mma else TENSOR_BF16_FLOPS),
         }
         roof = max(self.terms.values()) / self.wave_efficiency
         return max(LAUNCH_FLOOR_S * self.count, roof)
@@ -232,8 +237,9 @@ class Recorder:
 
 
 def _helpers():
-    """The test suite's helper modules this script drives (tests/ and tests/kernels/ on sys.path)."""
-    for path in (str(TESTS / "kernels"), str(TESTS), str(ROOT)):
+    """The test suite's helper modules this script drives (tests/ and tests/kernels/ on sys.path;
+    scripts/ too, for roofline_encode)."""
+    for path in (str(TESTS / "kernels"), str(TESTS), str(ROOT), str(ROOT / "scripts")):
         if path not in sys.path:
             sys.path.insert(0, path)
     import triton_compile
@@ -243,32 +249,10 @@ def _helpers():
     return launch_count, triton_compile
 
 
-def prompt_encode_launches(net, prompt: int = PROMPT):
-    """The launches of encoding a `prompt`-token prompt (one prefill chunk: the engine's chunk is
-    2,048 tokens), as the engine's first step for the request runs it."""
-    import torch
-
-    from dgemma.config import GenerationConfig
-    from dgemma.engine.engine import Request
-
-    launch_count, _ = _helpers()
-    from host_sync import count_host_reads
-
-    with launch_count.h200():
-        engine = launch_count.meta_engine(net)
-        gen = GenerationConfig(max_new_tokens=net.config.canvas_length, max_denoising_steps=1)
-        engine.add(Request(list(range(10, 10 + prompt)), gen, 0))
-        with torch.no_grad(), count_host_reads():
-            plan = engine.scheduler.schedule()
-            assert [w.end - w.start for w in plan.encode] == [prompt], plan.encode
-            with launch_count.count_launches(engine.runner.net) as launches:
-                engine.runner._encode(plan.encode)
-    return launches
-
-
 def capture(scenarios: list[Scenario], sass: bool = True):
     """(triton_compile.Launches holding every variant, {scenario name: launch records}, config)."""
     launch_count, triton_compile = _helpers()
+    import roofline_encode
     from triton.backends.compiler import GPUTarget
 
     launches = triton_compile.Launches(GPUTarget("cuda", 90, 32), sass=sass)
@@ -290,12 +274,14 @@ def capture(scenarios: list[Scenario], sass: bool = True):
             config = net.config
             launches.label = s.name
             if s.kind == "step":
-                counted = launch_count.step_launches(net, s.batch)
+                passes = [(None, launch_count.step_launches(net, s.batch))]
             elif s.kind == "ar":
-                counted = launch_count.ar_token_launches(net, rows=s.batch)
-            else:
-                counted = prompt_encode_launches(net)
-            out[s.name] = [r for r in recorder.records if r["launches"] is counted]
+                passes = [(None, launch_count.ar_token_launches(net, rows=s.batch))]
+            else:  # a pass a prompt chunk, its records marked with where the chunk starts
+                passes = roofline_encode.prompt_encode_launches(net, s.prompt)
+            out[s.name] = [
+                dict(r, start=start) for start, counted in passes for r in recorder.records if r["launches"] is counted
+            ]
             recorder.records.clear()
     return launches, out, config
 
@@ -395,6 +381,8 @@ def gemm_cost(rec: dict, report: dict | None, roles) -> Cost:
         tiles = 1  # a program one row tile (the grid split over rows)
         role = _role(roles, n_w, k, rec["region"])
     index = nbytes(a["pairs_ptr"]) if a["pairs_ptr"] is not y else 0
+    a8 = bool(a.get("A8"))  # W8A8: x is e4m3 (1 byte an element, counted above), a float32 scale a row
+    index += rows * 4 if a8 else 0
     cost = Cost(
         kernel=GEMM,
         role=role,
@@ -403,7 +391,9 @@ def gemm_cost(rec: dict, report: dict | None, roles) -> Cost:
         flops=2.0 * rows * n_w * k,
         ctas=ctas,
         active_ctas=active,
-        variant=f"SCHEME={scheme} {'grouped ' if grouped else ''}{'dual ' if dual else ''}{bm}x{bn}x{bk}",
+        variant=f"SCHEME={scheme} {'A8 ' if a8 else ''}{'grouped ' if grouped else ''}{'dual ' if dual else ''}"
+        f"{bm}x{bn}x{bk}",
+        fp8_mma=a8 and bool(a.get("FP8_CVT")),
     )
     per_weight = 0.5 if scheme in FOUR_BIT else w.element_size()
     cost.step_weight_bytes = (2 if dual else 1) * bn * bk * per_weight
@@ -425,7 +415,8 @@ def gemm_cost(rec: dict, report: dict | None, roles) -> Cost:
                 m_instr = 64 if wgmma else layout["instr"][0]
                 n_instr = layout["instr"][1]
                 width = (2 if dual else 1) * bn  # gate and up: one tile of 2 BLOCK_N weight rows, one MMA
-                cost.mma_minimum = math.ceil(bm / m_instr) * math.ceil(width / n_instr) * (bk // 16)
+                depth = layout["instr"][2] if len(layout["instr"]) > 2 else 32 if cost.fp8_mma else 16  # K an MMA
+                cost.mma_minimum = math.ceil(bm / m_instr) * math.ceil(width / n_instr) * (bk // depth)
     return cost
 
 
@@ -460,6 +451,20 @@ def triton_cost(rec: dict, report: dict | None, config, roles, prefix: int) -> C
         return gemm_cost(rec, report, roles)
     if name == "_paged_canvas_kernel":
         cost = attention_cost(rec, config, prefix)
+    elif name == "_paged_prefix_kernel":  # an encode's causal attention over the pool (roofline_encode)
+        import roofline_encode
+
+        work = roofline_encode.prefix_attention(rec, prefix)
+        cost = Cost(
+            kernel=name,
+            role=f"attention {'sliding' if work['sliding'] else 'global'}",
+            region=rec["region"],
+            bytes=work["bytes"],
+            flops=work["flops"],
+            ctas=work["ctas"],
+            active_ctas=work["ctas"],
+            variant=work["variant"],
+        )
     else:
         tensors = tensor_args(a.values())
         total = sum(nbytes(t) for t in tensors)
@@ -513,12 +518,14 @@ def aten_cost(rec: dict, roles) -> Cost:
 
 
 def costs(records: list[dict], reports: dict[str, dict], config, prefix: int) -> list[Cost]:
-    """Each recorded launch's Cost (a host read: the launch floor only)."""
+    """Each recorded launch's Cost (a host read: the launch floor only); an encode's records carry
+    their chunk's start, the attention's prefix."""
     roles = shape_roles(config)
     out = []
     for rec in records:
         if rec["kind"] == "triton":
-            out.append(triton_cost(rec, reports.get(rec["key"]), config, roles, prefix))
+            start = rec.get("start")
+            out.append(triton_cost(rec, reports.get(rec["key"]), config, roles, prefix if start is None else start))
         elif rec["kind"] == "read":
             out.append(Cost(kernel="host read", role=rec["name"], region=rec["region"], count=rec["count"]))
         else:
@@ -653,7 +660,7 @@ def text(result: dict, top: int) -> str:
         *(f"  {k:26s} {v[0]:<10g} {v[1]}" for k, v in CONSTANTS.items()),
         f"predicted time of a launch = max({LAUNCH_FLOOR_S * 1e6:g} us, max(bytes / {HBM_BYTES_PER_S / 1e12:g} TB/s, "
         f"warp-instructions / {ISSUE_PER_S / 1e9:.0f} G/s, shared bytes / {SHARED_BYTES_PER_S / 1e12:.1f} TB/s, "
-        f"FLOPs / {TENSOR_BF16_FLOPS / 1e12:g} TFLOP/s) / wave efficiency); "
+        f"FLOPs / {TENSOR_BF16_FLOPS / 1e12:g} TFLOP/s (W8A8: {TENSOR_FP8_FLOPS / 1e12:g})) / wave efficiency); "
         f"metric above {ISSUE_BOUND_METRIC:.2f}: a GEMM bound by issue",
         "",
     ]
@@ -669,8 +676,11 @@ def text(result: dict, top: int) -> str:
     return "\n".join(out)
 
 
-def scenarios_from(schemes: list[str], batches: list[int], kinds: list[str]) -> list[Scenario]:
-    """The scenarios of the options, a scheme at a time (one released net built per scheme)."""
+def scenarios_from(
+    schemes: list[str], batches: list[int], kinds: list[str], prompts: tuple[int, ...] = (PROMPT,)
+) -> list[Scenario]:
+    """The scenarios of the options, a scheme at a time (one released net built per scheme);
+    `prompts`: the encodes' prompt lengths."""
     out = []
     for scheme in schemes:
         for kind in kinds:
@@ -679,7 +689,7 @@ def scenarios_from(schemes: list[str], batches: list[int], kinds: list[str]) -> 
             elif kind == "ar":
                 out.append(Scenario("ar", scheme, 1))
             else:
-                out.append(Scenario("encode", scheme, 1))
+                out += [Scenario("encode", scheme, 1, prompt) for prompt in prompts]
     return out
 
 
@@ -717,7 +727,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scheme", default=",".join(SCHEMES), help="weights, comma separated (default: all four)")
     p.add_argument("--batch", default="1,8", help="a step's batch sizes, comma separated (default: 1,8)")
-    p.add_argument("--kind", default=",".join(KINDS), help="step, ar (a token), encode (a 512-token chunk)")
+    p.add_argument("--kind", default=",".join(KINDS), help="step, ar (a token), encode (a prompt, chunk by chunk)")
+    p.add_argument(
+        "--prompt", default=",".join(map(str, ENCODE_PROMPTS)), help="the encodes' prompt lengths, comma separated"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout (scripts/gpu_check.py reads it)")
     p.add_argument("--fast", action="store_true", help="no sm90 compile: bytes, FLOPs and grids only (seconds)")
     p.add_argument("--top", type=int, default=12, help="kernel rows a scenario in the text (0: all)")
@@ -736,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(why)
         return 3
-    result = run(scenarios_from(schemes, [int(b) for b in args.batch.split(",")], kinds), args.fast, args.reports)
+    batches, prompts = [int(b) for b in args.batch.split(",")], tuple(int(n) for n in args.prompt.split(",") if n)
+    result = run(scenarios_from(schemes, batches, kinds, prompts), args.fast, args.reports)
     if args.json:
         print(json.dumps(result))
     else:

@@ -436,7 +436,11 @@ def ar_token_launches(net, prompt: int = 512, rows: int = 1) -> Launches:
 PINNED = {
     ("bf16", 1): (14, 19, 439),  # 14 a layer: the attention splits its prefix at batch 1 (+1: the splits' combine)
     ("bf16", 8): (13, 19, 409),
-    ("fp8", 1): (14, 19, 439),
+    # fp8: W8A8 dense linears (issue 54, item 2): +1 a layer, the per-token quantisation of o_proj's
+    # input (the attention's output: made by no kernel of ours that could write it quantised); down's
+    # quantisation takes gelu_mul's launch (gelu * up moves into gate|up's epilogue); q|k|v's, gate|up's
+    # and the experts' inputs are written quantised by the row kernels that make them (no launch)
+    ("fp8", 1): (15, 19, 469),
     ("int4", 1): (14, 19, 439),
     ("nvfp4", 1): (14, 19, 439),
 }
@@ -444,3 +448,9 @@ PINNED = {
 # device's zero reads give): at batch 8 the attention splits the prefix of the fewer query rows
 # (+1 a layer, the splits' combine)
 TURBO_PINNED = {1: (13, 28, 418), 8: (14, 28, 448)}
+# an encoder pass (`encode_launches`: a 256-token block after a 512-token prompt): 13 a layer, its
+# K/V written into the pool by the q|k|v kernel and its causal attention one kernel reading the pool
+# in place (triton_attention.paged_prefix_attention); outside, the embedding, the RoPE tables, the
+# token ids' and the plan's copies and the last tokens' stack. Before: 35 / 18 / 1,068 (gathered
+# SDPA on the meta device's math path, the masks built each pass, two `index_copy_` a layer).
+ENCODE_PINNED = (13, 7, 397)

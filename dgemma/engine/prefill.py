@@ -2,8 +2,11 @@
 
 The engine, the reference loop, AR mode, `canvas_logits` and the scripts all call `prefill`; it
 works on either cache (the dense rows of `kv_cache.py`, the block tables of `kv/paged_cache.py`),
-which both plan passes from each row's current length. Image soft tokens (computed by the vision
-tower beforehand) replace their placeholders' embeddings here, and a pass never splits an image.
+which both plan passes from each row's current length. The fused network (kernels/fused.py, the
+engine's GPU path) on the paged cache plans its passes in place: its q|k|v kernel writes the keys
+and values into the pool and its attention reads them there (`PagedKVCache.plan_encoder`'s
+`in_place`), where the others gather the prefix. Image soft tokens (computed by the vision tower
+beforehand) replace their placeholders' embeddings here, and a pass never splits an image.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import torch
 
 from ..inputs.model_inputs import image_safe_end
 from ..kernels import lora
+from ..kernels.fused import FusedGemma
 from ..model.diffusion_gemma import DiffusionGemma
+from .kv.paged_cache import PagedKVCache
 
 # Soft tokens of one image placed in a token list: (index of its first placeholder, features [n, hidden]).
 PlacedImage = tuple[int, torch.Tensor]
@@ -45,6 +50,7 @@ def prefill(
     done = [0] * len(rows)
     last: list[torch.Tensor | None] = [None] * len(rows)
     pad = net.config.pad_token_id
+    in_place = isinstance(net, FusedGemma) and isinstance(cache, PagedKVCache)
     while True:
         active = [i for i in range(len(rows)) if done[i] < len(token_lists[i])]
         if not active:
@@ -59,7 +65,12 @@ def prefill(
         ids = torch.full((len(active), max(counts)), pad, dtype=torch.long)
         for j, (i, count) in enumerate(zip(active, counts)):
             ids[j, :count] = torch.tensor(token_lists[i][done[i] : done[i] + count])
-        plan = cache.plan_encoder(max(counts), [rows[i] for i in active], counts)
+        now = [rows[i] for i in active]
+        plan = (
+            cache.plan_encoder(max(counts), now, counts, in_place=True)
+            if in_place
+            else cache.plan_encoder(max(counts), now, counts)
+        )
         ids = ids.to(net.device, non_blocking=True)  # no wait for the passes queued before it
         embeds = _with_images(net, ids, plan, [images[i] for i in active], [done[i] for i in active])
         with lora.selected(net, None if adapters is None else [adapters[i] for i in active]):

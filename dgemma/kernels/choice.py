@@ -17,6 +17,11 @@ The choices, and why:
 - CUDA graphs: for the decoder step on a GPU with Triton (attention reads block tables on the
   device, so one graph replays for any prefix length).
 - Sampling: on a GPU every position is sampled (no host sync); on a CPU only the accepted ones.
+- fp8 activations (W8A8) for the fused network's dense linears (attention projections, dense MLP):
+  where the scheme's table entry names a compute capability with fp8 tensor cores (fp8: 89) and the
+  GPU has it (`fp8_activations`, asked once when the fused network is built), and under Triton's
+  interpreter, which runs the kernel's float32 emulation of the fp8 rounding. An sm80 GPU keeps the
+  weight-only fp8 GEMM; the experts, the LM head and self-conditioning stay weight-only / bf16.
 - A model cut across ranks (dgemma/parallel): statistics over its vocabulary shard with the
   ranks' reductions ("sharded"; the native and Triton statistics read whole rows), attention
   gathered, no CUDA graphs (eager: the sharded step has not been captured and measured yet).
@@ -89,6 +94,25 @@ def gpu_kernels_run(device: torch.device) -> bool:
     from . import triton_quant
 
     return triton_quant.available(device)
+
+
+def fp8_activations(scheme: str | None, device: torch.device) -> bool:
+    """Whether a dense linear with weights of `scheme` on `device` runs W8A8 on the fused path:
+    activations quantised per token by the kernel that produced them, e4m3 x e4m3 on the tensor
+    cores (kernels/triton_quant.py). From the scheme's `kernels.cuda_fp8_activations` (quant/
+    schemes.py) and the device's compute capability (the meta device: an H200's, as the launch
+    counts and the roofline model it); under the interpreter, its emulation."""
+    from ..quant import schemes
+
+    entry = schemes.find(scheme)
+    first = entry.kernels.cuda_fp8_activations if entry is not None else None
+    if first is None:
+        return False
+    from . import triton_quant
+
+    if not triton_quant.available(device):
+        return False
+    return triton_quant.INTERPRETED or triton_quant.arch(device) >= first
 
 
 def engine_net(net: DiffusionGemma) -> DiffusionGemma:

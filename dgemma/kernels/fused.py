@@ -7,7 +7,8 @@ arithmetic rounded at the same points:
     launch                                  kernel
     x @ [Wq | Wk | Wv]                      one GEMM (cuBLAS for bf16 weights, else triton_quant.gemm)
     q, k, v norms and RoPE                  triton_layer.qkv_norm_rope (V = K's projection on global layers)
-    attention (+ its split combine)         the cache pass's: the paged canvas kernel, or gathered SDPA
+    attention (+ its split combine)         the cache pass's: the paged canvas kernel (a decoder step), the
+                                            paged causal kernel (an encoder pass, K/V already in the pool)
     o_proj                                  one GEMM
     residual + 4 norms                      triton_norms.post_attention -> h, dense, MoE and router inputs
     dense [Wgate | Wup], gelu * up, down    two GEMMs and triton_layer.gelu_mul (up to SMALL_M rows, e.g.
@@ -20,6 +21,11 @@ arithmetic rounded at the same points:
 Outside the layers: the embedding (+ self-conditioning's pre-norm, gate|up, gelu * up, down on a
 decoder pass) and layer 0's input norm in `triton_norms.embed_norm`, and the RoPE tables of every
 layer kind once per pass (`triton_layer.rope_tables`, 3 launches).
+
+fp8 weights on a GPU with fp8 tensor cores run the four dense GEMMs W8A8 (`FusedLayer`'s `a8`):
+activations quantised per token where they are made (`embed_norm`, `post_attention`, `combine`)
+or by one `triton_norms.quantize_rows` launch (o_proj's and down's inputs, over SMALL_M rows: 15
+launches a layer, 16 with the split; gelu * up then runs in gate|up's epilogue).
 
 Weights: q|k|v, the dense MLP's and self-conditioning's gate|up become one tensor each, and the
 modules' own weights views of it (`fuse_rows`: no copy stays behind; the model's other paths
@@ -39,6 +45,7 @@ from torch import nn
 
 from ..model.diffusion_gemma import Attention, DiffusionGemma, Experts, Layer
 from . import triton_layer, triton_lora, triton_moe, triton_norms, triton_quant
+from .choice import fp8_activations
 from .cpu import has_hooks, swap_in, tree_copy
 from .lora import AdapterRows, LoraSlots
 
@@ -216,7 +223,19 @@ class FusedLayer(nn.Module):
     """One layer of the fused network (see the module): (h, x) -> (h', x'), x = the layer's input
     norm of h, x' the next one's (`next_norm`). With `adapters` (served LoRA slots), each GEMM's
     output gets its rows' adapters' deltas when the pass has per-row slots (`lora` in forward):
-    a shrink and an expand launch each (kernels/triton_lora.py), 8 a layer."""
+    a shrink and an expand launch each (kernels/triton_lora.py), 8 a layer.
+
+    W8A8 (`a8`: fp8 weights on a GPU with fp8 tensor cores, kernels/choice.py's `fp8_activations`,
+    decided here once): the four dense GEMMs take activations quantised per token
+    (triton_quant.Fp8Rows). q|k|v's come from the kernel that made x (the previous layer's
+    `combine`, or `embed_norm`: `quant_next`), gate|up's from `post_attention`, o_proj's and down's
+    from one `quantize_rows` launch each (+1 a layer: gelu * up moves into gate|up's epilogue, which
+    frees gelu_mul's launch). The experts' gate|up likewise (`experts_a8`: its input quantised by
+    `post_attention`, gathered by token; their down stays weight-only: gelu * up's rows are spread
+    over the dual GEMM's column tiles, so quantising them would take a launch more). Only for passes
+    of more than SMALL_M rows (a decoder step, a prompt chunk): a GEMV's rows (AR tokens, turbo's
+    short passes) stay weight-only, bound by the weights' bytes, and the wgmma that W8A8 needs takes
+    64 rows at least."""
 
     def __init__(self, layer: Layer, next_norm: torch.Tensor, adapters: LayerAdapters | None = None):
         super().__init__()
@@ -236,6 +255,12 @@ class FusedLayer(nn.Module):
         self.experts_gate_up, self.experts_down = _experts(layer.experts)
         self.next_norm = next_norm
         self.heads = (a.num_heads, a.spec.num_kv_heads)
+        dense = (self.qkv, self.o, self.gate_up, self.down)
+        self.a8 = all(
+            isinstance(w, triton_quant.GemmWeight) and fp8_activations(w.scheme, w.data.device) for w in dense
+        )
+        self.experts_a8 = fp8_activations(self.experts_gate_up.scheme, self.experts_gate_up.data.device)
+        self.quant_next = False  # the next layer runs W8A8: combine writes its x quantised too (fused_network)
 
     def forward(
         self,
@@ -247,21 +272,25 @@ class FusedLayer(nn.Module):
         encoder: bool,
         shape,
         lora: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`lora`: each token row's adapter slot ([B T] int32, -1: none), or None: no adapter launches."""
+        xq: triton_quant.Fp8Rows | None = None,
+    ) -> tuple:
+        """`lora`: each token row's adapter slot ([B T] int32, -1: none), or None: no adapter launches.
+        `xq`: x quantised per token (a W8A8 layer's q|k|v input). Returns (h', x', x' quantised or None)."""
         layer, a = self.layer, self.layer.self_attn
         spec, eps = self.spec, layer.input_layernorm.eps
         cos, sin, rope_col = tables
         adapted = lora is not None and self.adapters is not None
+        many = x.shape[0] > SMALL_M  # W8A8 needs them (a GEMV's rows stay weight-only)
+        a8 = self.a8 and many
 
-        def gemm(inputs: torch.Tensor, weight, parts) -> torch.Tensor:
-            out = linear(inputs, weight)
+        def gemm(inputs: torch.Tensor, weight, parts, rows: triton_quant.Fp8Rows | None = None) -> torch.Tensor:
+            out = linear(rows if rows is not None else inputs, weight)  # rows: W8A8
             return triton_lora.add_lora(inputs, out, *parts, lora) if adapted else out
 
-        # a pass whose keys and values the q|k|v kernel writes into the pool (engine/fused/ar.py's one token a row)
+        # a pass whose keys and values the q|k|v kernel writes into the pool (an encoder pass, an AR token)
         pools = cache_pass.pool_writes(index, spec.kind) if hasattr(cache_pass, "pool_writes") else None
         q, k, v = triton_layer.qkv_norm_rope(
-            gemm(x, self.qkv, self.adapters.qkv if adapted else None),
+            gemm(x, self.qkv, self.adapters.qkv if adapted else None, xq if a8 else None),
             self.heads,
             spec.head_dim,
             a.v_proj is not None,
@@ -280,27 +309,35 @@ class FusedLayer(nn.Module):
 
         attn = cache_pass.attention(index, spec.is_sliding, heads(q), heads(k), heads(v)).reshape(b * t, -1)
         router = layer.router
-        h, dense_in, moe_in, router_in = triton_norms.post_attention(
+        attn_q = triton_norms.quantize_rows(attn) if a8 else None
+        moe_a8 = self.experts_a8 and many
+        h, dense_in, moe_in, router_in, *fp8_in = triton_norms.post_attention(
             h,
-            gemm(attn, self.o, self.adapters.o if adapted else None),
+            gemm(attn, self.o, self.adapters.o if adapted else None, attn_q),
             layer.post_attention_layernorm.weight,
             layer.pre_feedforward_layernorm.weight,
             layer.pre_feedforward_layernorm_2.weight,
             router.scale,
             router.root_size,
             eps,
+            quant=a8,
+            quant_moe=moe_a8,
         )
+        dense_q, moe_q = fp8_in if fp8_in else (None, None)
         if adapted:  # gate|up's deltas go in before gelu * up: never in the GEMM's epilogue
-            gate_up = gemm(dense_in, self.gate_up, self.adapters.gate_up)
+            gate_up = gemm(dense_in, self.gate_up, self.adapters.gate_up, dense_q)
             dense = gemm(triton_layer.gelu_mul(gate_up, layer.mlp.approximate), self.down, self.adapters.down)
+        elif a8:  # W8A8: gelu * up in gate|up's epilogue, then its rows quantised for down
+            act = triton_quant.gemm(dense_q, self.gate_up_gemm, dual=layer.mlp.approximate)
+            dense = linear(triton_norms.quantize_rows(act), self.down)
         elif dense_in.shape[0] <= SMALL_M:  # gelu * up in the GEMM's epilogue: one launch fewer (a GEMV's rows)
             dense = linear(triton_quant.gemm(dense_in, self.gate_up_gemm, dual=layer.mlp.approximate), self.down)
         else:
             dense = linear(triton_layer.gelu_mul(linear(dense_in, self.gate_up), layer.mlp.approximate), self.down)
         top_w, top_i = triton_moe.router_topk(router_in, router.proj.weight, router.per_expert_scale, router.top_k)
-        y = triton_moe.moe(moe_in, top_i, self.experts_gate_up, self.experts_down, layer.experts.approximate)
+        y = triton_moe.moe(moe_q or moe_in, top_i, self.experts_gate_up, self.experts_down, layer.experts.approximate)
         scalar = layer.encoder_layer_scalar if encoder else layer.layer_scalar
-        return triton_norms.combine(
+        h, x, *xq = triton_norms.combine(
             h,
             dense,
             y,
@@ -311,14 +348,17 @@ class FusedLayer(nn.Module):
             scalar,
             self.next_norm,
             eps,
+            quant=self.quant_next and many,
         )
+        return h, x, (xq[0] if xq else None)
 
 
 class FusedGemma(DiffusionGemma):
     """The fused network: `fused_network`'s copy of a DiffusionGemma (every tensor shared) whose
     encode / decode run `FusedLayer`s; lm_head, logits and soft_embed are the model's own."""
 
-    def _passes(self, h: torch.Tensor, x: torch.Tensor, cache_pass, encoder: bool, shape) -> torch.Tensor:
+    def _passes(self, h: torch.Tensor, x: torch.Tensor, cache_pass, encoder: bool, shape, xq=None) -> torch.Tensor:
+        """The layers over (h, x); `xq`: x quantised per token (layer 0 runs W8A8: `embed_norm` wrote it)."""
         freqs, cols = self._rope(h.device)
         cos, sin = triton_layer.rope_tables(cache_pass.positions, freqs, h.dtype)
         rows = getattr(self, "lora_rows", None)
@@ -326,7 +366,7 @@ class FusedGemma(DiffusionGemma):
         if rows is not None and rows.row_slots is not None:
             lora = rows.row_slots[:, None].expand(shape[0], shape[1]).reshape(-1)
         for i, layer in enumerate(self.fused_layers):
-            h, x = layer(h, x, (cos, sin, cols), cache_pass, i, encoder, shape, lora)
+            h, x, xq = layer(h, x, (cos, sin, cols), cache_pass, i, encoder, shape, lora, xq)
         return x.view(*shape, -1)
 
     def _rope(self, device: torch.device) -> tuple[torch.Tensor, dict[str, int]]:
@@ -347,14 +387,16 @@ class FusedGemma(DiffusionGemma):
         return float(torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype))
 
     def encode(self, ids: torch.Tensor, cache_pass, embeds: torch.Tensor | None = None) -> torch.Tensor:
-        first = self.layers[0].input_layernorm
+        first, quant = self.layers[0].input_layernorm, self.fused_layers[0].a8 and ids.numel() > SMALL_M
         if embeds is None:
-            h, x = triton_norms.embed_norm(self.embed_tokens.weight, self._scale(), first.weight, first.eps, ids=ids)
-        else:
-            h, x = triton_norms.embed_norm(
-                self.embed_tokens.weight, self._scale(), first.weight, first.eps, embeds=embeds
+            h, x, *xq = triton_norms.embed_norm(
+                self.embed_tokens.weight, self._scale(), first.weight, first.eps, ids=ids, quant=quant
             )
-        return self._passes(h, x, cache_pass, True, tuple(ids.shape))
+        else:
+            h, x, *xq = triton_norms.embed_norm(
+                self.embed_tokens.weight, self._scale(), first.weight, first.eps, embeds=embeds, quant=quant
+            )
+        return self._passes(h, x, cache_pass, True, tuple(ids.shape), *xq)
 
     def decode(self, canvas: torch.Tensor, cache_pass, soft_embeds: torch.Tensor | None) -> torch.Tensor:
         sc_out = None
@@ -367,7 +409,7 @@ class FusedGemma(DiffusionGemma):
                 triton_layer.gelu_mul(F.linear(pre, self.sc_gate_up), sc.approximate), sc.down_proj.weight
             )
         first = self.layers[0].input_layernorm
-        h, x = triton_norms.embed_norm(
+        h, x, *xq = triton_norms.embed_norm(
             self.embed_tokens.weight,
             self._scale(),
             first.weight,
@@ -375,8 +417,9 @@ class FusedGemma(DiffusionGemma):
             ids=canvas,
             decoder=True,
             self_conditioning=sc_out,
+            quant=self.fused_layers[0].a8 and canvas.numel() > SMALL_M,
         )
-        return self._passes(h, x, cache_pass, False, tuple(canvas.shape))
+        return self._passes(h, x, cache_pass, False, tuple(canvas.shape), *xq)
 
 
 @torch.no_grad()
@@ -393,6 +436,8 @@ def fused_network(net: DiffusionGemma, adapters: LoraSlots | None = None) -> Fus
         for i, layer in enumerate(net.layers)
     ]
     fast.fused_layers = [FusedLayer(layer, norm, p) for layer, norm, p in zip(net.layers, norms, parts)]
+    for this, following in zip(fast.fused_layers, fast.fused_layers[1:]):
+        this.quant_next = following.a8  # W8A8 q|k|v: its input quantised by the kernel that makes it
     if adapters is not None:
         fast.lora_rows = AdapterRows(adapters, on_device=True)
     sc = net.self_conditioning

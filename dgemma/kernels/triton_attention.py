@@ -1,4 +1,5 @@
-"""A denoising canvas's attention over its paged prefix, reading K/V blocks where they lie.
+"""Attention over the paged KV pool, reading K/V blocks where they lie: a denoising canvas's over
+its prefix, and an encoder pass's, causal (`paged_prefix_attention`, at the end).
 
 A decoder (canvas) pass attends, per row, to the row's committed positions [lo, start) in the
 layer's block pool and then to the canvas's own C keys, bidirectionally (every canvas query sees
@@ -28,6 +29,14 @@ with an online softmax: a running row maximum m, sum l and float32 accumulator a
 exp(m_old - m_new) whenever the maximum grows; out = acc / l. Scale is 1.0 (q and k are
 RMS-normed), as in `sdpa`. Every tile the loops visit holds at least one valid key, so m is
 finite after the first and no NaN arises from -inf - -inf.
+
+The encoder pass (the fused network's prefill, `PagedKVCache.plan_encoder(in_place=True)`): its
+queries sit at positions start .. start + count - 1 and its own keys are already in the pool (the
+q|k|v kernel wrote them), so a row attends over the pool alone: query p sees keys (p - window, p]
+on a sliding layer, [0, p] on a global one, and with bidirectional images the tokens of its own
+image wherever they lie (a per-token image id, -1 at text). A KV head's G query heads are packed
+position-major (row r: position r // G, head r % G), so a tile spans BLOCK_M / G positions and its
+key loop ends at its last query; one launch a layer, no split (G * T query rows a KV head suffice).
 
 Split-K (flash-decoding): with one row and few KV heads there are too few programs to fill a
 GPU, so the prefix can be cut into `num_splits` equal chunks (chunk length computed on the device
@@ -205,6 +214,102 @@ if HAVE_TRITON:
         w = tl.exp(m - tl.max(m, 0))
         o = tl.sum(acc * w[:, None], 0) / tl.sum(sums * w, 0)
         tl.store(out_ptr + b * so_b + a * so_a + h * so_h + d * so_d, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _attend_masked(q, k, v, see, m_i, l_i, acc, UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """`_attend_tile` with a mask per (query, key) `see` [BM, BN]: a causal tile may hide every
+        key from some of its queries, so the running maximum can still be -inf after it, and the
+        exponentials are taken from 0 there instead (exp(-inf - 0) = 0: no NaN from -inf - -inf)."""
+        if UPCAST_DOT:  # the interpreter multiplies bf16's raw bits: the same products in float32
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        p = p.to(v.dtype)
+        if UPCAST_DOT:
+            acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, v, acc, input_precision=INPUT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_prefix_kernel(
+        q_ptr, kp_ptr, vp_ptr, table_ptr, start_ptr, count_ptr, group_ptr, out_ptr,
+        T, G, HKV, WINDOW,
+        sq_b, sq_h, sq_t, sq_d,
+        skp_n, skp_s, skp_h, skp_d,
+        svp_n, svp_s, svp_h, svp_d,
+        st_b, st_j, sg_b, sg_t,
+        so_b, so_t, so_h, so_d,
+        POOL_BLOCK: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr, GROUPS: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (query tiles, n * Hkv): BLOCK_M packed rows (query position r // G, head r % G of
+        the KV head's group) of row b, causal over the pool positions up to each query."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // HKV
+        kvh = pid_bh % HKV
+        b64 = b.to(tl.int64)
+        kvh64 = kvh.to(tl.int64)
+        start = tl.load(start_ptr + b)
+        last = tl.load(count_ptr + b) - 1  # the row's last new token (later ones are padding)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < G * T
+        qi = rows // G
+        head = (kvh * G + rows % G).to(tl.int64)
+        qpos = start + tl.minimum(qi, last)  # a padding query attends as the row's last token
+        d = tl.arange(0, D)
+        qd_mask = row_ok[:, None] & (d[None, :] < D)
+        q_off = b64 * sq_b + head[:, None] * sq_h + qi.to(tl.int64)[:, None] * sq_t + d[None, :] * sq_d
+        q = tl.load(q_ptr + q_off, mask=qd_mask, other=0.0)
+
+        # the tile's keys: from its first query's window (0 on a global layer) through its last query
+        k_lo = 0
+        if SLIDING:
+            k_lo = tl.maximum(start + tl.minimum(pid_m * BLOCK_M // G, last) - WINDOW + 1, 0)
+        k_hi = start + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, last) + 1
+        g_row = group_ptr + b64 * sg_b
+        if GROUPS:  # an image token also sees its image's later tokens, and its earlier ones past the window
+            q_group = tl.load(g_row + qi.to(tl.int64) * sg_t, mask=row_ok & (qi <= last), other=-1)
+            k_hi = start + last + 1
+            k_lo = tl.minimum(k_lo, start)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        kp_head = kp_ptr + kvh64 * skp_h
+        vp_head = vp_ptr + kvh64 * svp_h
+        table_row = table_ptr + b64 * st_b
+        n_off = tl.arange(0, BLOCK_N)
+        for k0 in range(k_lo, k_hi, BLOCK_N):
+            pos = k0 + n_off
+            ok = pos < k_hi
+            blk = tl.load(table_row + (pos // POOL_BLOCK) * st_j, mask=ok, other=0).to(tl.int64)
+            slot = (pos % POOL_BLOCK).to(tl.int64)
+            kd_mask = ok[:, None] & (d[None, :] < D)
+            k = tl.load(kp_head + (blk * skp_n + slot * skp_s)[:, None] + d[None, :] * skp_d, mask=kd_mask, other=0.0)
+            v = tl.load(vp_head + (blk * svp_n + slot * svp_s)[:, None] + d[None, :] * svp_d, mask=kd_mask, other=0.0)
+            see = ok[None, :] & (pos[None, :] <= qpos[:, None])
+            if SLIDING:
+                see = see & (pos[None, :] > qpos[:, None] - WINDOW)
+            if GROUPS:
+                j = pos - start
+                k_group = tl.load(g_row + j.to(tl.int64) * sg_t, mask=ok & (j >= 0), other=-1)
+                see = see | ((q_group[:, None] == k_group[None, :]) & (k_group[None, :] >= 0))
+            m_i, l_i, acc = _attend_masked(q, k, v, see, m_i, l_i, acc, UPCAST_DOT, INPUT_PRECISION)
+
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no key (an empty padding row): zeros
+        o_off = b64 * so_b + qi.to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :] * so_d
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
     INTERPRETED = interpreted(_paged_canvas_kernel)
 else:  # pragma: no cover
@@ -389,4 +494,101 @@ def paged_canvas_attention(
             num_warps=4 if d <= 256 else 8,
             enable_fp_fusion=True,
         )
+    return out
+
+
+def _check_prefix(q, k_pool, v_pool, block_tables, start, count, groups) -> None:
+    """Shapes, dtypes and devices `paged_prefix_attention`'s kernel relies on (no bounds checks
+    of its own: positions and slots are read on the device)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [n, H, T, D], got shape {tuple(q.shape)}")
+    n, h, t, d = q.shape
+    if k_pool.dim() != 4 or k_pool.shape != v_pool.shape or k_pool.shape[3] != d:
+        raise ValueError(
+            f"k_pool / v_pool must both be [num_blocks, block_size, Hkv, D={d}], "
+            f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+        )
+    hkv = k_pool.shape[2]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q's {h} heads do not divide into {hkv} KV heads")
+    if d < 16 or d > MAX_HEAD_DIM or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two in 16..{MAX_HEAD_DIM}, got {d}")
+    if t < 1:
+        raise ValueError("q must have at least one query position (T >= 1)")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"the pools are {k_pool.dtype} / {v_pool.dtype}, q is {q.dtype}: they must share a dtype")
+    if block_tables.dim() != 2 or block_tables.shape[0] != n or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be int32 [n={n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    for name, x in (("start", start), ("count", count)):
+        if tuple(x.shape) != (n,) or x.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [n={n}], got {x.dtype} {tuple(x.shape)}")
+    if groups is not None and (tuple(groups.shape) != (n, t) or groups.dtype != torch.int32):
+        raise ValueError(f"groups must be int32 [n={n}, T={t}], got {groups.dtype} {tuple(groups.shape)}")
+    named = dict(k_pool=k_pool, v_pool=v_pool, block_tables=block_tables, start=start, count=count, groups=groups)
+    for name, x in named.items():
+        if x is not None and x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+
+
+def paged_prefix_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    start: torch.Tensor,
+    count: torch.Tensor,
+    window: int | None = None,
+    groups: torch.Tensor | None = None,
+    blocks: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """An encoder pass's causal attention over the paged pool, without gathering it: row i's
+    queries q[i] [H, T, D] sit at positions start[i] + t, t < count[i] (the rest are padding, and
+    attend as the row's last token), and their keys and values are ALREADY in the pool (the fused
+    layer's q|k|v kernel writes them first) at (block_tables[i, p // block_size], p % block_size).
+    Query position p sees keys k <= p, and k > p - window on a sliding layer (window None: a
+    global one); scale 1.0, GQA (query head h reads KV head h // (H / Hkv)). -> [n, T, H, D] in
+    q's dtype, as `sdpa`.
+
+    `groups` (int32 [n, T], -1 at text): each image's tokens also see each other, whatever their
+    order or the window (bidirectional vision, `attention.within_images`). start / count / tables /
+    groups are read on the device only: no host sync. `blocks` = (BLOCK_M, BLOCK_N), powers of two
+    >= 16 (None: `pick_blocks`). One launch, no split: an encoder pass has a query tile a program
+    for every G * BLOCK_M of its n * T * H query rows, enough programs for a GPU from a few hundred
+    tokens on."""
+    _check_prefix(q, k_pool, v_pool, block_tables, start, count, groups)
+    if not available(q.device):
+        why = "triton is not installed" if not HAVE_TRITON else f"the device is {q.device.type}, not CUDA"
+        raise RuntimeError(f"no Triton paged attention here ({why}); use PagedKVCache.attend and sdpa")
+    n, h, t, d = q.shape
+    hkv = k_pool.shape[2]
+    g = h // hkv
+    out = torch.empty(n, t, h, d, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = pick_blocks(g * t, d, q.dtype)
+    if blocks is not None:
+        block_m, block_n = blocks
+        if min(blocks) < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
+            raise ValueError(f"blocks must be powers of two >= 16, got {blocks}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 (or None: a global layer), got {window}")
+    if groups is not None and blocks is None and block_m > 32:  # the image mask's registers: D = 256's
+        block_m, num_warps = 32, 4  # 64 rows spill on sm80 (and 32 rows on 8 warps are held to 128 registers)
+    grouped = groups if groups is not None else start
+    _paged_prefix_kernel[(triton.cdiv(g * t, block_m), n * hkv)](
+        q, k_pool, v_pool, block_tables, start, count, grouped, out,
+        t, g, hkv, window or 0,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
+        grouped.stride(0), grouped.stride(-1), *out.stride(),
+        POOL_BLOCK=k_pool.shape[1], D=d, SLIDING=window is not None, GROUPS=groups is not None,
+        UPCAST_DOT=INTERPRETED and q.dtype == torch.bfloat16,  # the interpreter multiplies bf16's raw bits
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=True,  # triton's default until 3.10 (3.9 warns when it is left unsaid)
+    )  # fmt: skip
     return out

@@ -31,7 +31,11 @@ from __future__ import annotations
 
 import torch
 
+from .triton_quant import Fp8Rows, arch, fp8_in_hardware
 from .triton_support import HAVE_TRITON, interpreted, round_if, runs_on, tl, triton
+
+if HAVE_TRITON:
+    from .triton_decode import fp8_rows
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -50,15 +54,23 @@ if HAVE_TRITON:
         return t[:, None], cols[None, :], (t < T)[:, None] & (cols < H)[None, :]
 
     @triton.jit
+    def _store_fp8(x, t, cols, inside, q_ptr, s_ptr, stride_q, T, FP8_CVT: tl.constexpr):
+        """x's rows quantised per token (`fp8_rows`): e4m3 bytes at q_ptr, a float32 scale a row at s_ptr."""
+        codes, scale = fp8_rows(tl.where(inside, x, 0.0), FP8_CVT)
+        tl.store(q_ptr + t * stride_q + cols, codes, mask=inside)
+        tl.store(s_ptr + t, scale, mask=t < T)
+
+    @triton.jit
     def _embed_norm_kernel(
-        ids_ptr, table_ptr, embeds_ptr, sc_ptr, w_next_ptr, h_ptr, x_ptr,
+        ids_ptr, table_ptr, embeds_ptr, sc_ptr, w_next_ptr, h_ptr, x_ptr, xq_ptr, xs_ptr,
         T, H, scale, eps,
-        stride_table, stride_embeds, stride_sc, stride_h, stride_x,
+        stride_table, stride_embeds, stride_sc, stride_h, stride_x, stride_xq,
         FROM_IDS: tl.constexpr, DECODER: tl.constexpr, HAS_SC: tl.constexpr,
-        ROUND: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+        ROUND: tl.constexpr, QUANT: tl.constexpr, FP8_CVT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
         """h = embed (table[id] * scale, or the given embeddings); a decoder pass: h =
-        post_norm(h + self_conditioning), scale-free; x = input_layernorm(h) * w_next."""
+        post_norm(h + self_conditioning), scale-free; x = input_layernorm(h) * w_next. QUANT: x
+        quantised per token too (xq, xs: the W8A8 q|k|v GEMM's input)."""
         t, cols, inside = _tile(T, H, BLOCK_T, BLOCK_H)
         if FROM_IDS:
             token = tl.load(ids_ptr + t, mask=t < T, other=0).to(tl.int64)
@@ -75,18 +87,23 @@ if HAVE_TRITON:
         x = round_if(h * _inv_rms(h, H, eps) * w, ROUND)
         tl.store(h_ptr + t * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=inside)
         tl.store(x_ptr + t * stride_x + cols, x.to(x_ptr.dtype.element_ty), mask=inside)
+        if QUANT:
+            _store_fp8(x, t, cols, inside, xq_ptr, xs_ptr, stride_xq, T, FP8_CVT)
 
     @triton.jit
     def _post_attention_kernel(
         h_ptr, attn_ptr, w_attn_ptr, w_dense_ptr, w_moe_ptr, router_scale_ptr,
-        h_out_ptr, dense_ptr, moe_ptr, router_ptr,
+        h_out_ptr, dense_ptr, moe_ptr, router_ptr, dq_ptr, ds_ptr, mq_ptr, ms_ptr,
         T, H, root, eps,
-        stride_h, stride_attn, stride_h_out, stride_dense, stride_moe, stride_router,
-        ROUND: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+        stride_h, stride_attn, stride_h_out, stride_dense, stride_moe, stride_router, stride_dq, stride_mq,
+        ROUND: tl.constexpr, QUANT: tl.constexpr, QUANT_MOE: tl.constexpr, FP8_CVT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
         """h' = h + post_attention_layernorm(attn); from h': the dense MLP's input
         (pre_feedforward_layernorm), the experts' (pre_feedforward_layernorm_2) and the router's
-        (scale-free norm, * router.scale, * hidden^-0.5, each rounded as torch rounds it)."""
+        (scale-free norm, * router.scale, * hidden^-0.5, each rounded as torch rounds it). QUANT: the
+        dense input quantised per token too (dq, ds: the W8A8 gate|up GEMM's input); QUANT_MOE: the
+        experts' (mq, ms: their W8A8 gate|up's, the rows gathered by token)."""
         t, cols, inside = _tile(T, H, BLOCK_T, BLOCK_H)
         a = tl.load(attn_ptr + t * stride_attn + cols, mask=inside, other=0.0).to(tl.float32)
         h = tl.load(h_ptr + t * stride_h + cols, mask=inside, other=0.0).to(tl.float32)
@@ -95,11 +112,15 @@ if HAVE_TRITON:
         tl.store(h_out_ptr + t * stride_h_out + cols, h.to(h_out_ptr.dtype.element_ty), mask=inside)
         n = h * _inv_rms(h, H, eps)
         w = tl.load(w_dense_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        tl.store(
-            dense_ptr + t * stride_dense + cols, round_if(n * w, ROUND).to(dense_ptr.dtype.element_ty), mask=inside
-        )
+        dense = round_if(n * w, ROUND)
+        tl.store(dense_ptr + t * stride_dense + cols, dense.to(dense_ptr.dtype.element_ty), mask=inside)
+        if QUANT:
+            _store_fp8(dense, t, cols, inside, dq_ptr, ds_ptr, stride_dq, T, FP8_CVT)
         w = tl.load(w_moe_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        tl.store(moe_ptr + t * stride_moe + cols, round_if(n * w, ROUND).to(moe_ptr.dtype.element_ty), mask=inside)
+        moe = round_if(n * w, ROUND)
+        tl.store(moe_ptr + t * stride_moe + cols, moe.to(moe_ptr.dtype.element_ty), mask=inside)
+        if QUANT_MOE:
+            _store_fp8(moe, t, cols, inside, mq_ptr, ms_ptr, stride_mq, T, FP8_CVT)
         s = tl.load(router_scale_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
         r = round_if(round_if(round_if(n, ROUND) * s, ROUND) * root, ROUND)
         tl.store(router_ptr + t * stride_router + cols, r.to(router_ptr.dtype.element_ty), mask=inside)
@@ -107,13 +128,15 @@ if HAVE_TRITON:
     @triton.jit
     def _combine_kernel(
         h_ptr, dense_ptr, y_ptr, topw_ptr, w1_ptr, w2_ptr, w3_ptr, scalar_ptr, w_next_ptr, h_out_ptr, x_ptr,
+        xq_ptr, xs_ptr,
         T, H, eps,
-        stride_h, stride_dense, stride_y, stride_h_out, stride_x,
-        TOP_K: tl.constexpr, ROUND: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+        stride_h, stride_dense, stride_y, stride_h_out, stride_x, stride_xq,
+        TOP_K: tl.constexpr, ROUND: tl.constexpr, QUANT: tl.constexpr, FP8_CVT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
         """The layer's end for token t: moe = sum_k topw[t, k] * y[t * TOP_K + k] (float32, k in
         order, one rounding); h' = (h + post_ff(post_ff1(dense) + post_ff2(moe))) * layer_scalar;
-        x = the next layer's input norm of h' (w_next)."""
+        x = the next layer's input norm of h' (w_next); QUANT: x quantised per token too (xq, xs)."""
         t, cols, inside = _tile(T, H, BLOCK_T, BLOCK_H)
         moe = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
@@ -135,6 +158,19 @@ if HAVE_TRITON:
         w = tl.load(w_next_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
         x = round_if(h * _inv_rms(h, H, eps) * w, ROUND)
         tl.store(x_ptr + t * stride_x + cols, x.to(x_ptr.dtype.element_ty), mask=inside)
+        if QUANT:
+            _store_fp8(x, t, cols, inside, xq_ptr, xs_ptr, stride_xq, T, FP8_CVT)
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr, q_ptr, s_ptr, T, H, stride_x, stride_q,
+        FP8_CVT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """Rows of x quantised per token (`fp8_rows`): where no kernel of ours produced them (the
+        attention's output, the dense MLP's gelu * up)."""
+        t, cols, inside = _tile(T, H, BLOCK_T, BLOCK_H)
+        x = tl.load(x_ptr + t * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        _store_fp8(x, t, cols, inside, q_ptr, s_ptr, stride_q, T, FP8_CVT)
 
     @triton.jit
     def _norm_kernel(
@@ -189,6 +225,24 @@ def _launch(rows: int, hidden: int, dtype: torch.dtype) -> tuple[tuple[int], dic
     )
 
 
+def _fp8_out(rows: int, hidden: int, dtype: torch.dtype, device: torch.device, quant: bool) -> Fp8Rows | None:
+    """Where a kernel writes its output quantised per token (`quant`): e4m3 bytes [rows, hidden] and
+    a float32 scale a row, standing for `dtype` activations (triton_quant.Fp8Rows); else None."""
+    if not quant:
+        return None
+    codes = torch.empty(rows, hidden, dtype=torch.uint8, device=device)
+    return Fp8Rows(codes, torch.empty(rows, dtype=torch.float32, device=device), dtype)
+
+
+def _fp8_args(out: Fp8Rows | None, fallback: torch.Tensor) -> tuple:
+    """A kernel's (codes, scales, codes' row stride, QUANT=, FP8_CVT=) for `out` (None: unused
+    pointers, QUANT off). FP8_CVT: the hardware's e4m3 conversion (sm89+; not the interpreter)."""
+    if out is None:
+        return fallback, fallback, 0, dict(QUANT=False, FP8_CVT=False)
+    cvt = fp8_in_hardware(arch(out.codes.device))
+    return out.codes, out.scales, out.codes.stride(0), dict(QUANT=True, FP8_CVT=cvt)
+
+
 def embed_norm(
     table: torch.Tensor,
     scale: float,
@@ -198,11 +252,13 @@ def embed_norm(
     embeds: torch.Tensor | None = None,
     decoder: bool = False,
     self_conditioning: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    quant: bool = False,
+) -> tuple:
     """The residual stream entering layer 0 and its input norm: (h [T, H], x [T, H]) in the
     table's dtype. h = table[ids] * scale (or `embeds`); a decoder pass then adds the
     self-conditioning MLP's output [T, H] (None: the first step's zero) and applies the
-    scale-free post norm. x = rmsnorm(h) * w_next."""
+    scale-free post norm. x = rmsnorm(h) * w_next. `quant`: (h, x, x quantised per token as
+    triton_quant.Fp8Rows), for a W8A8 q|k|v GEMM."""
     hidden, dtype = table.shape[1], table.dtype
     if (ids is None) == (embeds is None):
         raise ValueError("embed_norm takes token ids or embeddings, one of them")
@@ -216,15 +272,17 @@ def embed_norm(
     sc = _rows(self_conditioning, "self_conditioning", hidden) if self_conditioning is not None else None
     h = torch.empty(rows, hidden, dtype=dtype, device=table.device)
     x = torch.empty_like(h)
+    xq = _fp8_out(rows, hidden, dtype, h.device, quant)
     if rows:
         grid, args = _launch(rows, hidden, dtype)
+        q, qs, stride_q, flags = _fp8_args(xq, h)
         _embed_norm_kernel[grid](
-            ids if ids is not None else h, table, src, sc if sc is not None else h, w_next, h, x,
+            ids if ids is not None else h, table, src, sc if sc is not None else h, w_next, h, x, q, qs,
             rows, hidden, float(scale), float(eps),
-            table.stride(0), src.stride(0), (sc if sc is not None else h).stride(0), h.stride(0), x.stride(0),
-            FROM_IDS=ids is not None, DECODER=decoder, HAS_SC=sc is not None, **args,
+            table.stride(0), src.stride(0), (sc if sc is not None else h).stride(0), h.stride(0), x.stride(0), stride_q,
+            FROM_IDS=ids is not None, DECODER=decoder, HAS_SC=sc is not None, **flags, **args,
         )  # fmt: skip
-    return h, x
+    return (h, x, xq) if quant else (h, x)
 
 
 def post_attention(
@@ -236,21 +294,30 @@ def post_attention(
     router_scale: torch.Tensor,
     root: float,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h', dense_in, moe_in, router_in), each [T, H] in h's dtype: see `_post_attention_kernel`."""
+    quant: bool = False,
+    quant_moe: bool = False,
+) -> tuple:
+    """(h', dense_in, moe_in, router_in), each [T, H] in h's dtype: see `_post_attention_kernel`.
+    With `quant` or `quant_moe`: and (dense_in, moe_in) quantised per token (triton_quant.Fp8Rows,
+    None where not asked), for W8A8 gate|up GEMMs (the dense MLP's, the experts')."""
     hidden = h.shape[-1]
     h2, a2 = _rows(h, "h", hidden), _rows(attn, "attn", hidden)
     rows = h2.shape[0]
     outs = [torch.empty(rows, hidden, dtype=h.dtype, device=h.device) for _ in range(4)]
+    dq = _fp8_out(rows, hidden, h.dtype, h.device, quant)
+    mq = _fp8_out(rows, hidden, h.dtype, h.device, quant_moe)
     if rows:
         grid, args = _launch(rows, hidden, h.dtype)
+        q, qs, stride_q, flags = _fp8_args(dq, h2)
+        m, ms, stride_m, moe_flags = _fp8_args(mq, h2)
+        flags.update(FP8_CVT=flags["FP8_CVT"] or moe_flags["FP8_CVT"], QUANT_MOE=moe_flags["QUANT"])
         _post_attention_kernel[grid](
-            h2, a2, w_attn, w_dense, w_moe, router_scale, *outs,
+            h2, a2, w_attn, w_dense, w_moe, router_scale, *outs, q, qs, m, ms,
             rows, hidden, float(root), float(eps),
-            h2.stride(0), a2.stride(0), *(o.stride(0) for o in outs),
-            **args,
+            h2.stride(0), a2.stride(0), *(o.stride(0) for o in outs), stride_q, stride_m,
+            **flags, **args,
         )  # fmt: skip
-    return tuple(outs)
+    return (*outs, dq, mq) if quant or quant_moe else tuple(outs)
 
 
 def combine(
@@ -264,9 +331,11 @@ def combine(
     layer_scalar: torch.Tensor,
     w_next: torch.Tensor,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    quant: bool = False,
+) -> tuple:
     """(h'', x_next), each [T, H] in h's dtype: see `_combine_kernel`. y [T * top_k, H]: the
-    experts' output rows in (token, slot) order; top_weights [T, top_k] (float32)."""
+    experts' output rows in (token, slot) order; top_weights [T, top_k] (float32). `quant`: (h'',
+    x_next, x_next quantised per token as triton_quant.Fp8Rows), for the next layer's W8A8 q|k|v."""
     hidden = h.shape[-1]
     h2, d2, y2 = _rows(h, "h", hidden), _rows(dense, "dense", hidden), _rows(y, "y", hidden)
     rows = h2.shape[0]
@@ -279,15 +348,34 @@ def combine(
     tw = top_weights.reshape(-1).contiguous()
     h_out = torch.empty(rows, hidden, dtype=h.dtype, device=h.device)
     x = torch.empty_like(h_out)
+    xq = _fp8_out(rows, hidden, h.dtype, h.device, quant)
     if rows:
         grid, args = _launch(rows, hidden, h.dtype)
+        q, qs, stride_q, flags = _fp8_args(xq, h_out)
         _combine_kernel[grid](
-            h2, d2, y2, tw, w_ff1, w_ff2, w_ff, layer_scalar, w_next, h_out, x,
+            h2, d2, y2, tw, w_ff1, w_ff2, w_ff, layer_scalar, w_next, h_out, x, q, qs,
             rows, hidden, float(eps),
-            h2.stride(0), d2.stride(0), y2.stride(0), h_out.stride(0), x.stride(0),
-            TOP_K=top_k, **args,
+            h2.stride(0), d2.stride(0), y2.stride(0), h_out.stride(0), x.stride(0), stride_q,
+            TOP_K=top_k, **flags, **args,
         )  # fmt: skip
-    return h_out, x
+    return (h_out, x, xq) if quant else (h_out, x)
+
+
+def quantize_rows(x: torch.Tensor) -> Fp8Rows:
+    """x [T, K] quantised per token (triton_quant.Fp8Rows) in one kernel: the W8A8 GEMM's input
+    where the kernel that made x does not write it quantised (the attention's output for o_proj,
+    gelu * up for the dense down projection): one launch, a row a program."""
+    hidden = x.shape[-1]
+    x2 = _rows(x, "x", hidden)
+    out = _fp8_out(x2.shape[0], hidden, x.dtype, x.device, True)
+    if x2.shape[0]:
+        grid, args = _launch(x2.shape[0], hidden, x.dtype)
+        q, qs, stride_q, flags = _fp8_args(out, x2)
+        args.pop("ROUND")
+        _quantize_rows_kernel[grid](
+            x2, q, qs, x2.shape[0], hidden, x2.stride(0), stride_q, FP8_CVT=flags["FP8_CVT"], **args
+        )
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

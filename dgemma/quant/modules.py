@@ -135,6 +135,34 @@ def dequantized_linear(x: torch.Tensor, q: QTensor) -> torch.Tensor:
     return F.linear(x, dequantize(q, x.dtype))
 
 
+# ---------------------------------------------------------------- fp8 activations (W8A8), in torch
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+AMAX_FLOOR = 1e-30  # a token's amax is at least this (an all-zero row: codes 0, no division by zero)
+
+
+def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (e4m3 codes [..., K] float8_e4m3fn, float32 scales [..., 1]), one scale a token:
+    the torch copy of the GPU's per-token quantisation (kernels/triton_decode.py's `fp8_rows`, which
+    the tests hold to it byte for byte): amax / 448 the scale; x times 448 / amax, clamped to +-448,
+    rounded to the nearest e4m3 (ties to even)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
+    full = torch.full_like(amax, FP8_MAX)  # tensor by tensor: torch multiplies by a scalar's reciprocal
+    codes = (xf * (full / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, amax / full
+
+
+def w8a8_reference(x: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """x @ W.T as the W8A8 GEMM computes it, for fp8 weights, in float32 on any device: x quantised
+    per token (`fp8_per_token`), the weight's e4m3 codes, products and sums in float32, then the
+    token's scale and the channel's, rounded once to x's dtype. The float32 emulation of the fp8
+    rounding that the GPU kernel (kernels/triton_quant.py, A8) is checked against, and what
+    scripts/quant_quality.py measures (`QuantLinear.fp8_activations`)."""
+    codes, scales = fp8_per_token(x)
+    acc = codes.float() @ q.parts["weight"].float().transpose(-1, -2)
+    return (acc * scales * q.parts["weight_scale"].float().reshape(1, -1)).to(x.dtype)
+
+
 def _on_gpu(x: torch.Tensor) -> bool:
     """x's device runs the GPU kernels (kernels/triton_quant.py): kernels/choice.py decides."""
     return gpu_kernels_run(x.device)
@@ -155,7 +183,11 @@ def gpu_weight(module: nn.Module, q: QTensor):
 class QuantLinear(QuantWeight):
     """x @ W.T for a quantised W [out, in]: on a GPU the Triton GEMM (kernels/triton_quant.py), on
     a CPU the native AVX2 GEMM (float32), which dequantise inside the GEMM; elsewhere a tile of
-    output channels at a time (kernels/widened.tiled_linear)."""
+    output channels at a time (kernels/widened.tiled_linear). `fp8_activations` (fp8 weights; set
+    on a module by scripts/quant_quality.py): off the GPU, the W8A8 GEMM's emulation instead
+    (`w8a8_reference`), to measure what the fused GPU path's fp8 activations cost."""
+
+    fp8_activations = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qtensor
@@ -168,6 +200,8 @@ class QuantLinear(QuantWeight):
             from ..kernels.triton_quant import quant_linear
 
             return quant_linear(x, gpu_weight(self, q))
+        if self.fp8_activations:
+            return w8a8_reference(x, q)
         return cpu_quant_linear(x, q)
 
     @property
@@ -182,7 +216,11 @@ class QuantLinear(QuantWeight):
 class QuantExperts(nn.Module):
     """The MoE experts with quantised gate_up [E, 2I, H] and down [E, H, I]: on a GPU the MoE
     kernels (one launch per projection, rows gathered in place), elsewhere tokens sorted by expert
-    and each expert's weights dequantised tile by tile for all of its tokens."""
+    and each expert's weights dequantised tile by tile for all of its tokens. `fp8_activations`
+    (fp8 weights; scripts/quant_quality.py): off the GPU, gate|up as the fused path's W8A8 GEMM
+    computes it (`w8a8_reference`; down stays weight-only there too)."""
+
+    fp8_activations = False
 
     def __init__(self, gate_up: QTensor, down: QTensor, approximate: str):
         super().__init__()
@@ -203,7 +241,7 @@ class QuantExperts(nn.Module):
             top_k_weights,
             self.num_experts,
             self.approximate,
-            lambda e, rows: cpu_quant_linear(rows, gate_up.select(e)),
+            lambda e, rows: (w8a8_reference if self.fp8_activations else cpu_quant_linear)(rows, gate_up.select(e)),
             lambda e, rows: cpu_quant_linear(rows, down.select(e)),
         )
 

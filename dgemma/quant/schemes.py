@@ -74,11 +74,15 @@ class Kernels:
     formats.dequantize). `cpu`: the suffix of the native functions (`dequant_<cpu>`, `gemm_<cpu>`
     of csrc/dequant.cpp, gemm_avx2.cpp and dequant_avx512.cpp: kernels/avx2.py), which read scales
     of `cpu_scale_dtypes`; `cuda`: the Triton GEMM's decoder (its `SCHEME` constant:
-    kernels/triton_quant.py)."""
+    kernels/triton_quant.py); `cuda_fp8_activations`: the first compute capability (10 x major +
+    minor) whose tensor cores multiply e4m3 operands, from which the fused network's dense linears
+    quantise their activations per token and run W8A8 (kernels/choice.py's `fp8_activations`;
+    None: weight-only on every GPU)."""
 
     cpu: str | None = None
     cpu_scale_dtypes: tuple[torch.dtype, ...] = ()
     cuda: int | None = None
+    cuda_fp8_activations: int | None = None
 
 
 @dataclass(frozen=True)
@@ -205,7 +209,8 @@ FP8 = register(
         amax_dims=(-1,),
         activations=FP8_ACTIVATIONS,
         embedding_format="naive-quantized",
-        kernels=Kernels("fp8", CHANNEL_SCALE_DTYPES, cuda=2),
+        # W8A8 from sm89 (Ada, Hopper: fp8 MMA); sm80 keeps the weight-only GEMM
+        kernels=Kernels("fp8", CHANNEL_SCALE_DTYPES, cuda=2, cuda_fp8_activations=89),
     )
 )
 INT8 = register(

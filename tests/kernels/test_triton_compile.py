@@ -25,7 +25,13 @@ bytes): an H200's SM receives ~18 bytes and issues 4 warp-instructions a clock, 
 GEMM is bound by instructions, not memory; MMA issued at the tile's minimum, with at most
 BLOCK_M / 16 warps along M; and at batch 1 every GEMM launches at least 132 CTAs (an H200's SMs;
 no GEMM splits K). Pinned to triton 3.9.0 (pyproject's test extras) so that a release does not
-move them; skipped, saying why, where triton lacks the ahead-of-time API."""
+move them; skipped, saying why, where triton lacks the ahead-of-time API.
+
+W8A8 (issue 54, item 2: fp8 weights times activations quantised per token, kernels/triton_quant.py's
+A8): every such variant an fp8 step launches (the dense linears, gate|up with gelu * up, the
+experts' gate|up) multiplies e4m3 by e4m3 on the tensor cores (QGMMA ...E4M3.E4M3: fp8 wgmma; no
+HMMA, which is what triton's mma.sync makes of e4m3 on sm90), within the same budgets; sm80 never
+gets one (weight-only fp8 there)."""
 
 import pytest
 
@@ -94,6 +100,13 @@ def test_every_kernel_is_compiled_at_the_picked_variants(variants):
     for scheme in (0, 2, 3, 4):  # int4, fp8, nvfp4 in every role; bf16 experts (bf16 linears: cuBLAS)
         assert {(scheme, True, True), (scheme, True, False)} <= gemms, scheme
     assert {(s, False, False) for s in (0, 1, 2, 3)} <= gemms
+    w8a8 = {
+        (v["constexprs"]["GROUPED"], v["constexprs"]["DUAL"])
+        for v in of(variants, "_gemm_kernel")
+        if v["constexprs"]["A8"]
+    }
+    assert w8a8 == {(False, False), (False, True), (True, True)}  # linears, dense gate|up, experts' gate|up
+    assert of(variants, "_quantize_rows_kernel")
 
 
 def test_no_variant_spills_registers(variants):
@@ -205,6 +218,25 @@ def test_the_fast_decoders_are_the_ones_compiled(variants):
         assert c["FAST4"] == (c["SCHEME"] in (0, 3)), table([v])
 
 
+def test_w8a8_gemms_multiply_e4m3_on_the_tensor_cores(variants):
+    """Every W8A8 variant (A8: an fp8 step's and an fp8 encode's): fp8 pointers straight into fp8
+    wgmma (QGMMA ...E4M3.E4M3, K 32 an instruction), no other MMA in its K loop; the activations'
+    quantisation (`_quantize_rows_kernel` and the row kernels' QUANT) compiled with the hardware's
+    e4m3 conversion."""
+    a8 = [v for v in of(variants, "_gemm_kernel") if v["constexprs"]["A8"]]
+    assert a8 and all(all("fp8" in u for u in v["used_by"]) for v in a8), table(a8)  # fp8 models' only
+    bad = [
+        (v, "not fp8 wgmma")
+        for v in a8
+        if not v["constexprs"]["FP8_CVT"]
+        or v["pointers"]["x_ptr"] != "*fp8e4nv"
+        or not all(op.startswith("QGMMA.") and op.endswith(".E4M3.E4M3") for op in v["sass"]["k_loop"]["mma_ops"])
+    ]
+    assert not bad, gemm_table(bad)
+    quant = [v for v in variants if v["constexprs"].get("QUANT") or v["kernel"] == "_quantize_rows_kernel"]
+    assert quant and all(v["constexprs"]["FP8_CVT"] for v in quant), table(quant)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "nvfp4"])
 def test_at_batch_1_every_gemm_launches_a_cta_an_sm(variants, fmt):
     """A batch-1 decoder step (one 256-position canvas): every weight-streaming GEMM launches at
@@ -236,6 +268,6 @@ def test_the_fp8_gemm_streams_its_weights_on_ampere_too(sm80_fp8):
     bytes decoded by bits (triton has no float8e4nv before sm89), holds to the 4-bit GEMMs' rules
     (vector loads, each byte once, mma) and neither spills nor overflows."""
     assert sm80_fp8 and all(v["arch"] == 80 for v in sm80_fp8)
-    assert not any(v["constexprs"]["FP8_CVT"] for v in sm80_fp8)
+    assert not any(v["constexprs"]["FP8_CVT"] or v["constexprs"]["A8"] for v in sm80_fp8)  # weight-only fp8
     bad = [v for v in sm80_fp8 if streams(v) or v["spill_stores"] or v["shared"] > 164 * 1024]
     assert not bad, "\n".join(f"{streams(v)}: " + table([v]) for v in bad)

@@ -1,5 +1,5 @@
-"""The GPU GEMM for every weight format (dgemma/kernels/triton_quant.py), run on CPU by Triton's
-interpreter, against the torch code it replaces: x @ dequantize(W).T (quant/formats.py), and the
+"""The GPU GEMM for every weight format (dgemma/kernels/triton_quant.py, its decoders in
+kernels/triton_decode.py), run on CPU by Triton's interpreter, against the torch code it replaces: x @ dequantize(W).T (quant/formats.py), and the
 quantised modules' CPU paths (quant/modules.py) for their GPU ones.
 
 TRITON_INTERPRET must be set before triton is first imported, so conftest.py sets it for the
@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 pytest.importorskip("triton", reason="triton is an optional (Linux) test dependency: the GPU kernels need it")
 pytestmark = pytest.mark.triton
 
+from dgemma.kernels import triton_decode as td  # noqa: E402
 from dgemma.kernels import triton_quant as tq  # noqa: E402
 from dgemma.quant.formats import (  # noqa: E402
     QTensor,
@@ -179,7 +180,7 @@ def test_quantised_modules_gpu_paths_equal_their_cpu_paths(scheme, monkeypatch):
 
 
 # ------------------------------------------------------------------- the decoders, tile by tile
-# `_weight_tile` (a K-tile of a weight dequantised in registers, before any per-channel scale) run
+# `weight_tile` (kernels/triton_decode.py: a K-tile of a weight dequantised in registers, before any per-channel scale) run
 # by the interpreter through a kernel of this file, against torch's decoding of the same parts: bit
 # for bit. The hardware fp8 conversion and the 16-bit 4-bit decode are the paths an sm89+ GPU
 # takes (their sm90 and sm80 compiles: test_triton_compile.py); the interpreter runs them where it
@@ -200,7 +201,7 @@ def _tile_kernel(
     ns = tl.arange(0, BLOCK_N)
     n_ok = ns < N
     for k0 in range(0, K, BLOCK_K):
-        w = tq._weight_tile(
+        w = td.weight_tile(
             w_ptr, s_ptr, ns, n_ok, k0, K, KB, stride_wn, stride_sn, SCHEME, GROUP, SCALE_BYTES, SCALE_FP16, BLOCK_K,
             OUT, FP8_CVT, FAST4, W_ALIGN,
         )  # fmt: skip
@@ -209,7 +210,7 @@ def _tile_kernel(
 
 
 def decoded_tile(w: tq.GemmWeight, dtype: torch.dtype, fp8_cvt: bool = False, fast4: bool = False) -> torch.Tensor:
-    """The weight [N, K] as `_weight_tile` decodes it (no per-channel or global scale) in `dtype`."""
+    """The weight [N, K] as `weight_tile` decodes it (no per-channel or global scale) in `dtype`."""
     n, k = w.shape
     code = tq._code(w)
     four_bit = code in (0, 3)
@@ -309,7 +310,7 @@ def test_four_bit_tiles_decode_bit_exactly(scheme, dtype):
 
 
 def four_bit_fast_in_torch(words: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
-    """`_four_bit_fast`'s operations, one for one, on int32 words [R, C] -> [R, 8C] in dtype."""
+    """triton_decode's `_four_bit_fast`'s operations, one for one, on int32 words [R, C] -> [R, 8C] in dtype."""
     bf16 = dtype == torch.bfloat16
     pairs = [
         (words & 0xF) | ((words << 12) & 0xF0000),

@@ -237,6 +237,16 @@ def k_loop_metric(v: dict) -> float:
     return sass["k_loop"]["instructions"] * sass["num_warps"] / weight_bytes_a_k_step(v)
 
 
+def mma_depth(v: dict) -> int:
+    """The K an MMA instruction of a `_gemm_kernel` variant covers: the TTGIR's instruction shape
+    where it says (wgmma: [16, N, K]), else 32 for e4m3 x e4m3 (W8A8 on the hardware), 16 else."""
+    instr = v["sass"]["mma_layouts"][0]["instr"]
+    if len(instr) > 2:
+        return instr[2]
+    c = v["constexprs"]
+    return 32 if c.get("A8") and c.get("FP8_CVT") else 16
+
+
 def mma_issued_and_minimum(v: dict) -> tuple[int, int]:
     """(MMA instructions a K step issues, a CTA's: wgmma counted once a warpgroup; the fewest its
     tile needs at the compiled instruction shape) of a `_gemm_kernel` variant compiled with `--sass`."""
@@ -246,7 +256,7 @@ def mma_issued_and_minimum(v: dict) -> tuple[int, int]:
     issued = sass["k_loop"]["mma"] * sass["num_warps"] // (4 if wgmma else 1)
     width = (2 if c["DUAL"] else 1) * c["BLOCK_N"]  # gate|up: one tile of both halves
     rows = 64 if wgmma else layout["instr"][0]  # a warpgroup's 64 rows
-    minimum = -(-c["BLOCK_M"] // rows) * -(-width // layout["instr"][1]) * (c["BLOCK_K"] // 16)
+    minimum = -(-c["BLOCK_M"] // rows) * -(-width // layout["instr"][1]) * (c["BLOCK_K"] // mma_depth(v))
     return issued, minimum
 
 
@@ -506,6 +516,7 @@ def _launch_released(launches: Launches) -> None:
     import torch
 
     from dgemma.kernels import (
+        triton_attention,
         triton_layer,
         triton_quant,
         triton_step,
@@ -548,6 +559,14 @@ def _launch_released(launches: Launches) -> None:
         launches.label = "turbo's draws and sampling"
         uniforms, _ = triton_step.philox_draws(empty(1, dtype=torch.long), empty(1, dtype=torch.long), c, v)
         triton_step.sample_rows(empty(c, v), None, uniforms.view(-1))
+        # an encode with an image (bidirectional vision): the prefix attention's image mask, both head dims
+        launches.label = "encode with an image"
+        for d, hkv, window in ((256, 8, cfg.sliding_window), (512, 2, None)):
+            pool, i32 = empty(64, 256, hkv, d), torch.int32
+            triton_attention.paged_prefix_attention(
+                empty(1, cfg.num_heads, 512, d), pool, pool, empty(1, 64, dtype=i32), empty(1, dtype=i32),
+                empty(1, dtype=i32), window, empty(1, 512, dtype=i32),
+            )  # fmt: skip
         # the unfused path (a layer with LoRA adapters): norm_rope, gelu_mul, the MoE block with combine_topk
         for d in (256, 512):
             launches.label = f"norm_rope D={d}"

@@ -38,22 +38,6 @@ from .graphs import cuda_capture, eager_capture
 READ_EVERY = 16  # tokens a row decodes between two reads of the device
 
 
-class TokenPass:
-    """The cache pass of one token a row on the device: its keys and values written into the pool
-    by the q|k|v kernel (`pool_writes`), its attention the paged pass's over the rows' blocks in
-    place (`inner`: device block tables, positions [n, 1])."""
-
-    def __init__(self, inner: PagedPass, slots: dict[str, torch.Tensor]):
-        self.inner, self.positions, self.slots = inner, inner.positions, slots  # slots: kind -> [n] int64
-
-    def attention(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.inner.attention(layer, sliding, q, k, v)
-
-    def pool_writes(self, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where the q|k|v kernel writes this pass's keys and values: the layer's pools, the slots."""
-        return self.inner.cache.keys[layer], self.inner.cache.values[layer], self.slots[kind]
-
-
 @dataclass
 class ARState:
     """A batch of rows' device state (see the module)."""
@@ -91,11 +75,15 @@ class ARState:
             zeros(n, dtype=torch.float32),
         )
 
-    def token_pass(self, cache: PagedKVCache) -> TokenPass:
+    def token_pass(self, cache: PagedKVCache) -> PagedPass:
+        """The cache pass of one token a row: its keys and values written into the pool by the
+        q|k|v kernel (`PagedPass.pool_writes`, at `slots`), its attention the canvas kernel's over
+        the rows' blocks in place, the token its one canvas key (a prefix split across programs:
+        one token a row is too few queries for the encoder's causal kernel to fill a GPU)."""
         tables = {kind: (self.tables[i], self.lo[i], self.start[i]) for i, kind in enumerate(KINDS)}
         n = self.tokens.shape[0]
-        inner = PagedPass(cache, [], [1] * n, self.positions[:, None], False, {}, {}, {}, tables)
-        return TokenPass(inner, dict(zip(KINDS, self.slots)))
+        slots = dict(zip(KINDS, self.slots))
+        return PagedPass(cache, [], [1] * n, self.positions[:, None], False, {}, {}, {}, tables, slots=slots)
 
 
 def choose(runner, raw: torch.Tensor, state: ARState, greedy: bool) -> torch.Tensor:

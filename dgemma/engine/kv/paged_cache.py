@@ -11,8 +11,10 @@ keys placed right after it), so attention runs on a contiguous [keys, kv_heads, 
 On a CPU the gather costs about 1% of the attention it feeds (a key is read once per copy, then
 used by every canvas query of every head). With the Triton kernels (kernels/choice.py decides),
 a decoder pass instead reads the prefix's blocks where they are (`plan_canvas`,
-kernels/triton_attention.py). Encoder passes write their keys into the pool; decoder passes
-never do: the canvas's keys/values are scratch, placed after the prefix only.
+kernels/triton_attention.py), and the fused network's encoder pass too (`plan_encoder(in_place=True)`:
+its q|k|v kernel writes the keys into the pool, then its causal attention reads them there with the
+prefix, nothing gathered). Encoder passes write their keys into the pool; decoder passes never
+do: the canvas's keys/values are scratch, placed after the prefix only.
 
 Sliding-window layers only ever see the last `window - 1` committed keys (plus the pass's own),
 so the manager releases the sliding blocks behind that and a sequence holds a bounded number.
@@ -63,12 +65,24 @@ class PagedPass:
     ranges: dict[str, list[KeyRange]]
     masks: dict[str, torch.Tensor | None]
     causal: dict[str, bool]
-    # a canvas pass whose attention reads the pool in place (`plan_canvas`): per kind, the block
-    # tables int32 [n, width], lo and start int32 [n], all on the device
+    # a pass whose attention reads the pool in place (`plan_canvas`, `plan_encoder(in_place=True)`):
+    # per kind, the block tables int32 [n, width], lo and start int32 [n], all on the device
     tables: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # a pass whose keys and values the fused layer's q|k|v kernel writes into the pool: per kind,
+    # each token's flat pool slot [n * T] (< 0: padding, not written), on the device
+    slots: dict[str, torch.Tensor] | None = None
+    new_counts: torch.Tensor | None = None  # an in-place encoder pass: `counts` as int32 [n] on the device
+    groups: torch.Tensor | None = None  # ... with bidirectional images: each token's image int32 [n, T], -1: text
 
     def attend(self, layer: int, sliding: bool, k: torch.Tensor, v: torch.Tensor):
         return self.cache.attend(self, layer, SLIDING if sliding else GLOBAL, k, v)
+
+    def pool_writes(self, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the fused layer's q|k|v kernel writes this pass's keys and values (the layer's
+        pools, each token's slot), or None: a pass whose keys stay scratch or go in by `attend`."""
+        if self.slots is None:
+            return None
+        return self.cache.keys[layer], self.cache.values[layer], self.slots[kind]
 
     def attention(
         self,
@@ -79,21 +93,31 @@ class PagedPass:
         v: torch.Tensor,
         canvas_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[n, C, H, D]: the gathered keys and SDPA, or (`tables`) the Triton kernel that reads
-        the row's blocks where they are (kernels/triton_attention.py; `canvas_rows`: row i's
-        canvas keys are k[canvas_rows[i]], a turbo pass's canvas K/V slots)."""
+        """[n, C, H, D]: the gathered keys and SDPA, or (`tables`) a Triton kernel that reads
+        the row's blocks where they are (kernels/triton_attention.py): an in-place encoder pass's
+        causal attention, whose own keys the q|k|v kernel already wrote into the pool (k and v
+        unused), or a canvas's over its prefix and k / v (`canvas_rows`: row i's canvas keys are
+        k[canvas_rows[i]], a turbo pass's canvas K/V slots)."""
         if self.tables is None:
             return attend_then_sdpa(self, layer, sliding, q, k, v)
-        from ...kernels.triton_attention import paged_canvas_attention
+        from ...kernels.triton_attention import paged_canvas_attention, paged_prefix_attention
 
         tables, lo, start = self.tables[SLIDING if sliding else GLOBAL]
         cache = self.cache
+        if self.encoder:
+            window = cache.window if sliding else None
+            keys, values = cache.keys[layer], cache.values[layer]
+            return paged_prefix_attention(q, keys, values, tables, start, self.new_counts, window, self.groups)
         return paged_canvas_attention(
             q, k, v, cache.keys[layer], cache.values[layer], tables, lo, start, canvas_rows=canvas_rows
         )
 
     def see_within_images(self, groups: torch.Tensor) -> None:
-        """Let each image's tokens in this encoder pass attend to each other (attention.within_images)."""
+        """Let each image's tokens in this encoder pass attend to each other (attention.within_images;
+        an in-place pass: the attention kernel's own image mask, from `groups`)."""
+        if self.tables is not None:
+            self.groups = groups.to(torch.int32)
+            return
         for kind in KINDS:
             offsets = [r.start - r.lo for r in self.ranges[kind]]
             keys = (
@@ -193,16 +217,46 @@ class PagedKVCache:
         return allowed, False
 
     def plan_encoder(
-        self, num_tokens: int, rows: list[SequenceBlocks], new_counts: list[int] | None = None
+        self, num_tokens: int, rows: list[SequenceBlocks], new_counts: list[int] | None = None, in_place: bool = False
     ) -> PagedPass:
         """A causal pass appending new_counts[i] (default num_tokens) tokens to each row; the rows'
-        block tables must already cover the new positions."""
+        block tables must already cover the new positions. `in_place` (the fused network's encode,
+        kernels/fused.py): its keys and values are written into the pool by the q|k|v kernel
+        (`pool_writes`) and its attention reads them there with the prefix (`attention`), so
+        nothing is gathered and no mask is built: the plan is block tables, starts, counts,
+        slots and positions, sent to the device in one copy."""
         counts = list(new_counts) if new_counts is not None else [num_tokens] * len(rows)
         for r, c in zip(rows, counts):
             need = -(-(r.length + c) // self.block_size)
             if len(r.tables[GLOBAL]) < need or len(r.tables[SLIDING]) < need:
                 raise RuntimeError(f"no blocks allocated for positions up to {r.length + c}")
+        if in_place:
+            return self._plan_in_place(rows, counts, num_tokens)
         return self._plan(rows, counts, num_tokens, encoder=True)
+
+    def _plan_in_place(self, rows: list[SequenceBlocks], counts: list[int], width: int) -> PagedPass:
+        """`plan_encoder(in_place=True)`'s pass: its device tensors are views of one int32 buffer,
+        built on the host and copied without waiting (one copy a pass, not one a tensor)."""
+        b = self.block_size
+        starts = [r.length for r in rows]
+        wide = max(len(r.tables[kind]) for r in rows for kind in KINDS)
+        pos = torch.tensor(starts)[:, None] + torch.arange(width)  # [n, T]
+        new = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]  # the rest is padding
+        host = [pos, torch.tensor(counts)]
+        for kind in KINDS:
+            table, lo, start = self.canvas_tables(kind, rows, starts, wide)  # checks the blocks in view
+            owner = torch.gather(table.long(), 1, (pos // b).clamp(max=wide - 1))
+            host += [table, lo, start, torch.where(new, owner * b + pos % b, -1).reshape(-1)]
+        flat = self._to_device(torch.cat([t.reshape(-1).to(torch.int32) for t in host]))
+        views, at = [], 0
+        for t in host:
+            views.append(flat[at : at + t.numel()].view(t.shape))
+            at += t.numel()
+        tables = {kind: tuple(views[2 + 4 * i : 5 + 4 * i]) for i, kind in enumerate(KINDS)}
+        slots = {kind: views[5 + 4 * i] for i, kind in enumerate(KINDS)}
+        return PagedPass(
+            self, list(rows), counts, views[0], True, {}, {}, {}, tables=tables, slots=slots, new_counts=views[1]
+        )
 
     def plan_decoder(self, canvas_length: int, rows: list[SequenceBlocks]) -> PagedPass:
         """A bidirectional pass over a canvas placed right after each row's prefix."""
@@ -288,6 +342,8 @@ class PagedKVCache:
     def attend(self, cache_pass: PagedPass, layer: int, kind: str, k: torch.Tensor, v: torch.Tensor):
         """Store an encoder pass's k/v [n, Hkv, T, D] in the pool; return the keys/values to
         attend over ([n, Hkv, K, D] views), the mask and the causal flag."""
+        if cache_pass.slots is not None:  # its keys are the q|k|v kernel's to write, its attention the pool's
+            raise RuntimeError("a pass planned in place runs on the fused network (kernels/fused.py), not `attend`")
         keys, values = self.keys[layer], self.values[layer]
         k_rows, v_rows = k.transpose(1, 2), v.transpose(1, 2)  # [n, T, Hkv, D]
         ranges, counts = cache_pass.ranges[kind], cache_pass.counts
