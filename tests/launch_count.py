@@ -446,8 +446,9 @@ PINNED = {
 }
 # a turbo pass on the device path (engine/fused/turbo.py), its row bucket C/8 (what the meta
 # device's zero reads give): at batch 8 the attention splits the prefix of the fewer query rows
-# (+1 a layer, the splits' combine)
-TURBO_PINNED = {1: (13, 28, 418), 8: (14, 28, 448)}
+# (+1 a layer, the splits' combine); at batch 1 the router splits K over its 32 rows (+1 a layer,
+# the chunks' sum: issue 54's split-K, 418 before)
+TURBO_PINNED = {1: (14, 28, 448), 8: (14, 28, 448)}
 # an encoder pass (`encode_launches`: a 256-token block after a 512-token prompt): 13 a layer, its
 # K/V written into the pool by the q|k|v kernel and its causal attention one kernel reading the pool
 # in place (triton_attention.paged_prefix_attention); outside, the embedding, the RoPE tables, the

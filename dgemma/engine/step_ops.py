@@ -25,6 +25,14 @@ from .request import Request
 from .sharded import runtime
 
 
+def padding_canvas(canvas_length: int, vocab_size: int) -> torch.Tensor:
+    """A padding row's canvas [C]: ids spread evenly over the vocabulary. Its output is dropped, but
+    its positions still route through the MoE: a canvas of one token sends them all to the same
+    top-k experts, whose GEMMs then run several row tiles while the others wait (issue 54, at batch
+    sizes between the graphs' buckets); distinct tokens spread them like real text's."""
+    return torch.arange(canvas_length, dtype=torch.long) * max(1, vocab_size // canvas_length) % vocab_size
+
+
 class StepOps:
     """The operations of a step on `net` and `cache`, with the kernels `kernels` names."""
 
@@ -48,13 +56,13 @@ class StepOps:
         return t.to(self.net.device, non_blocking=True)
 
     def blank_state(self) -> dict[str, torch.Tensor]:
-        """A padding row's device state (made once): canvas [C] of token 0, no self-conditioning
+        """A padding row's device state (made once): `padding_canvas`, no self-conditioning
         [C, H] (zeros: exactly none), a stop history [MAX_STABILITY, C] of -1 (none yet), and a
         fresh turbo canvas's state."""
         if self._blank is None:
             c, device = self.config.canvas_length, self.net.device
             self._blank = {
-                "canvas": torch.zeros(c, dtype=torch.long, device=device),
+                "canvas": padding_canvas(c, self.config.vocab_size).to(device),
                 "soft": torch.zeros(c, self.config.hidden_size, dtype=self.net.dtype, device=device),
                 "history": torch.full((triton_step.MAX_STABILITY, c), -1, dtype=torch.long, device=device),
                 # a turbo canvas's state (engine/turbo.py): nothing frozen, no streak, no token, entropy 0

@@ -39,9 +39,9 @@ position-major (row r: position r // G, head r % G), so a tile spans BLOCK_M / G
 key loop ends at its last query; one launch a layer, no split (G * T query rows a KV head suffice).
 
 Split-K (flash-decoding): with one row and few KV heads there are too few programs to fill a
-GPU, so the prefix can be cut into `num_splits` equal chunks (chunk length computed on the device
-from lo / start, so still graph-safe) handled by separate programs that write (m, l, acc) in
-float32; the last split also takes the canvas keys, and a second kernel combines the splits
+GPU, so the keys (the prefix, then the canvas's) can be cut into `num_splits` equal chunks of whole
+tiles (chunk length computed on the device from lo / start, so still graph-safe) handled by
+separate programs that write (m, l, acc) in float32, and a second kernel combines the splits
 (weights exp(m_s - max m)). The default picks the split count from shapes only (rows, heads,
 table width, the GPU's SM count), never from the prefix length.
 
@@ -92,6 +92,21 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
+    def _split_keys(pid_s, lo, start, C, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Split `pid_s`'s keys: prefix positions [s_lo, s_hi) and canvas keys [c_lo, c_hi). The
+        prefix [lo, start) and then the C canvas keys, as one run cut into NUM_SPLITS equal chunks
+        of whole tiles (issue 54: the canvas all in the last split made it 6 + 8 tiles against the
+        others' 6 in a batch-1 step's sliding layers)."""
+        if NUM_SPLITS == 1:
+            return lo, start, 0, C
+        per = (start - lo + C + NUM_SPLITS - 1) // NUM_SPLITS
+        chunk = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        v_lo, v_hi = pid_s * chunk, pid_s * chunk + chunk  # in the run: prefix keys, then the canvas's
+        c_lo = tl.minimum(tl.maximum(v_lo - (start - lo), 0), C)
+        c_hi = tl.minimum(tl.maximum(v_hi - (start - lo), 0), C)
+        return tl.minimum(lo + v_lo, start), tl.minimum(lo + v_hi, start), c_lo, c_hi
+
+    @triton.jit
     def _paged_canvas_kernel(
         q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, table_ptr, lo_ptr, start_ptr, out_ptr, part_ptr, m_ptr, l_ptr,
         crow_ptr, A, C, G, HKV,
@@ -107,7 +122,7 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """Grid (query tiles, n * Hkv, splits): BLOCK_M of the G * A queries of row b, KV head kvh,
-        over split `pid_s`'s share of the prefix (and, for the last split, the C canvas keys)."""
+        over split `pid_s`'s share of the keys (the prefix's, then the C canvas keys)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -129,17 +144,9 @@ if HAVE_TRITON:
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
 
-        # this split's share of the prefix [lo, start): equal chunks, whole tiles
         lo = tl.load(lo_ptr + b)
         start = tl.load(start_ptr + b)
-        if NUM_SPLITS == 1:
-            s_lo = lo
-            s_hi = start
-        else:
-            per = (start - lo + NUM_SPLITS - 1) // NUM_SPLITS
-            chunk = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-            s_lo = lo + pid_s * chunk
-            s_hi = tl.minimum(s_lo + chunk, start)
+        s_lo, s_hi, c_lo, c_hi = _split_keys(pid_s, lo, start, C, NUM_SPLITS, BLOCK_N)
         kp_head = kp_ptr + kvh64 * skp_h
         vp_head = vp_ptr + kvh64 * svp_h
         table_row = table_ptr + b64 * st_b
@@ -154,17 +161,16 @@ if HAVE_TRITON:
             v = tl.load(vp_head + (blk * svp_n + slot * svp_s)[:, None] + d[None, :] * svp_d, mask=kd_mask, other=0.0)
             m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, UPCAST_DOT, INPUT_PRECISION)
 
-        # then the canvas's own keys (the last split only)
-        c_end = tl.where(pid_s == NUM_SPLITS - 1, C, 0)
+        # then the canvas's own keys [c_lo, c_hi)
         if CANVAS_ROWS:  # row b's canvas keys are row crow[b] of k_canvas (a turbo pass's canvas K/V slot)
             cb = tl.load(crow_ptr + b).to(tl.int64)
         else:
             cb = b64
         kc_head = kc_ptr + cb * skc_b + kvh64 * skc_h
         vc_head = vc_ptr + cb * svc_b + kvh64 * svc_h
-        for c0 in range(0, c_end, BLOCK_N):
+        for c0 in range(c_lo, c_hi, BLOCK_N):
             kc = c0 + n_off
-            ok = kc < C
+            ok = kc < c_hi
             kc64 = kc.to(tl.int64)
             kd_mask = ok[:, None] & (d[None, :] < D)
             k = tl.load(kc_head + kc64[:, None] * skc_c + d[None, :] * skc_d, mask=kd_mask, other=0.0)

@@ -1,11 +1,12 @@
 """The MoE block of the fused layer in Triton: router top-k and expert alignment; the expert GEMMs
 are kernels/triton_quant.py's `gemm` (every weight format), with rows gathered and scattered in place.
 
-The block of a layer in four launches (kernels/fused.py calls `router_topk`, then `moe`):
+The block of a layer in four launches, five with few tokens (kernels/fused.py calls `router_topk`, then `moe`):
 
     router_topk   router logits (the [T, H] x [H, E] GEMM, rounded as torch's output), float32
                   softmax, top-k (the largest first, the lower expert id first among equals),
                   renormalised, times per_expert_scale   -> weights [T, K] float32, experts [T, K]
+                  (with few tokens two launches: K split into chunks, then their sums and the pick)
     moe_align     the (token, slot) pairs grouped by expert in one kernel (one program per
                   expert counts the pairs before it and places its own, stable: pair order within
                   an expert)                              -> pairs [T K] int32, ends [E] int32
@@ -27,35 +28,29 @@ from .triton_support import HAVE_TRITON, interpreted, round_if, runs_on, tl, tri
 if HAVE_TRITON:
 
     @triton.jit
-    def _router_kernel(
+    def _router_chunk(
         x_ptr,
         w_ptr,
-        scale_ptr,
-        top_w_ptr,
-        top_i_ptr,
-        T,
+        toks,
+        t_ok,
+        es,
+        e_ok,
+        k_lo,
         H,
-        E,
         stride_x,
         stride_w,
-        TOP_K: tl.constexpr,
-        ROUND: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        BLOCK_KK: tl.constexpr,
+        K_CHUNK: tl.constexpr,
     ):
-        """For BLOCK_T tokens: logits = x @ W.T (rounded as the model's dtype), float32 softmax over
-        the E experts, the TOP_K largest (descending; the lower id first among equals),
-        renormalised to sum 1, times per_expert_scale[id]."""
-        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = toks < T
-        es = tl.arange(0, BLOCK_E)
-        e_ok = es < E
+        """x @ W.T over H's columns [k_lo, k_lo + K_CHUNK), from zero: [BLOCK_T, BLOCK_E] float32.
+        A chunk's sum is the same whichever program computes it, so the logits are the same bits
+        whether one program adds the chunks or one program a chunk does (`_router_sum_kernel`)."""
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < H
             x = tl.load(
@@ -70,6 +65,28 @@ if HAVE_TRITON:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+        return acc
+
+    @triton.jit
+    def _router_pick(
+        acc,
+        toks,
+        t_ok,
+        es,
+        e_ok,
+        E,
+        scale_ptr,
+        top_w_ptr,
+        top_i_ptr,
+        TOP_K: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_KK: tl.constexpr,
+    ):
+        """From the logits' float32 sums (rounded as the model's dtype): float32 softmax over the E
+        experts, the TOP_K largest (descending; the lower id first among equals), renormalised to
+        sum 1, times per_expert_scale[id], stored."""
         logits = tl.where(e_ok[None, :], round_if(acc, ROUND), -float("inf"))
         p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
@@ -89,6 +106,103 @@ if HAVE_TRITON:
         offs = toks[:, None] * TOP_K + kk[None, :]
         tl.store(top_w_ptr + offs, (vals / total[:, None]) * s, mask=out_ok)
         tl.store(top_i_ptr + offs, picks, mask=out_ok)
+
+    @triton.jit
+    def _router_kernel(
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        top_w_ptr,
+        top_i_ptr,
+        T,
+        H,
+        E,
+        stride_x,
+        stride_w,
+        TOP_K: tl.constexpr,
+        ROUND: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_CHUNK: tl.constexpr,
+        BLOCK_KK: tl.constexpr,
+    ):
+        """For BLOCK_T tokens: logits = x @ W.T (H's chunks summed in order), then `_router_pick`."""
+        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = toks < T
+        es = tl.arange(0, BLOCK_E)
+        e_ok = es < E
+        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for k_lo in range(0, H, K_CHUNK):
+            acc += _router_chunk(
+                x_ptr, w_ptr, toks, t_ok, es, e_ok, k_lo, H, stride_x, stride_w,
+                UPCAST_DOT, INPUT_PRECISION, BLOCK_T, BLOCK_E, BLOCK_K, K_CHUNK,
+            )  # fmt: skip
+        _router_pick(
+            acc, toks, t_ok, es, e_ok, E, scale_ptr, top_w_ptr, top_i_ptr, TOP_K, ROUND, BLOCK_T, BLOCK_E, BLOCK_KK
+        )
+
+    @triton.jit
+    def _router_chunks_kernel(
+        x_ptr,
+        w_ptr,
+        part_ptr,
+        T,
+        H,
+        E,
+        stride_x,
+        stride_w,
+        UPCAST_DOT: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_CHUNK: tl.constexpr,
+    ):
+        """Split K (few tokens: AR's, a small turbo pass's): program (i, c) writes chunk c's sums of
+        token block i, part[c, t, :E] float32."""
+        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = toks < T
+        es = tl.arange(0, BLOCK_E)
+        e_ok = es < E
+        c = tl.program_id(1)
+        acc = _router_chunk(
+            x_ptr, w_ptr, toks, t_ok, es, e_ok, c * K_CHUNK, H, stride_x, stride_w,
+            UPCAST_DOT, INPUT_PRECISION, BLOCK_T, BLOCK_E, BLOCK_K, K_CHUNK,
+        )  # fmt: skip
+        rows = (c * T + toks).to(tl.int64)
+        tl.store(part_ptr + rows[:, None] * E + es[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
+
+    @triton.jit
+    def _router_sum_kernel(
+        part_ptr,
+        scale_ptr,
+        top_w_ptr,
+        top_i_ptr,
+        T,
+        E,
+        CHUNKS,
+        TOP_K: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_KK: tl.constexpr,
+    ):
+        """The chunks' sums added in order (as `_router_kernel` adds them), then `_router_pick`."""
+        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = toks < T
+        es = tl.arange(0, BLOCK_E)
+        e_ok = es < E
+        ok = t_ok[:, None] & e_ok[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            rows = (c * T + toks).to(tl.int64)
+            acc += tl.load(part_ptr + rows[:, None] * E + es[None, :], mask=ok, other=0.0)
+        _router_pick(
+            acc, toks, t_ok, es, e_ok, E, scale_ptr, top_w_ptr, top_i_ptr, TOP_K, ROUND, BLOCK_T, BLOCK_E, BLOCK_KK
+        )
 
     @triton.jit
     def _align_kernel(ids_ptr, pairs_ptr, ends_ptr, P, BLOCK: tl.constexpr):
@@ -119,38 +233,50 @@ def available(device: torch.device | str) -> bool:
     return runs_on(device, INTERPRETED)
 
 
+ROUTER_K_CHUNK = 128  # H's columns a router chunk sums (the released model's 2,816: 22 chunks)
+ROUTER_SPLIT_BELOW = 8  # token blocks under which the router splits K: AR's tokens, a small turbo pass
+
+
 def router_topk(
-    x: torch.Tensor, weight: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
+    x: torch.Tensor, weight: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int, split: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router.forward after its input norm: (weights [T, top_k] float32, experts [T, top_k] int32)."""
+    """Router.forward after its input norm: (weights [T, top_k] float32, experts [T, top_k] int32).
+
+    With few tokens (fewer than ROUTER_SPLIT_BELOW blocks of 16; `split` forces either way) one
+    program per token block would stream the whole [E, H] weight alone (an AR token: 1 CTA, the
+    largest share of its step, issue 54): then one program per (block, K chunk) writes the chunk's
+    float32 sums and a second launch adds them in order and picks. Both ways add the same chunks in
+    the same order: the same bits, so the choice never moves a token."""
     t, h = x.shape
     e = weight.shape[0]
     top_w = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     top_i = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     if t == 0:
         return top_w, top_i
-    block_e = max(16, triton.next_power_of_2(e))
     block_t = 16
-    _router_kernel[(triton.cdiv(t, block_t),)](
-        x,
-        weight,
-        per_expert_scale,
-        top_w,
-        top_i,
-        t,
-        h,
-        e,
-        x.stride(0),
-        weight.stride(0),
-        TOP_K=top_k,
-        ROUND=x.dtype == torch.bfloat16,
+    blocks, chunks = triton.cdiv(t, block_t), triton.cdiv(h, ROUTER_K_CHUNK)
+    if split is None:
+        split = blocks < ROUTER_SPLIT_BELOW and chunks > 1
+    shape = dict(
         **dot_args(x.dtype),
         BLOCK_T=block_t,
-        BLOCK_E=block_e,
+        BLOCK_E=max(16, triton.next_power_of_2(e)),
         BLOCK_K=32 if INTERPRETED else 64,
-        BLOCK_KK=triton.next_power_of_2(top_k),
+        K_CHUNK=ROUTER_K_CHUNK,
         num_warps=4,
     )
+    pick = dict(TOP_K=top_k, ROUND=x.dtype == torch.bfloat16, BLOCK_KK=triton.next_power_of_2(top_k))
+    if not split:
+        _router_kernel[(blocks,)](
+            x, weight, per_expert_scale, top_w, top_i, t, h, e, x.stride(0), weight.stride(0), **pick, **shape
+        )
+        return top_w, top_i
+    part = torch.empty(chunks, t, e, dtype=torch.float32, device=x.device)
+    _router_chunks_kernel[(blocks, chunks)](x, weight, part, t, h, e, x.stride(0), weight.stride(0), **shape)
+    _router_sum_kernel[(blocks,)](
+        part, per_expert_scale, top_w, top_i, t, e, chunks, **pick,
+        BLOCK_T=block_t, BLOCK_E=shape["BLOCK_E"], num_warps=4,
+    )  # fmt: skip
     return top_w, top_i
 
 

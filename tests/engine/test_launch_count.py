@@ -101,8 +101,9 @@ def test_a_turbo_pass_launches_about_a_default_passs_kernels(bf16_net, batch):
     """A turbo pass on the device path, captured like the default step: the plan, the fused
     layers over the computed rows (their keys and values written into the canvas K/V slots by the
     q|k|v kernel: no copies), the statistics, sampling and the decisions. At batch 1 at most a
-    default pass + 20 (it is fewer: 418 against 439); at batch 8 one launch a layer more (the
-    attention splits the prefix of its fewer query rows) and 9 outside."""
+    default pass + 20 (448 against 439: its router splits K over the pass's few rows, +1 a layer);
+    at batch 8 one launch a layer more than a default pass (the attention splits the prefix of its
+    fewer query rows) and 9 outside."""
     launches = step_launches(bf16_net, batch, turbo=True)
     per, outside, total = TURBO_PINNED[batch]
     print(f"\nturbo batch {batch}: {launches.summary()}\n  outside: {launches.detail('outside')}")

@@ -4,7 +4,8 @@ it reads are the ones worked out by hand here, at the released shapes.
 - bytes, FLOPs and CTAs of a bf16 step at batch 1 and an AR token (`--fast`: no compile, seconds):
   the experts' weights a step hits (all 128 at 256 tokens x top-8, 8 for one token), the cuBLAS LM
   head and probs @ E, the grids the issue names (the sliding attention's [8, 8, 3], the router's 16
-  CTAs); every launch of the step is seen (the pinned 439 / 412).
+  CTAs, an AR token's router and argmax split over 22 and 64); every launch of the step is seen (the
+  pinned 439 / 443).
 - from the sm90 compile (slow: the compile, cached in pytest's cache beside test_triton_compile's
   reports): warps and the MMA layout from the TTGIR, MMA issued against the tile's minimum (at it
   since issue 54's fixes; before, bf16 gate|up 4x, fp8 2x: the wasted warps), the metric = K-loop
@@ -85,7 +86,7 @@ def test_a_bf16_step_and_an_ar_token_by_hand(fast):
     assert fast["predicted"] and fast["fast"]
     step, ar = scenario(fast, "step bf16 batch 1"), scenario(fast, "AR token bf16 batch 1")
     assert step["launches"] == PINNED[("bf16", 1)][2] == 439  # every launch of the step is in the model
-    assert ar["launches"] == 412  # tests/engine/test_device_ar.py's 398 captured + 14 around them
+    assert ar["launches"] == 443  # tests/engine/test_device_ar.py's 429 captured + 14 around them
 
     # the experts at 256 tokens x top-8: every expert hit, its gate|up weights read once
     gate_up = row(step, "_gemm_kernel", "experts gate|up")
@@ -111,7 +112,14 @@ def test_a_bf16_step_and_an_ar_token_by_hand(fast):
     # the grids the issue names: the sliding attention [8, 8, 3] at batch 1, the router's 16 CTAs
     assert row(step, "_paged_canvas_kernel", "attention sliding")["ctas"] == 8 * 8 * 3
     assert row(step, "_router_kernel", "router")["ctas"] == C // 16
-    assert row(ar, "_router_kernel", "router")["ctas"] == 1
+    # an AR token's router splits K (issue 54: it ran on 1 CTA): a program a 128-column chunk, then
+    # one program adds the chunks and picks; its argmax splits the vocabulary (it ran on 1 CTA)
+    assert row(ar, "_router_chunks_kernel", "router_chunks")["ctas"] == H // 128 == 22
+    assert row(ar, "_router_sum_kernel", "router_sum")["ctas"] == 1
+    assert (
+        row(ar, "_argmax_kernel", "argmax")["ctas"] == 64 and row(ar, "_argmax_pick_kernel", "argmax_pick")["ctas"] == 1
+    )
+    assert not [g for g in ar["kernels"] if g["kernel"] == "_router_kernel"]
 
     # one token routes to 8 experts: 8 of the 128 experts' weights, 8 x 22 CTAs with work
     ar_gate_up = row(ar, "_gemm_kernel", "experts gate|up")

@@ -224,3 +224,32 @@ def test_bad_inputs_raise(name):
     edit(args)
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         ta.paged_canvas_attention(*args)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize(("lo", "start", "canvas"), [(0, 512, 256), (100, 612, 256), (0, 0, 256), (0, 7, 32)])
+def test_splits_share_prefix_and_canvas_keys_equally(splits, lo, start, canvas):
+    """The kernel's own `_split_keys`, run under the interpreter: the splits cover the prefix
+    [lo, start) and the canvas keys [0, C) exactly once, in order, each at most one key tile more
+    than an equal share (issue 54: the last split took every canvas key, 6 + 8 tiles against 6 at
+    a batch-1 step's 512-key window)."""
+    from dgemma.kernels.triton_support import tl, triton
+
+    @triton.jit
+    def ranges(out_ptr, lo, start, C, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        s = tl.program_id(0)
+        s_lo, s_hi, c_lo, c_hi = ta._split_keys(s, lo, start, C, NUM_SPLITS, BLOCK_N)
+        tl.store(out_ptr + s * 4 + 0, s_lo)
+        tl.store(out_ptr + s * 4 + 1, s_hi)
+        tl.store(out_ptr + s * 4 + 2, c_lo)
+        tl.store(out_ptr + s * 4 + 3, c_hi)
+
+    block_n = 32
+    out = torch.zeros(splits, 4, dtype=torch.int32)
+    ranges[(splits,)](out, lo, start, canvas, NUM_SPLITS=splits, BLOCK_N=block_n)
+    prefix = [p for a, b, _, _ in out.tolist() for p in range(a, b)]
+    keys = [k for _, _, a, b in out.tolist() for k in range(a, b)]
+    assert prefix == list(range(lo, start)) and keys == list(range(canvas))
+    tiles = [-(-(b - a) // block_n) + -(-(d - c) // block_n) for a, b, c, d in out.tolist()]
+    even = -(-(start - lo + canvas) // splits)
+    assert max(tiles) <= -(-even // block_n) + 1, tiles

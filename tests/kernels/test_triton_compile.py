@@ -51,7 +51,7 @@ from triton_compile import (  # noqa: E402
     table,
 )
 
-MATMULS = ("_paged_canvas_kernel", "_gemm_kernel", "_router_kernel")
+MATMULS = ("_paged_canvas_kernel", "_gemm_kernel", "_router_kernel", "_router_chunks_kernel", "_paged_prefix_kernel")
 EXPERTS = 128  # the released model's
 
 

@@ -53,19 +53,42 @@ def test_router_topk_is_router_forward(dtype):
     assert (got_w[same] - want_w[same]).abs().max() <= 1e-6 * want_w.abs().max()
 
 
-@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # numpy's, under the interpreter: the point
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 37])
 @torch.no_grad()
-def test_a_nan_router_row_still_picks_experts():
+def test_the_split_router_is_the_one_launch_router_bit_for_bit(dtype, tokens):
+    """Few tokens split the router's K over programs (issue 54: an AR token's router ran on one CTA):
+    the chunks' sums added in the same order give the same bits as one program a token block, so
+    whether a step splits never moves an expert choice; with 1 token the split is the default."""
+    cfg = make_config(**PRESETS["mid"])
+    h, e, k = cfg.hidden_size, cfg.num_experts, cfg.top_k_experts
+    assert h > tm.ROUTER_K_CHUNK  # several chunks
+    w = rand(e, h, seed=1, scale=0.05, dtype=dtype)
+    scale = rand(e, seed=2).abs() + 0.5
+    x = rand(tokens, h, seed=3, dtype=dtype)
+    one_w, one_i = tm.router_topk(x, w, scale, k, split=False)
+    split_w, split_i = tm.router_topk(x, w, scale, k, split=True)
+    default_w, default_i = tm.router_topk(x, w, scale, k)
+    assert torch.equal(one_i, split_i) and torch.equal(one_w, split_w)
+    assert torch.equal(default_i, split_i) and torch.equal(default_w, split_w)
+    logits = (x.float() @ w.float().T).to(dtype).float()  # the experts are the top-k of the logits
+    assert torch.equal(logits.gather(1, one_i.long()), logits.topk(k).values)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # numpy's, under the interpreter: the point
+@pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split-k"])
+@torch.no_grad()
+def test_a_nan_router_row_still_picks_experts(split):
     """A token whose router logits are NaN (a NaN hidden state) matches no expert id in the top-k's
     search: its picks are clamped to E - 1, so the per-expert scale is read within the table and
     every (token, slot) pair has an expert whose GEMM writes its row (issue 54: `pick` was 128,
     past the 128 experts). The other tokens are routed as without it."""
-    e, h, k = 16, 32, 4
+    e, h, k = 16, 300, 4  # three K chunks when split
     w, scale = rand(e, h, seed=1, scale=0.2), rand(e, seed=2).abs() + 0.5
     x = rand(5, h, seed=3)
-    clean_w, clean_i = tm.router_topk(x, w, scale, k)
+    clean_w, clean_i = tm.router_topk(x, w, scale, k, split=split)
     x[2] = float("nan")
-    top_w, top_i = tm.router_topk(x, w, scale, k)
+    top_w, top_i = tm.router_topk(x, w, scale, k, split=split)
     assert ((top_i >= 0) & (top_i < e)).all() and (top_i[2] == e - 1).all()
     assert top_w[2].isnan().all()
     others = [0, 1, 3, 4]
