@@ -28,6 +28,13 @@ from .triton_support import HAVE_TRITON, interpreted, round_if, runs_on, tl, tri
 if HAVE_TRITON:
 
     @triton.jit
+    def _token_block(T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Program i's BLOCK_T tokens and the E experts' lanes, with their bounds."""
+        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        es = tl.arange(0, BLOCK_E)
+        return toks, toks < T, es, es < E
+
+    @triton.jit
     def _router_chunk(
         x_ptr,
         w_ptr,
@@ -130,10 +137,7 @@ if HAVE_TRITON:
         BLOCK_KK: tl.constexpr,
     ):
         """For BLOCK_T tokens: logits = x @ W.T (H's chunks summed in order), then `_router_pick`."""
-        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = toks < T
-        es = tl.arange(0, BLOCK_E)
-        e_ok = es < E
+        toks, t_ok, es, e_ok = _token_block(T, E, BLOCK_T, BLOCK_E)
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         for k_lo in range(0, H, K_CHUNK):
             acc += _router_chunk(
@@ -163,10 +167,7 @@ if HAVE_TRITON:
     ):
         """Split K (few tokens: AR's, a small turbo pass's): program (i, c) writes chunk c's sums of
         token block i, part[c, t, :E] float32."""
-        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = toks < T
-        es = tl.arange(0, BLOCK_E)
-        e_ok = es < E
+        toks, t_ok, es, e_ok = _token_block(T, E, BLOCK_T, BLOCK_E)
         c = tl.program_id(1)
         acc = _router_chunk(
             x_ptr, w_ptr, toks, t_ok, es, e_ok, c * K_CHUNK, H, stride_x, stride_w,
@@ -191,10 +192,7 @@ if HAVE_TRITON:
         BLOCK_KK: tl.constexpr,
     ):
         """The chunks' sums added in order (as `_router_kernel` adds them), then `_router_pick`."""
-        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = toks < T
-        es = tl.arange(0, BLOCK_E)
-        e_ok = es < E
+        toks, t_ok, es, e_ok = _token_block(T, E, BLOCK_T, BLOCK_E)
         ok = t_ok[:, None] & e_ok[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         for c in range(0, CHUNKS):
